@@ -1,0 +1,90 @@
+"""gpulayer contracts: every message that crosses a process boundary, as msgspec structs.
+
+No I/O here. Users publish these, so they are the product's API: fields are only ever added,
+each with a default.
+"""
+
+from gpulayer_contracts.capabilities import (
+    AcceleratorDevice,
+    GpuApis,
+    Heartbeat,
+    HostInfo,
+    WorkerCapabilities,
+)
+from gpulayer_contracts.codec import (
+    InvalidInput,
+    decode_job_json,
+    decode_job_toml,
+    encode,
+    job_schema,
+    load_job_file,
+)
+from gpulayer_contracts.events import (
+    Accepted,
+    AnyJobEvent,
+    CancelJob,
+    Cancelled,
+    Failed,
+    Grant,
+    JobEvent,
+    JobStatus,
+    LogLine,
+    Lost,
+    Pending,
+    Placed,
+    Rejected,
+    Running,
+    Succeeded,
+    is_terminal,
+)
+from gpulayer_contracts.jobs import (
+    Distributed,
+    GpuUsage,
+    JobRequest,
+    Requirements,
+    Sandbox,
+    SandboxDevices,
+    Variant,
+)
+from gpulayer_contracts.validation import Validation, validate_job
+from gpulayer_contracts.version import __version__
+
+__all__ = [
+    "AcceleratorDevice",
+    "Accepted",
+    "AnyJobEvent",
+    "CancelJob",
+    "Cancelled",
+    "Distributed",
+    "Failed",
+    "GpuApis",
+    "GpuUsage",
+    "Grant",
+    "Heartbeat",
+    "HostInfo",
+    "InvalidInput",
+    "JobEvent",
+    "JobRequest",
+    "JobStatus",
+    "LogLine",
+    "Lost",
+    "Pending",
+    "Placed",
+    "Rejected",
+    "Requirements",
+    "Running",
+    "Sandbox",
+    "SandboxDevices",
+    "Succeeded",
+    "Validation",
+    "Variant",
+    "WorkerCapabilities",
+    "__version__",
+    "decode_job_json",
+    "decode_job_toml",
+    "encode",
+    "is_terminal",
+    "job_schema",
+    "load_job_file",
+    "validate_job",
+]

@@ -1,0 +1,81 @@
+"""What a node can do, as its probe detected it. Published on ``gpulayer.node.<node>.capabilities``.
+
+Every value a probe could not detect is ``None`` and named in ``notes``: a requirement against
+an unknown value is never satisfied. Hardware claims are self-reported by the node.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from gpulayer_contracts._base import Wire
+from gpulayer_contracts.jobs import Accelerator, MemoryKind
+
+
+class AcceleratorDevice(Wire):
+    accelerator: Accelerator
+    index: int
+    vendor: str | None = None
+    name: str | None = None
+    uuid: str | None = None
+    memory_mib: int | None = None
+    memory_kind: MemoryKind | None = None
+    compute_capability: str | None = None
+    driver_version: str | None = None
+    cuda_driver_version: str | None = None
+    mig_mode: str | None = None
+    execution_supported: bool = False
+    notes: list[str] = []
+
+
+class HostInfo(Wire):
+    hostname: str | None = None
+    os: str | None = None
+    os_release: str | None = None
+    platform: str | None = None
+    arch: str | None = None
+    cpu_cores: int | None = None
+    memory_bytes: int | None = None
+    disk_free_bytes: int | None = None
+    python_version: str | None = None
+
+
+class GpuApis(Wire):
+    """GPU APIs usable on the host and inside containers, with the evidence for each."""
+
+    host: list[str] = []
+    containers: list[str] = []
+    evidence: dict[str, str] = {}
+
+
+class WorkerCapabilities(Wire):
+    node_id: str
+    agent_version: str
+    detected_at: datetime
+    host: HostInfo = HostInfo()
+    accelerators: list[AcceleratorDevice] = []
+    # Versions read from package metadata of the workload interpreter (not the probe's own).
+    workload_python: str | None = None
+    workload_python_version: str | None = None
+    frameworks: dict[str, str] = {}
+    framework_capabilities: list[str] = []
+    distributed_backends: list[str] = []
+    launchers: list[str] = []
+    gpu_apis: GpuApis = GpuApis()
+    advertise_address: str | None = None
+    origin: str = "probe"
+    notes: list[str] = []
+
+    @property
+    def platform_family(self) -> str | None:
+        """``linux`` / ``darwin`` / ``windows`` from ``host.platform`` (``linux-x86_64``)."""
+        if self.host.platform is None:
+            return None
+        return self.host.platform.split("-", 1)[0]
+
+
+class Heartbeat(Wire):
+    node_id: str
+    sent_at: datetime
+    source: str = "probe"
+    agent_version: str | None = None

@@ -1,0 +1,130 @@
+"""Grants, executor status and job events: everything placement and executors say about jobs."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Literal
+
+import msgspec
+
+from gpulayer_contracts._base import Wire
+from gpulayer_contracts.jobs import Accelerator, JobRequest
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Grant(Wire):
+    """Placement's decision, sent to the chosen node on ``gpulayer.node.<node>.grants``.
+
+    ``visible_env`` holds the device visibility variables the executor must set; it was computed
+    by placement from the granted devices and the job's sandbox grant.
+    """
+
+    grant_id: str
+    job: JobRequest
+    node_id: str
+    accelerator: Accelerator
+    devices: list[int] = []
+    visible_env: dict[str, str] = {}
+    granted_at: datetime = msgspec.field(default_factory=utcnow)
+
+
+ExecState = Literal["running", "succeeded", "failed", "cancelled", "lost"]
+
+
+class JobStatus(Wire):
+    """Executor → placement on ``gpulayer.node.<node>.status``."""
+
+    job_id: str
+    grant_id: str
+    node_id: str
+    state: ExecState
+    at: datetime = msgspec.field(default_factory=utcnow)
+    pid: int | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    reason: str | None = None
+
+
+class CancelJob(Wire):
+    """Placement → executor on ``gpulayer.node.<node>.control``."""
+
+    job_id: str
+    reason: str = "cancelled by user"
+
+
+class LogLine(Wire):
+    """One output line of a job on ``gpulayer.job.<job>.logs``."""
+
+    job_id: str
+    stream: Literal["stdout", "stderr"]
+    line: str
+    at: datetime = msgspec.field(default_factory=utcnow)
+
+
+# --- Job events: one tagged union on gpulayer.job.<job>.events, tag field "type". ---
+
+
+class JobEvent(Wire, tag_field="type"):
+    job_id: str
+    at: datetime = msgspec.field(default_factory=utcnow)
+
+
+class Accepted(JobEvent, tag="accepted", kw_only=True):
+    warnings: list[str] = []
+
+
+class Rejected(JobEvent, tag="rejected", kw_only=True):
+    reasons: list[str] = []
+
+
+class Pending(JobEvent, tag="pending", kw_only=True):
+    """The job waits. ``unsatisfiable`` says no node in the fleet could ever run it now."""
+
+    summary: str = ""
+    reasons: list[str] = []
+    unsatisfiable: bool = False
+
+
+class Placed(JobEvent, tag="placed", kw_only=True):
+    node_id: str
+    accelerator: Accelerator
+    devices: list[int] = []
+
+
+class Running(JobEvent, tag="running", kw_only=True):
+    node_id: str
+    pid: int | None = None
+
+
+class Succeeded(JobEvent, tag="succeeded", kw_only=True):
+    node_id: str
+    exit_code: int = 0
+
+
+class Failed(JobEvent, tag="failed", kw_only=True):
+    node_id: str | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    reason: str | None = None
+
+
+class Cancelled(JobEvent, tag="cancelled", kw_only=True):
+    node_id: str | None = None
+    reason: str | None = None
+
+
+class Lost(JobEvent, tag="lost", kw_only=True):
+    node_id: str | None = None
+    reason: str | None = None
+
+
+AnyJobEvent = Accepted | Rejected | Pending | Placed | Running | Succeeded | Failed | Cancelled | Lost
+
+TERMINAL_EVENT_TYPES = frozenset({"rejected", "succeeded", "failed", "cancelled", "lost"})
+
+
+def is_terminal(event: JobEvent) -> bool:
+    return isinstance(event, Rejected | Succeeded | Failed | Cancelled | Lost)

@@ -1,0 +1,39 @@
+"""The support matrix: what gpulayer may schedule at all. Edited by hand.
+
+Levels, strongest first:
+- ``tested``: exercised end to end by the test suite on every CI run.
+- ``hardware-validated``: passed ``tests/hardware/`` on real hardware (see docs/hardware-validation.md).
+- ``implemented``: scheduled, but never shown as tested.
+- ``detection-only``: the probe reports it; jobs are never scheduled on it.
+- ``unsupported``: never scheduled.
+
+Only raise a level when the run that justifies it has happened and is recorded.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from gpulayer_contracts.jobs import Accelerator
+
+Level = Literal["tested", "hardware-validated", "implemented", "detection-only", "unsupported"]
+Mode = Literal["independent", "distributed"]
+
+SCHEDULABLE: frozenset[Level] = frozenset({"tested", "hardware-validated", "implemented"})
+
+SUPPORT_MATRIX: dict[Accelerator, dict[Mode, Level]] = {
+    "cpu": {"independent": "tested", "distributed": "unsupported"},
+    # CUDA stays `implemented` until tests/hardware/test_gpu_smoke.py passes on NVIDIA hardware.
+    "cuda": {"independent": "implemented", "distributed": "unsupported"},
+    # No Apple machine has run the suite; MPS has no multi-node story at all.
+    "mps": {"independent": "implemented", "distributed": "unsupported"},
+    "rocm": {"independent": "detection-only", "distributed": "detection-only"},
+}
+
+
+def support_level(accelerator: Accelerator, mode: Mode) -> Level:
+    return SUPPORT_MATRIX[accelerator][mode]
+
+
+def is_schedulable(accelerator: Accelerator, mode: Mode) -> bool:
+    return support_level(accelerator, mode) in SCHEDULABLE

