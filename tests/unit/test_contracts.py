@@ -56,7 +56,7 @@ def test_job_id_must_be_a_subject_token() -> None:
 
 
 def test_garbage_is_not_json() -> None:
-    with pytest.raises(InvalidInput, match="^not valid JSON"):
+    with pytest.raises(InvalidInput, match=r"^not valid JSON"):
         decode_job_json(b"\x00garbage")
 
 
@@ -82,7 +82,10 @@ def test_best_effort_job_id() -> None:
         ({"requirements": {"frameworks": {"torch": "two"}}}, "$.requirements.frameworks.torch"),
         ({"requires_core": ">=99"}, "$.requires_core: gpulayer"),
         ({"gpu": {"apis_any": ["vulkan"]}}, "$.gpu.apis_any: needs gpu.use"),
-        ({"requirements": {"accelerator": "mps"}, "distributed": {"nodes": 2}}, "$.distributed: mps"),
+        (
+            {"requirements": {"accelerator": "mps"}, "distributed": {"nodes": 2}},
+            "$.distributed: mps",
+        ),
         ({"requirements": {"accelerator": "rocm"}}, "rocm is detection-only"),
         ({"requirements": {"accelerator": "cpu", "gpu_count": 1}}, "$.requirements.gpu_count"),
     ],
@@ -101,8 +104,16 @@ def test_unknown_api_is_a_warning_not_an_error() -> None:
 
 def test_valid_cuda_job_passes() -> None:
     j = decode_job_json(
-        job(requirements={"accelerator": "cuda", "gpu_count": 2, "min_cuda_compute_capability": 8.0,
-                          "frameworks": {"torch": ">=2.1"}, "python": ">=3.10"}, requires_core=">=0.1")
+        job(
+            requirements={
+                "accelerator": "cuda",
+                "gpu_count": 2,
+                "min_cuda_compute_capability": 8.0,
+                "frameworks": {"torch": ">=2.1"},
+                "python": ">=3.10",
+            },
+            requires_core=">=0.1",
+        )
     )
     assert validate_job(j).ok
 

@@ -12,7 +12,7 @@ from gpulayer_contracts._base import Wire
 from gpulayer_contracts.jobs import Accelerator, MemoryKind
 
 
-class AcceleratorDevice(Wire):
+class AcceleratorDevice(Wire, frozen=True):
     accelerator: Accelerator
     index: int
     vendor: str | None = None
@@ -28,7 +28,7 @@ class AcceleratorDevice(Wire):
     notes: list[str] = []
 
 
-class HostInfo(Wire):
+class HostInfo(Wire, frozen=True):
     hostname: str | None = None
     os: str | None = None
     os_release: str | None = None
@@ -40,7 +40,7 @@ class HostInfo(Wire):
     python_version: str | None = None
 
 
-class GpuApis(Wire):
+class GpuApis(Wire, frozen=True):
     """GPU APIs usable on the host and inside containers, with the evidence for each."""
 
     host: list[str] = []
@@ -48,7 +48,7 @@ class GpuApis(Wire):
     evidence: dict[str, str] = {}
 
 
-class WorkerCapabilities(Wire):
+class WorkerCapabilities(Wire, frozen=True):
     node_id: str
     agent_version: str
     detected_at: datetime
@@ -74,7 +74,7 @@ class WorkerCapabilities(Wire):
         return self.host.platform.split("-", 1)[0]
 
 
-class Heartbeat(Wire):
+class Heartbeat(Wire, frozen=True):
     node_id: str
     sent_at: datetime
     source: str = "probe"

@@ -24,7 +24,7 @@ grant_decoder = msgspec.json.Decoder(Grant)
 status_decoder = msgspec.json.Decoder(JobStatus)
 cancel_decoder = msgspec.json.Decoder(CancelJob)
 log_line_decoder = msgspec.json.Decoder(LogLine)
-event_decoder: msgspec.json.Decoder[AnyJobEvent] = msgspec.json.Decoder(AnyJobEvent)  # type: ignore[arg-type]
+event_decoder: msgspec.json.Decoder[AnyJobEvent] = msgspec.json.Decoder(AnyJobEvent)
 
 
 def encode(obj: Any) -> bytes:
@@ -35,8 +35,12 @@ class InvalidInput(ValueError):
     """Input that can never be a valid message. ``str()`` names the offending path."""
 
 
-_UNKNOWN_FIELD = re.compile(r"^Object contains unknown field `(?P<field>[^`]+)` - at `(?P<at>[^`]+)`$")
-_MISSING_FIELD = re.compile(r"^Object missing required field `(?P<field>[^`]+)`(?: - at `(?P<at>[^`]+)`)?$")
+_UNKNOWN_FIELD = re.compile(
+    r"^Object contains unknown field `(?P<field>[^`]+)` - at `(?P<at>[^`]+)`$"
+)
+_MISSING_FIELD = re.compile(
+    r"^Object missing required field `(?P<field>[^`]+)`(?: - at `(?P<at>[^`]+)`)?$"
+)
 _AT = re.compile(r"^(?P<msg>.*) - at `(?P<at>[^`]+)`$")
 
 

@@ -15,7 +15,7 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
-class Grant(Wire):
+class Grant(Wire, frozen=True):
     """Placement's decision, sent to the chosen node on ``gpulayer.node.<node>.grants``.
 
     ``visible_env`` holds the device visibility variables the executor must set; it was computed
@@ -34,7 +34,7 @@ class Grant(Wire):
 ExecState = Literal["running", "succeeded", "failed", "cancelled", "lost"]
 
 
-class JobStatus(Wire):
+class JobStatus(Wire, frozen=True):
     """Executor → placement on ``gpulayer.node.<node>.status``."""
 
     job_id: str
@@ -48,14 +48,14 @@ class JobStatus(Wire):
     reason: str | None = None
 
 
-class CancelJob(Wire):
+class CancelJob(Wire, frozen=True):
     """Placement → executor on ``gpulayer.node.<node>.control``."""
 
     job_id: str
     reason: str = "cancelled by user"
 
 
-class LogLine(Wire):
+class LogLine(Wire, frozen=True):
     """One output line of a job on ``gpulayer.job.<job>.logs``."""
 
     job_id: str
@@ -67,20 +67,20 @@ class LogLine(Wire):
 # --- Job events: one tagged union on gpulayer.job.<job>.events, tag field "type". ---
 
 
-class JobEvent(Wire, tag_field="type"):
+class JobEvent(Wire, frozen=True, tag_field="type"):
     job_id: str
     at: datetime = msgspec.field(default_factory=utcnow)
 
 
-class Accepted(JobEvent, tag="accepted", kw_only=True):
+class Accepted(JobEvent, frozen=True, tag="accepted", kw_only=True):
     warnings: list[str] = []
 
 
-class Rejected(JobEvent, tag="rejected", kw_only=True):
+class Rejected(JobEvent, frozen=True, tag="rejected", kw_only=True):
     reasons: list[str] = []
 
 
-class Pending(JobEvent, tag="pending", kw_only=True):
+class Pending(JobEvent, frozen=True, tag="pending", kw_only=True):
     """The job waits. ``unsatisfiable`` says no node in the fleet could ever run it now."""
 
     summary: str = ""
@@ -88,40 +88,42 @@ class Pending(JobEvent, tag="pending", kw_only=True):
     unsatisfiable: bool = False
 
 
-class Placed(JobEvent, tag="placed", kw_only=True):
+class Placed(JobEvent, frozen=True, tag="placed", kw_only=True):
     node_id: str
     accelerator: Accelerator
     devices: list[int] = []
 
 
-class Running(JobEvent, tag="running", kw_only=True):
+class Running(JobEvent, frozen=True, tag="running", kw_only=True):
     node_id: str
     pid: int | None = None
 
 
-class Succeeded(JobEvent, tag="succeeded", kw_only=True):
+class Succeeded(JobEvent, frozen=True, tag="succeeded", kw_only=True):
     node_id: str
     exit_code: int = 0
 
 
-class Failed(JobEvent, tag="failed", kw_only=True):
+class Failed(JobEvent, frozen=True, tag="failed", kw_only=True):
     node_id: str | None = None
     exit_code: int | None = None
     signal: int | None = None
     reason: str | None = None
 
 
-class Cancelled(JobEvent, tag="cancelled", kw_only=True):
+class Cancelled(JobEvent, frozen=True, tag="cancelled", kw_only=True):
     node_id: str | None = None
     reason: str | None = None
 
 
-class Lost(JobEvent, tag="lost", kw_only=True):
+class Lost(JobEvent, frozen=True, tag="lost", kw_only=True):
     node_id: str | None = None
     reason: str | None = None
 
 
-AnyJobEvent = Accepted | Rejected | Pending | Placed | Running | Succeeded | Failed | Cancelled | Lost
+AnyJobEvent = (
+    Accepted | Rejected | Pending | Placed | Running | Succeeded | Failed | Cancelled | Lost
+)
 
 TERMINAL_EVENT_TYPES = frozenset({"rejected", "succeeded", "failed", "cancelled", "lost"})
 

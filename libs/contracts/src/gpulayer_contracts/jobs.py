@@ -23,7 +23,7 @@ JOB_ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
 JobId = Annotated[str, msgspec.Meta(pattern=JOB_ID_PATTERN, description="Client-chosen job id")]
 
 
-class Requirements(Input):
+class Requirements(Input, frozen=True):
     """What a node must offer. Unset fields are no constraint."""
 
     accelerator: Accelerator | None = None
@@ -36,7 +36,7 @@ class Requirements(Input):
     python: str | None = None
 
 
-class GpuUsage(Input):
+class GpuUsage(Input, frozen=True):
     """How the job uses GPUs. ``use`` unset means: exclusive when GPUs are requested, else none."""
 
     use: GpuUse | None = None
@@ -44,30 +44,30 @@ class GpuUsage(Input):
     in_container: bool = False
 
 
-class Variant(Input):
+class Variant(Input, frozen=True):
     """Per-platform replacement of the job's ``gpu`` section (replaces it whole)."""
 
     gpu: GpuUsage = GpuUsage()
 
 
-class SandboxDevices(Input):
+class SandboxDevices(Input, frozen=True):
     gpu: Literal["compute"] | None = None
 
 
-class Sandbox(Input):
+class Sandbox(Input, frozen=True):
     """Sandbox grants. Without ``devices.gpu = "compute"`` no GPU is made visible to the job."""
 
     devices: SandboxDevices = SandboxDevices()
 
 
-class Distributed(Input):
+class Distributed(Input, frozen=True):
     nodes: Annotated[int, msgspec.Meta(ge=1)] = 1
     processes_per_node: Annotated[int, msgspec.Meta(ge=1)] = 1
     backend: str | None = None
     launcher: str | None = None
 
 
-class JobRequest(Input):
+class JobRequest(Input, frozen=True):
     """A job as submitted. ``job_id`` is the dedupe key: the same id twice is one job."""
 
     job_id: JobId

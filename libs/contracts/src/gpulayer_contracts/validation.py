@@ -75,7 +75,7 @@ def requested_gpu_count(job: JobRequest) -> int:
 def effective_gpu(job: JobRequest, platform_family: str | None) -> GpuUsage:
     """The job's ``gpu`` section on a node of this platform: a variant replaces it whole."""
     if platform_family is not None and platform_family in job.variants:
-        return job.variants[platform_family].gpu  # type: ignore[index]
+        return job.variants[platform_family].gpu
     return job.gpu or GpuUsage()
 
 
@@ -109,7 +109,9 @@ def validate_job(job: JobRequest, core_version: str = __version__) -> Validation
     if req.accelerator == "cpu" and req.gpu_count > 0:
         errors.append("$.requirements.gpu_count: a cpu job cannot ask for GPU devices")
     if req.accelerator == "mps" and req.gpu_memory_kind == "dedicated":
-        errors.append("$.requirements.gpu_memory_kind: mps devices have unified memory, never dedicated")
+        errors.append(
+            "$.requirements.gpu_memory_kind: mps devices have unified memory, never dedicated"
+        )
     if req.min_cuda_compute_capability is not None:
         try:
             parse_compute_capability(req.min_cuda_compute_capability)
@@ -128,12 +130,16 @@ def validate_job(job: JobRequest, core_version: str = __version__) -> Validation
 
     if job.requires_core is not None:
         try:
-            if not SpecifierSet(job.requires_core).contains(Version(core_version), prereleases=True):
+            if not SpecifierSet(job.requires_core).contains(
+                Version(core_version), prereleases=True
+            ):
                 errors.append(
                     f"$.requires_core: gpulayer {core_version} does not satisfy {job.requires_core!r}"
                 )
         except InvalidSpecifier:
-            errors.append(f"$.requires_core: {job.requires_core!r} is not a PEP 440 version specifier")
+            errors.append(
+                f"$.requires_core: {job.requires_core!r} is not a PEP 440 version specifier"
+            )
         except InvalidVersion:  # pragma: no cover - our own version is always valid
             errors.append(f"$.requires_core: gpulayer's version {core_version!r} is not PEP 440")
 
@@ -141,7 +147,7 @@ def validate_job(job: JobRequest, core_version: str = __version__) -> Validation
     sections += [(f"$.variants.{p}.gpu", v.gpu) for p, v in job.variants.items()]
     for path, gpu in sections:
         if gpu.apis_any and effective_use(job, gpu) == "none":
-            errors.append(f"{path}.apis_any: needs gpu.use = \"shared\" or \"exclusive\"")
+            errors.append(f'{path}.apis_any: needs gpu.use = "shared" or "exclusive"')
         for api in gpu.apis_any:
             if api not in KNOWN_GPU_APIS:
                 warnings.append(
@@ -159,12 +165,16 @@ def validate_job(job: JobRequest, core_version: str = __version__) -> Validation
             )
     if req.accelerator is not None and not is_schedulable(req.accelerator, "independent"):
         level = support_level(req.accelerator, "independent")
-        errors.append(f"$.requirements.accelerator: {req.accelerator} is {level} in the support matrix")
+        errors.append(
+            f"$.requirements.accelerator: {req.accelerator} is {level} in the support matrix"
+        )
 
     return Validation(errors=errors, warnings=warnings)
 
 
-def visibility_env(accelerator: Accelerator, devices: list[int], gpu_granted: bool) -> dict[str, str]:
+def visibility_env(
+    accelerator: Accelerator, devices: list[int], gpu_granted: bool
+) -> dict[str, str]:
     """Device visibility variables for a granted job.
 
     Without the sandbox grant (``gpu_granted`` false) no GPU is made visible, whatever was

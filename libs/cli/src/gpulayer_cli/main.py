@@ -1,0 +1,280 @@
+"""``gpulayer``: one command line for people using and running gpulayer.
+
+Exit codes: 0 success; 1 the thing asked about failed (a job failed, a check said no);
+2 bad input (an invalid job file, a bad argument); 3 gpulayer unreachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from gpulayer_contracts import InvalidInput, __version__, job_schema, load_job_file, validate_job
+
+EXIT_FAILED, EXIT_INVALID, EXIT_UNREACHABLE = 1, 2, 3
+
+
+def _nats_url() -> str:
+    from gpulayer_runtime.settings import nats_url
+
+    return nats_url(os.environ)
+
+
+def _console() -> Console:
+    return Console(highlight=False, soft_wrap=True)
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    print(json.dumps(job_schema(), indent=2))
+    return 0
+
+
+def cmd_dev_up(args: argparse.Namespace) -> int:
+    from gpulayer_cli.dev import run_dev
+
+    return run_dev(
+        once=args.once,
+        examples_dir=Path(args.examples),
+        data_dir=Path(args.data_dir),
+        timeout_s=args.timeout,
+        console=_console(),
+    )
+
+
+async def _with_nats(fn: Callable[[Any], Awaitable[int]]) -> int:
+    from gpulayer_cli.client import ApiFailed, ApiUnavailable
+    from gpulayer_runtime.nats import connect
+
+    url = _nats_url()
+    try:
+        nc = await asyncio.wait_for(connect(url, "gpulayer-cli", max_reconnect_attempts=0), 5)
+    except (OSError, TimeoutError) as err:
+        print(f"gpulayer: cannot reach NATS at {url}: {err}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    try:
+        return await fn(nc)
+    except ApiUnavailable as err:
+        print(f"gpulayer: {err}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except ApiFailed as err:
+        print(f"gpulayer: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        await nc.close()
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from gpulayer_cli.client import follow_events, submit
+    from gpulayer_cli.render import event_tag, print_event
+
+    try:
+        job = load_job_file(args.file)
+    except (InvalidInput, OSError) as err:
+        print(f"gpulayer: {args.file}: {err}", file=sys.stderr)
+        return EXIT_INVALID
+    result = validate_job(job)
+    if result.errors:
+        for e in result.errors:
+            print(f"gpulayer: {args.file}: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    console = _console()
+
+    async def go(nc: Any) -> int:
+        await submit(nc, job)
+        if not args.wait:
+            print(job.job_id)
+            return 0
+        last = ""
+        async for event in follow_events(nc, [job.job_id]):
+            if args.json:
+                from gpulayer_contracts import encode
+
+                print(encode(event).decode(), flush=True)
+            else:
+                print_event(console, event)
+            last = event_tag(event)
+        return 0 if last == "succeeded" else EXIT_FAILED
+
+    return asyncio.run(_with_nats(go))
+
+
+def _api_command(
+    subject: str,
+    payload: Callable[[argparse.Namespace], dict[str, Any]],
+    render: Callable[[Console, Any], None],
+) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        from gpulayer_cli.client import api
+
+        async def go(nc: Any) -> int:
+            data = await api(nc, subject, payload(args))
+            if args.json:
+                print(json.dumps(data, indent=2, default=str))
+            else:
+                render(_console(), data)
+            return 0
+
+        return asyncio.run(_with_nats(go))
+
+    return run
+
+
+def _render_nodes(console: Console, data: Any) -> None:
+    from gpulayer_cli.render import nodes_table
+
+    console.print(nodes_table(data))
+
+
+def _render_jobs(console: Console, data: Any) -> None:
+    from gpulayer_cli.render import jobs_table
+
+    console.print(jobs_table(data))
+
+
+def _render_explain(console: Console, data: Any) -> None:
+    console.print(f"[bold]{data['job_id']}[/bold] is {data['state']}")
+    if "node_id" in data:
+        console.print(f"placed on {data['node_id']} devices {data.get('devices')}")
+    console.print(data.get("summary", ""))
+    for reason in data.get("reasons", []):
+        console.print(f"  - {reason}")
+
+
+def _render_cancel(console: Console, data: Any) -> None:
+    console.print(f"{data['job_id']}: {data['state']}")
+
+
+def _render_matrix(console: Console, data: Any) -> None:
+    from gpulayer_cli.render import matrix_table
+
+    console.print(matrix_table(data))
+
+
+def cmd_matrix(args: argparse.Namespace) -> int:
+    """The matrix is part of this version's contracts: no running service needed."""
+    from gpulayer_contracts.matrix import SUPPORT_MATRIX
+
+    if args.json:
+        print(json.dumps(SUPPORT_MATRIX, indent=2))
+    else:
+        _render_matrix(_console(), SUPPORT_MATRIX)
+    return 0
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from gpulayer_probe.cli import main as probe_main
+
+    return int(probe_main(args.rest))
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from gpulayer_cli.logs import run_logs
+
+    return int(asyncio.run(run_logs(_nats_url(), args.job_id, follow=args.follow, out=sys.stdout)))
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from gpulayer_cli.check import run_check
+
+    return int(run_check(args.file, python=args.python, as_json=args.json, console=_console()))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpulayer", description="GPU-aware job placement over NATS.")
+    p.add_argument("--version", action="version", version=f"gpulayer {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    dev = sub.add_parser("dev", help="run the whole stack on this machine")
+    dev_sub = dev.add_subparsers(dest="dev_command", required=True)
+    up = dev_sub.add_parser(
+        "up", help="start NATS, PostgreSQL and the services; submit the examples"
+    )
+    up.add_argument(
+        "--once", action="store_true", help="exit after the examples end (0 when as expected)"
+    )
+    up.add_argument("--examples", default="examples", help="folder of example job files")
+    up.add_argument("--data-dir", default=".gpulayer", help="where servers keep their data")
+    up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the examples")
+    up.set_defaults(fn=cmd_dev_up)
+
+    sub.add_parser("schema", help="print the JSON Schema of a job request").set_defaults(
+        fn=cmd_schema
+    )
+
+    s = sub.add_parser("submit", help="submit a job file (TOML or JSON)")
+    s.add_argument("file")
+    s.add_argument(
+        "--wait", action="store_true", help="print events until the job ends; exit code follows it"
+    )
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_submit)
+
+    from gpulayer_contracts.subjects import API_CANCEL, API_EXPLAIN, API_JOBS, API_NODES
+
+    n = sub.add_parser("nodes", help="the fleet: platforms, accelerators, APIs, state")
+    n.add_argument("--json", action="store_true")
+    n.set_defaults(fn=_api_command(API_NODES, lambda a: {}, _render_nodes))
+
+    j = sub.add_parser("jobs", help="recent jobs")
+    j.add_argument("--state", default=None)
+    j.add_argument("--limit", type=int, default=50)
+    j.add_argument("--json", action="store_true")
+    j.set_defaults(
+        fn=_api_command(API_JOBS, lambda a: {"state": a.state, "limit": a.limit}, _render_jobs)
+    )
+
+    e = sub.add_parser("explain", help="why a job waits (or where it runs)")
+    e.add_argument("job_id")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(fn=_api_command(API_EXPLAIN, lambda a: {"job_id": a.job_id}, _render_explain))
+
+    c = sub.add_parser("cancel", help="cancel a waiting or running job")
+    c.add_argument("job_id")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(fn=_api_command(API_CANCEL, lambda a: {"job_id": a.job_id}, _render_cancel))
+
+    m = sub.add_parser("matrix", help="what gpulayer may schedule, per accelerator")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(fn=cmd_matrix)
+
+    pr = sub.add_parser(
+        "probe",
+        help="detect this machine's capabilities (see gpulayer probe --help)",
+        add_help=False,
+    )
+    pr.add_argument("rest", nargs=argparse.REMAINDER)
+    pr.set_defaults(fn=cmd_probe)
+
+    lg = sub.add_parser("logs", help="print a job's output")
+    lg.add_argument("job_id")
+    lg.add_argument("-f", "--follow", action="store_true")
+    lg.set_defaults(fn=cmd_logs)
+
+    ck = sub.add_parser(
+        "check", help="would this machine get this job? (0 yes, 1 no, 2 invalid job file)"
+    )
+    ck.add_argument("file")
+    ck.add_argument("--python", default=None, help="workload interpreter to probe")
+    ck.add_argument("--json", action="store_true")
+    ck.set_defaults(fn=cmd_check)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,67 @@
+"""``gpulayer-placement``: configuration is read here, from the environment, and nowhere deeper."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from contextlib import AsyncExitStack
+
+from gpulayer_runtime.logs import setup_logging
+from gpulayer_runtime.nats import connect, ensure_streams
+from gpulayer_runtime.settings import database_url, env_float, env_int, env_str, nats_url
+
+log = logging.getLogger("gpulayer_placement")
+
+
+async def _amain() -> None:
+    from gpulayer_placement.service import PlacementService, Settings
+    from gpulayer_placement.store import create_pool
+
+    env = os.environ
+    url = nats_url(env)
+    db = database_url(env)
+    settings = Settings(
+        node_timeout_s=env_float(env, "GPULAYER_NODE_TIMEOUT_S", 15.0),
+        resend_after_s=env_float(env, "GPULAYER_GRANT_RESEND_S", 30.0),
+        batch_size=env_int(env, "GPULAYER_PLACEMENT_BATCH", 256),
+    )
+    log.info("settings: nats=%s database=%s %s", url, _redact(db), settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with AsyncExitStack() as stack:
+        nc = await connect(url, "gpulayer-placement")
+        stack.push_async_callback(nc.drain)
+        await ensure_streams(nc.jetstream())
+        pool = await create_pool(db)
+        stack.push_async_callback(pool.close)
+        service = PlacementService(nc, pool, settings)
+        await service.start()
+        stack.push_async_callback(service.close)
+        done = asyncio.create_task(service.stop.wait())
+        signalled = asyncio.create_task(stop.wait())
+        await asyncio.wait({done, signalled}, return_when=asyncio.FIRST_COMPLETED)
+        if service.stop.is_set() and not stop.is_set():
+            raise SystemExit("placement stopped after an internal failure (see log)")
+        log.info("stopping")
+
+
+def _redact(url: str) -> str:
+    # postgresql://user:secret@host/db -> postgresql://user:***@host/db
+    head, at, tail = url.rpartition("@")
+    if not at or ":" not in head.split("//", 1)[-1]:
+        return url
+    scheme_user, _, _ = head.rpartition(":")
+    return f"{scheme_user}:***@{tail}"
+
+
+def main() -> None:
+    setup_logging("gpulayer-placement", env_str(os.environ, "GPULAYER_LOG_FORMAT", "text"))
+    asyncio.run(_amain())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""Request/reply API on ``gpulayer.api.*`` for the CLI. One replica answers each request
+(queue group). Replies are JSON: ``{"ok": true, "data": ...}`` or ``{"ok": false, "error": "..."}``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from nats.aio.msg import Msg
+
+from gpulayer_contracts import CancelJob, Cancelled, encode
+from gpulayer_contracts.codec import capabilities_decoder, job_request_decoder
+from gpulayer_contracts.matrix import SUPPORT_MATRIX
+from gpulayer_contracts.subjects import (
+    API_CANCEL,
+    API_EXPLAIN,
+    API_JOB,
+    API_JOBS,
+    API_MATRIX,
+    API_NODES,
+    MSG_ID_HEADER,
+    node_control,
+)
+from gpulayer_placement import matcher
+from gpulayer_placement.store import Store
+
+if TYPE_CHECKING:
+    from gpulayer_placement.service import PlacementService
+
+log = logging.getLogger(__name__)
+
+QUEUE = "placement-api"
+
+
+class ApiError(Exception):
+    pass
+
+
+class _JobQuery(msgspec.Struct, frozen=True):
+    job_id: str
+
+
+class _JobsQuery(msgspec.Struct, frozen=True):
+    state: str | None = None
+    limit: int = 100
+
+
+class _CancelQuery(msgspec.Struct, frozen=True):
+    job_id: str
+    reason: str = "cancelled by user"
+
+
+def _iso(value: Any) -> Any:
+    return value.isoformat() if hasattr(value, "isoformat") else value
+
+
+class Api:
+    def __init__(self, service: PlacementService) -> None:
+        self.svc = service
+
+    async def subscribe(self) -> None:
+        routes: dict[str, Callable[[bytes], Awaitable[Any]]] = {
+            API_NODES: self.nodes,
+            API_JOBS: self.jobs,
+            API_JOB: self.job,
+            API_EXPLAIN: self.explain,
+            API_CANCEL: self.cancel,
+            API_MATRIX: self.matrix,
+        }
+        for subject, handler in routes.items():
+            sub = await self.svc.nc.subscribe(subject, queue=QUEUE, cb=self._wrap(handler))
+            self.svc._subs.append(sub)
+
+    def _wrap(self, handler: Callable[[bytes], Awaitable[Any]]) -> Callable[[Msg], Awaitable[None]]:
+        async def cb(msg: Msg) -> None:
+            try:
+                reply: dict[str, Any] = {"ok": True, "data": await handler(msg.data)}
+            except (ApiError, msgspec.ValidationError, msgspec.DecodeError) as err:
+                reply = {"ok": False, "error": str(err)}
+            except Exception as err:
+                log.exception("api %s failed", msg.subject)
+                reply = {"ok": False, "error": f"internal error: {err}"}
+            if msg.reply:
+                await msg.respond(encode(reply))
+
+        return cb
+
+    async def nodes(self, data: bytes) -> Any:
+        async with self.svc.pool.acquire() as conn:
+            rows = await Store.fetch(conn, "list_nodes")
+        out = []
+        for r in rows:
+            caps = capabilities_decoder.decode(r["capabilities"])
+            view = self.svc.fleet.get(r["node_id"])
+            out.append(
+                {
+                    "node_id": r["node_id"],
+                    "online": r["online"],
+                    "last_seen": _iso(r["last_seen"]),
+                    "active_jobs": r["active_jobs"],
+                    "busy_devices": sorted(view.exclusive | view.shared) if view else [],
+                    "capabilities": msgspec.to_builtins(caps),
+                }
+            )
+        return out
+
+    async def jobs(self, data: bytes) -> Any:
+        q = msgspec.json.decode(data or b"{}", type=_JobsQuery)
+        async with self.svc.pool.acquire() as conn:
+            rows = await Store.fetch(conn, "list_jobs", q.state, min(max(q.limit, 1), 10_000))
+        return [{k: _iso(v) for k, v in dict(r).items()} for r in rows]
+
+    async def _job_row(self, job_id: str) -> dict[str, Any]:
+        async with self.svc.pool.acquire() as conn:
+            row = await Store.fetchrow(conn, "get_job", job_id)
+        if row is None:
+            raise ApiError(f"no job {job_id!r}")
+        return dict(row)
+
+    async def job(self, data: bytes) -> Any:
+        q = msgspec.json.decode(data, type=_JobQuery)
+        row = await self._job_row(q.job_id)
+        row["request"] = msgspec.json.decode(row["request"])
+        return {k: _iso(v) for k, v in row.items()}
+
+    async def explain(self, data: bytes) -> Any:
+        q = msgspec.json.decode(data, type=_JobQuery)
+        row = await self._job_row(q.job_id)
+        out: dict[str, Any] = {"job_id": q.job_id, "state": row["state"]}
+        if row["state"] == "rejected":
+            out["summary"] = f"rejected: {row['reason']}"
+            return out
+        job = job_request_decoder.decode(row["request"])
+        decision = matcher.explain(job, self.svc.fleet.views())
+        out.update(
+            summary=decision.summary, reasons=decision.reasons, unsatisfiable=decision.unsatisfiable
+        )
+        if row["state"] in ("placed", "running"):
+            out["node_id"] = row["node_id"]
+            out["devices"] = list(row["devices"])
+        return out
+
+    async def cancel(self, data: bytes) -> Any:
+        q = msgspec.json.decode(data, type=_CancelQuery)
+        async with self.svc.pool.acquire() as conn:
+            done = await Store.fetchrow(conn, "cancel_pending", q.job_id, q.reason)
+        if done is not None:
+            await self.svc._publish_events([Cancelled(job_id=q.job_id, reason=q.reason)])
+            return {"job_id": q.job_id, "state": "cancelled"}
+        row = await self._job_row(q.job_id)
+        if row["state"] in ("placed", "running"):
+            await self.svc.js.publish(
+                node_control(row["node_id"]),
+                encode(CancelJob(job_id=q.job_id, reason=q.reason)),
+                headers={MSG_ID_HEADER: f"cancel:{row['grant_id']}"},
+            )
+            return {"job_id": q.job_id, "state": "cancelling", "node_id": row["node_id"]}
+        raise ApiError(f"job {q.job_id} is already {row['state']}")
+
+    async def matrix(self, data: bytes) -> Any:
+        return SUPPORT_MATRIX

@@ -1,0 +1,130 @@
+-- Every SQL statement of the placement service, called by name from store.Store.
+
+-- name: upsert_nodes
+-- Capabilities only move forward in time: a late, older event never overwrites a newer one.
+INSERT INTO nodes (node_id, capabilities, platform, agent_version, detected_at, last_seen, online)
+SELECT n.node_id, n.capabilities::jsonb, n.platform, n.agent_version, n.detected_at, now(), true
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::timestamptz[])
+     AS n(node_id, capabilities, platform, agent_version, detected_at)
+ON CONFLICT (node_id) DO UPDATE
+SET capabilities = EXCLUDED.capabilities, platform = EXCLUDED.platform,
+    agent_version = EXCLUDED.agent_version, detected_at = EXCLUDED.detected_at,
+    last_seen = now(), online = true
+WHERE nodes.detected_at IS NULL OR nodes.detected_at <= EXCLUDED.detected_at;
+
+-- name: touch_nodes
+UPDATE nodes SET last_seen = greatest(nodes.last_seen, t.seen), online = true
+FROM unnest($1::text[], $2::timestamptz[]) AS t(node_id, seen)
+WHERE nodes.node_id = t.node_id
+RETURNING nodes.node_id;
+
+-- name: load_nodes
+SELECT node_id, capabilities::text AS capabilities, online, last_seen FROM nodes;
+
+-- name: load_allocations
+SELECT node_id, device_index, mode FROM allocations;
+
+-- name: load_node_allocations
+SELECT node_id, device_index, mode FROM allocations WHERE node_id = ANY($1::text[]);
+
+-- name: set_offline
+-- Nodes whose heartbeats stopped; their placed and running jobs are lost and release devices.
+UPDATE nodes SET online = false WHERE node_id = ANY($1::text[]) AND online
+RETURNING node_id;
+
+-- name: lose_node_jobs
+WITH lost AS (
+    UPDATE jobs SET state = 'lost', reason = $2, updated_at = now()
+    WHERE node_id = ANY($1::text[]) AND state IN ('placed', 'running')
+    RETURNING job_id, node_id
+), released AS (
+    DELETE FROM allocations a USING lost WHERE a.job_id = lost.job_id
+)
+SELECT job_id, node_id FROM lost;
+
+-- name: insert_jobs
+INSERT INTO jobs (job_id, request, state, reason)
+SELECT j.job_id, j.request::jsonb, j.state, j.reason
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) AS j(job_id, request, state, reason)
+ON CONFLICT (job_id) DO NOTHING
+RETURNING job_id;
+
+-- name: take_pending
+-- Oldest first, a page after ($2, $3). SKIP LOCKED lets several replicas split waiting jobs.
+SELECT job_id, request::text AS request, reason, attempt, submitted_at FROM jobs
+WHERE state = 'pending' AND (submitted_at, job_id) > ($2::timestamptz, $3::text)
+ORDER BY submitted_at, job_id
+LIMIT $1
+FOR UPDATE SKIP LOCKED;
+
+-- name: take_jobs
+SELECT job_id, request::text AS request, reason, attempt, submitted_at FROM jobs
+WHERE state = 'pending' AND job_id = ANY($1::text[])
+ORDER BY submitted_at, job_id
+FOR UPDATE SKIP LOCKED;
+
+-- name: insert_allocations
+INSERT INTO allocations (job_id, node_id, device_index, mode)
+SELECT * FROM unnest($1::text[], $2::text[], $3::int[], $4::text[]);
+
+-- name: mark_placed
+UPDATE jobs SET state = 'placed', node_id = p.node_id, grant_id = p.grant_id,
+    accelerator = p.accelerator, devices = p.devices::int[], attempt = jobs.attempt + 1,
+    reason = NULL, unsatisfiable = false, updated_at = now()
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[])
+     AS p(job_id, node_id, grant_id, accelerator, devices)
+WHERE jobs.job_id = p.job_id;
+
+-- name: mark_waiting
+UPDATE jobs SET reason = w.reason, unsatisfiable = w.unsatisfiable, updated_at = now()
+FROM unnest($1::text[], $2::text[], $3::bool[]) AS w(job_id, reason, unsatisfiable)
+WHERE jobs.job_id = w.job_id;
+
+-- name: apply_status
+-- An executor's report. Only the current grant counts, and a finished job stays finished, so a
+-- redelivered or stale report changes nothing.
+UPDATE jobs SET state = s.state, exit_code = s.exit_code, reason = s.reason, updated_at = now()
+FROM unnest($1::text[], $2::text[], $3::text[], $4::int[], $5::text[])
+     AS s(job_id, grant_id, state, exit_code, reason)
+WHERE jobs.job_id = s.job_id AND jobs.grant_id = s.grant_id
+  AND jobs.state IN ('placed', 'running')
+  AND NOT (s.state = 'running' AND jobs.state = 'running')
+RETURNING jobs.job_id, jobs.node_id, jobs.state;
+
+-- name: release_jobs
+DELETE FROM allocations WHERE job_id = ANY($1::text[]) RETURNING node_id, device_index, mode;
+
+-- name: stale_placed
+-- Placed jobs whose executor never said "running": re-send the grant (executors start a grant
+-- at most once, so this is safe).
+SELECT job_id, request::text AS request, node_id, grant_id, accelerator, devices FROM jobs
+WHERE state = 'placed' AND updated_at < now() - make_interval(secs => $1);
+
+-- name: touch_jobs
+UPDATE jobs SET updated_at = now() WHERE job_id = ANY($1::text[]);
+
+-- name: cancel_pending
+UPDATE jobs SET state = 'cancelled', reason = $2, updated_at = now()
+WHERE job_id = $1 AND state = 'pending'
+RETURNING job_id;
+
+-- name: get_job
+SELECT job_id, request::text AS request, state, submitted_at, updated_at, node_id, grant_id,
+       accelerator, devices, exit_code, reason, unsatisfiable, attempt
+FROM jobs WHERE job_id = $1;
+
+-- name: list_jobs
+SELECT job_id, state, submitted_at, updated_at, node_id, accelerator, devices, exit_code, reason
+FROM jobs
+WHERE ($1::text IS NULL OR state = $1)
+ORDER BY submitted_at DESC, job_id
+LIMIT $2;
+
+-- name: list_nodes
+SELECT node_id, capabilities::text AS capabilities, online, last_seen, first_seen,
+       (SELECT count(*) FROM jobs j WHERE j.node_id = n.node_id AND j.state IN ('placed', 'running'))
+           AS active_jobs
+FROM nodes n ORDER BY node_id;
+
+-- name: job_counts
+SELECT state, count(*) AS n FROM jobs GROUP BY state;

@@ -1,0 +1,641 @@
+"""The placement service: consumers, scheduler and side tasks around the pure matcher.
+
+Loops (each a named task under one monitor):
+- ``ingest``: job requests from the JOBS work queue, a batch at a time: decode once, validate,
+  insert new ids in one statement (a known id is the same job), ack after commit.
+- ``schedule``: waiting jobs oldest first, matched in memory, committed as one transaction per
+  batch (allocations + job rows), then grants and events published.
+- ``capabilities`` / ``heartbeats``: node state into memory and PostgreSQL, batched.
+- ``status``: executor reports: job rows updated, devices released, waiting jobs reconsidered.
+- ``reaper``: nodes silent past the timeout go offline; their jobs are lost, devices released.
+- ``resend``: grants of jobs still "placed" after a while are sent again (executors start a
+  grant at most once), so a crash between commit and publish loses nothing.
+- ``notify``: other replicas' allocation changes (PostgreSQL LISTEN).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import asyncpg
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import FetchTimeoutError
+
+from gpulayer_contracts import (
+    Accepted,
+    Grant,
+    JobEvent,
+    JobRequest,
+    Lost,
+    Pending,
+    Placed,
+    Rejected,
+    encode,
+    validate_job,
+)
+from gpulayer_contracts.codec import (
+    InvalidInput,
+    best_effort_job_id,
+    capabilities_decoder,
+    decode_job_json,
+    job_request_decoder,
+    status_decoder,
+)
+from gpulayer_contracts.subjects import (
+    JOBS_SUBMIT,
+    MSG_ID_HEADER,
+    NODE_WILDCARD_CAPABILITIES,
+    NODE_WILDCARD_HEARTBEAT,
+    NODE_WILDCARD_STATUS,
+    job_events,
+    node_from_subject,
+    node_grants,
+)
+from gpulayer_contracts.validation import visibility_env
+from gpulayer_placement.fleet import Fleet
+from gpulayer_placement.matcher import NoPlacement, Placement, match
+from gpulayer_placement.store import Store, migrate
+
+log = logging.getLogger(__name__)
+
+NOTIFY_CHANNEL = "gpulayer_allocations"
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    node_timeout_s: float = 15.0
+    resend_after_s: float = 30.0
+    batch_size: int = 256
+    page_size: int = 1000
+
+
+@dataclass
+class _Outcome:
+    placements: list[tuple[JobRequest, Placement, str]] = field(default_factory=list)
+    waiting: list[tuple[str, NoPlacement]] = field(default_factory=list)
+
+
+@dataclass
+class _Wake:
+    """What the scheduler should look at next."""
+
+    new_jobs: list[str] = field(default_factory=list)
+    capacity_changed: bool = False
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def jobs(self, ids: list[str]) -> None:
+        self.new_jobs.extend(ids)
+        self.event.set()
+
+    def capacity(self) -> None:
+        self.capacity_changed = True
+        self.event.set()
+
+
+class PlacementService:
+    def __init__(self, nc: Client, pool: asyncpg.Pool, settings: Settings | None = None) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self.pool = pool
+        self.store = Store(pool)
+        self.settings = settings or Settings()
+        self.fleet = Fleet()
+        self.stop = asyncio.Event()
+        self.wake = _Wake()
+        self._jobs: dict[str, JobRequest] = {}
+        self._caps_queue: asyncio.Queue[Msg] = asyncio.Queue()
+        self._heartbeats: dict[str, datetime] = {}
+        self._notified: set[str] = set()
+        self._listen_conn: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._subs: list[Any] = []
+        self.placed_total = 0
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        async with self.pool.acquire() as conn:
+            await migrate(conn)
+            for row in await Store.fetch(conn, "load_nodes"):
+                caps = capabilities_decoder.decode(row["capabilities"])
+                self.fleet.upsert(caps, online=row["online"])
+            rows = await Store.fetch(conn, "load_allocations")
+            self.fleet.replace_holds((r["node_id"], r["device_index"], r["mode"]) for r in rows)
+        self._listen_conn = await self.pool.acquire()
+        await self._listen_conn.add_listener(NOTIFY_CHANNEL, self._on_notify)
+        self._subs.append(
+            await self.js.subscribe(
+                NODE_WILDCARD_CAPABILITIES,
+                cb=self._on_capabilities,
+                ordered_consumer=True,
+                config=ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT),
+            )
+        )
+        self._subs.append(await self.nc.subscribe(NODE_WILDCARD_HEARTBEAT, cb=self._on_heartbeat))
+        jobs = await self.js.pull_subscribe(
+            JOBS_SUBMIT,
+            durable="placement-jobs",
+            config=ConsumerConfig(
+                ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_ack_pending=20_000
+            ),
+        )
+        status = await self.js.pull_subscribe(
+            NODE_WILDCARD_STATUS,
+            durable="placement-status",
+            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30),
+        )
+        from gpulayer_placement.api import Api
+
+        await Api(self).subscribe()
+        self.wake.capacity()
+        self._spawn("ingest", self._consume(jobs, self._ingest))
+        self._spawn("status", self._consume(status, self._apply_status))
+        self._spawn("schedule", self._schedule_loop())
+        self._spawn("capabilities", self._capabilities_loop())
+        self._spawn("heartbeats", self._heartbeat_loop())
+        self._spawn("reaper", self._every(max(self.settings.node_timeout_s / 3, 0.2), self._reap))
+        self._spawn("resend", self._every(max(self.settings.resend_after_s / 3, 0.5), self._resend))
+        log.info("placement started with %d known nodes", len(self.fleet))
+
+    def _spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(self._task_done)
+        self._tasks.append(task)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or self.stop.is_set():
+            return
+        err = task.exception()
+        if err is not None:
+            # A side task dying silently would leave the service half alive; stop it instead so
+            # a supervisor restarts it.
+            log.error("task %s crashed: %r; stopping", task.get_name(), err, exc_info=err)
+            self.stop.set()
+
+    async def run_until_stopped(self) -> None:
+        await self.stop.wait()
+        await self.close()
+
+    async def close(self) -> None:
+        self.stop.set()
+        self.wake.event.set()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        if self._listen_conn is not None:
+            with contextlib.suppress(Exception):
+                await self._listen_conn.remove_listener(NOTIFY_CHANNEL, self._on_notify)
+            await self.pool.release(self._listen_conn)
+            self._listen_conn = None
+
+    async def _every(self, period: float, fn: Callable[[], Awaitable[None]]) -> None:
+        while not self.stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), period)
+            if self.stop.is_set():
+                return
+            try:
+                await fn()
+            except (TimeoutError, asyncpg.PostgresError, OSError) as err:
+                log.warning("%s failed, will retry: %s", getattr(fn, "__name__", fn), err)
+
+    async def _consume(
+        self, sub: JetStreamContext.PullSubscription, handle: Callable[[list[Msg]], Awaitable[None]]
+    ) -> None:
+        while not self.stop.is_set():
+            try:
+                msgs = await sub.fetch(self.settings.batch_size, timeout=1.0)
+            except (FetchTimeoutError, TimeoutError):
+                continue
+            try:
+                await handle(msgs)
+            except (asyncpg.PostgresError, OSError) as err:
+                # Not acked: JetStream redelivers after ack_wait; the handlers are idempotent.
+                log.warning("batch of %d failed, will be redelivered: %s", len(msgs), err)
+                for m in msgs:
+                    with contextlib.suppress(Exception):
+                        await m.nak(delay=1.0)
+
+    # --- publishing ----------------------------------------------------------------------
+
+    async def _publish_events(self, events: list[JobEvent]) -> None:
+        if events:
+            await asyncio.gather(*(self._publish_event(e) for e in events))
+
+    async def _publish_event(self, event: JobEvent) -> None:
+        tag = type(event).__struct_config__.tag
+        headers = {MSG_ID_HEADER: f"{event.job_id}:{tag}:{event.at.timestamp()}"}
+        await self.js.publish(job_events(event.job_id), encode(event), headers=headers)
+
+    async def _publish_grant(self, grant: Grant) -> None:
+        await self.js.publish(
+            node_grants(grant.node_id), encode(grant), headers={MSG_ID_HEADER: grant.grant_id}
+        )
+
+    # --- ingest --------------------------------------------------------------------------
+
+    async def _ingest(self, msgs: list[Msg]) -> None:
+        rows: dict[str, tuple[str, str, str | None]] = {}
+        accepted: dict[str, JobRequest] = {}
+        warnings: dict[str, list[str]] = {}
+        rejections: dict[str, list[str]] = {}
+        for msg in msgs:
+            try:
+                job = decode_job_json(msg.data)
+            except InvalidInput as err:
+                job_id = best_effort_job_id(msg.data)
+                log.warning("rejected message on %s (job %s): %s", msg.subject, job_id, err)
+                if job_id is not None and job_id not in rows:
+                    rejections[job_id] = [str(err)]
+                    rows[job_id] = (job_id, msg.data.decode("utf-8", "replace"), "rejected")
+                continue
+            if job.job_id in rows:
+                continue  # the same id twice in one batch is one job
+            result = validate_job(job)
+            body = encode(job).decode()
+            if result.errors:
+                rejections[job.job_id] = result.errors
+                rows[job.job_id] = (job.job_id, body, "rejected")
+            else:
+                accepted[job.job_id] = job
+                warnings[job.job_id] = result.warnings
+                rows[job.job_id] = (job.job_id, body, "pending")
+        new: set[str] = set()
+        if rows:
+            ids, bodies, states = zip(*rows.values(), strict=True)
+            reasons = ["; ".join(rejections[i]) if i in rejections else None for i in ids]
+            # A rejected body that isn't JSON is stored as a JSON string so the row still exists.
+            bodies = tuple(
+                b if s != "rejected" or _is_json(b) else encode(b).decode()
+                for b, s in zip(bodies, states, strict=True)
+            )
+            async with self.pool.acquire() as conn:
+                inserted = await Store.fetch(conn, "insert_jobs", ids, bodies, states, reasons)
+            new = {r["job_id"] for r in inserted}
+        events: list[JobEvent] = []
+        for job_id in rows:
+            if job_id not in new:
+                log.info("job %s already known: not submitted again", job_id)
+            elif job_id in rejections:
+                events.append(Rejected(job_id=job_id, reasons=rejections[job_id]))
+            else:
+                events.append(Accepted(job_id=job_id, warnings=warnings[job_id]))
+                self._jobs[job_id] = accepted[job_id]
+        await self._publish_events(events)
+        await asyncio.gather(*(m.ack() for m in msgs))
+        fresh = [j for j in accepted if j in new]
+        if fresh:
+            self.wake.jobs(fresh)
+
+    # --- scheduling ----------------------------------------------------------------------
+
+    async def _schedule_loop(self) -> None:
+        while not self.stop.is_set():
+            await self.wake.event.wait()
+            self.wake.event.clear()
+            if self.stop.is_set():
+                return
+            new, self.wake.new_jobs = self.wake.new_jobs, []
+            full, self.wake.capacity_changed = self.wake.capacity_changed, False
+            try:
+                if full:
+                    await self._schedule_all()
+                elif new:
+                    for i in range(0, len(new), self.settings.batch_size):
+                        await self._schedule_ids(new[i : i + self.settings.batch_size])
+            except asyncpg.ExclusionViolationError:
+                # Another replica took a device this one thought free: reload and go again.
+                log.info("allocation conflict with another replica; reloading allocations")
+                await self._reload_allocations(None)
+                self.wake.capacity()
+            except (asyncpg.PostgresError, OSError) as err:
+                log.warning("scheduling pass failed, retrying: %s", err)
+                self.wake.jobs(new)
+                if full:
+                    self.wake.capacity()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), 0.5)
+
+    async def _schedule_all(self) -> None:
+        after: tuple[datetime, str] = (_EPOCH, "")
+        failed: dict[bytes, NoPlacement] = {}
+        while not self.stop.is_set():
+            last = await self._schedule_batch(
+                "take_pending", (self.settings.page_size, *after), failed
+            )
+            if last is None:
+                return
+            after = last
+
+    async def _schedule_ids(self, ids: list[str]) -> None:
+        await self._schedule_batch("take_jobs", (ids,), {})
+
+    async def _schedule_batch(
+        self, query: str, args: tuple[Any, ...], failed: dict[bytes, NoPlacement]
+    ) -> tuple[datetime, str] | None:
+        """Lock a batch of waiting jobs, match them, commit the outcome in one transaction, then
+        publish grants and events. Returns the batch's last (submitted_at, job_id)."""
+        outcome = _Outcome()
+        try:
+            async with self.pool.acquire() as conn, conn.transaction():
+                rows = await Store.fetch(conn, query, *args)
+                if not rows:
+                    return None
+                self._match_rows(rows, failed, outcome)
+                await self._persist(conn, outcome)
+        except BaseException:
+            # Nothing was committed: give back what this batch held in memory.
+            for _, p, _ in outcome.placements:
+                self.fleet.release(p.node_id, p.devices, _mode(p))
+            raise
+        await self._publish_outcome(outcome)
+        return rows[-1]["submitted_at"], rows[-1]["job_id"]
+
+    def _match_rows(
+        self, rows: list[asyncpg.Record], failed: dict[bytes, NoPlacement], outcome: _Outcome
+    ) -> None:
+        """``failed`` remembers requirement sets that found no node in this pass: capacity only
+        shrinks during a pass, so an equal job behind them can't fit either."""
+        for row in rows:
+            job_id = row["job_id"]
+            job = self._jobs.get(job_id)
+            if job is None:
+                job = job_request_decoder.decode(row["request"])
+                self._jobs[job_id] = job
+            key = _requirement_key(job)
+            decision = failed.get(key) or match(job, self.fleet.rotated())
+            if isinstance(decision, Placement):
+                outcome.placements.append((job, decision, f"{job_id}-{row['attempt'] + 1}"))
+                # Held at once, so later jobs of this batch see the devices taken.
+                self.fleet.hold(decision.node_id, decision.devices, _mode(decision))
+            else:
+                failed[key] = decision
+                if decision.summary != row["reason"]:
+                    outcome.waiting.append((job_id, decision))
+
+    async def _persist(self, conn: Any, outcome: _Outcome) -> None:
+        if outcome.placements:
+            alloc: tuple[list[str], list[str], list[int], list[str]] = ([], [], [], [])
+            for job, p, _ in outcome.placements:
+                for d in p.devices:
+                    alloc[0].append(job.job_id)
+                    alloc[1].append(p.node_id)
+                    alloc[2].append(d)
+                    alloc[3].append(_mode(p))
+            if alloc[0]:
+                await Store.execute(conn, "insert_allocations", *alloc)
+            await Store.execute(
+                conn,
+                "mark_placed",
+                [j.job_id for j, _, _ in outcome.placements],
+                [p.node_id for _, p, _ in outcome.placements],
+                [g for _, _, g in outcome.placements],
+                [p.accelerator for _, p, _ in outcome.placements],
+                ["{" + ",".join(map(str, p.devices)) + "}" for _, p, _ in outcome.placements],
+            )
+            nodes = sorted({p.node_id for _, p, _ in outcome.placements if p.devices})
+            if nodes:
+                await conn.execute("SELECT pg_notify($1, $2)", NOTIFY_CHANNEL, ",".join(nodes))
+        if outcome.waiting:
+            await Store.execute(
+                conn,
+                "mark_waiting",
+                [j for j, _ in outcome.waiting],
+                [d.summary for _, d in outcome.waiting],
+                [d.unsatisfiable for _, d in outcome.waiting],
+            )
+
+    async def _publish_outcome(self, outcome: _Outcome) -> None:
+        grants = [
+            _grant(job, p.node_id, grant_id, p.accelerator, p.devices)
+            for job, p, grant_id in outcome.placements
+        ]
+        events: list[JobEvent] = [
+            Placed(
+                job_id=g.job.job_id, node_id=g.node_id, accelerator=g.accelerator, devices=g.devices
+            )
+            for g in grants
+        ]
+        events += [
+            Pending(job_id=j, summary=d.summary, reasons=d.reasons, unsatisfiable=d.unsatisfiable)
+            for j, d in outcome.waiting
+        ]
+        # Events first: a user watching the job sees "placed" before the executor's "running".
+        await self._publish_events(events)
+        await asyncio.gather(*(self._publish_grant(g) for g in grants))
+        self.placed_total += len(grants)
+
+    # --- status --------------------------------------------------------------------------
+
+    async def _apply_status(self, msgs: list[Msg]) -> None:
+        latest: dict[tuple[str, str], tuple[str, str, str, int | None, str | None]] = {}
+        for msg in msgs:
+            try:
+                status = status_decoder.decode(msg.data)
+                node = node_from_subject(msg.subject)
+            except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as err:
+                log.warning("rejected status message on %s: %s", msg.subject, err)
+                continue
+            if status.node_id != node:
+                log.warning(
+                    "status for node %s arrived on %s; using the subject", status.node_id, node
+                )
+            key = (status.job_id, status.grant_id)
+            # "running" never replaces a final state reported in the same batch.
+            if key in latest and status.state == "running":
+                continue
+            latest[key] = (
+                status.job_id,
+                status.grant_id,
+                status.state,
+                status.exit_code,
+                status.reason,
+            )
+        if latest:
+            rows = list(latest.values())
+            async with self.pool.acquire() as conn, conn.transaction():
+                changed = await Store.fetch(
+                    conn, "apply_status", *[list(col) for col in zip(*rows, strict=True)]
+                )
+                finished = [r["job_id"] for r in changed if r["state"] != "running"]
+                released = await Store.fetch(conn, "release_jobs", finished) if finished else []
+                nodes = sorted({r["node_id"] for r in released})
+                if nodes:
+                    await conn.execute("SELECT pg_notify($1, $2)", NOTIFY_CHANNEL, ",".join(nodes))
+            for r in released:
+                self.fleet.release(r["node_id"], [r["device_index"]], r["mode"])
+            for job_id in finished:
+                self._jobs.pop(job_id, None)
+            if finished:
+                self.wake.capacity()
+        await asyncio.gather(*(m.ack() for m in msgs))
+
+    # --- nodes ---------------------------------------------------------------------------
+
+    async def _on_capabilities(self, msg: Msg) -> None:
+        await self._caps_queue.put(msg)
+
+    async def _capabilities_loop(self) -> None:
+        while not self.stop.is_set():
+            first = await self._caps_queue.get()
+            batch = [first]
+            while not self._caps_queue.empty() and len(batch) < 2000:
+                batch.append(self._caps_queue.get_nowait())
+            latest: dict[str, Any] = {}
+            for msg in batch:
+                try:
+                    node = node_from_subject(msg.subject)
+                    caps = capabilities_decoder.decode(msg.data)
+                except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as err:
+                    log.warning("rejected capabilities on %s: %s", msg.subject, err)
+                    continue
+                if caps.node_id != node:
+                    # Identity comes from the subject the node may publish on, never the payload.
+                    caps = msgspec.structs.replace(caps, node_id=node)
+                latest[node] = caps
+            if not latest:
+                continue
+            caps_list = list(latest.values())
+            try:
+                async with self.pool.acquire() as conn:
+                    await Store.execute(
+                        conn,
+                        "upsert_nodes",
+                        [c.node_id for c in caps_list],
+                        [encode(c).decode() for c in caps_list],
+                        [c.host.platform for c in caps_list],
+                        [c.agent_version for c in caps_list],
+                        [c.detected_at for c in caps_list],
+                    )
+            except (asyncpg.PostgresError, OSError) as err:
+                log.warning("storing %d capability events failed: %s", len(caps_list), err)
+            changed = [self.fleet.upsert(c) for c in caps_list]
+            if any(changed):
+                self.wake.capacity()
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        try:
+            node = node_from_subject(msg.subject)
+        except ValueError:
+            return
+        self._heartbeats[node] = datetime.now(UTC)
+        if self.fleet.set_online(node, True):
+            log.info("node %s is back online", node)
+            self.wake.capacity()
+
+    async def _heartbeat_loop(self) -> None:
+        """Writes last-seen times once a second: one statement for all heartbeats."""
+        while not self.stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), 1.0)
+            if not self._heartbeats:
+                continue
+            beats, self._heartbeats = self._heartbeats, {}
+            try:
+                async with self.pool.acquire() as conn:
+                    await Store.execute(conn, "touch_nodes", list(beats), list(beats.values()))
+            except (asyncpg.PostgresError, OSError) as err:
+                log.warning("storing heartbeats failed: %s", err)
+
+    async def _reap(self) -> None:
+        stale = self.fleet.stale(self.settings.node_timeout_s)
+        if not stale:
+            return
+        reason = f"node stopped sending heartbeats for {self.settings.node_timeout_s:g}s"
+        async with self.pool.acquire() as conn, conn.transaction():
+            await Store.fetch(conn, "set_offline", stale)
+            lost = await Store.fetch(conn, "lose_node_jobs", stale, reason)
+            if lost:
+                await conn.execute("SELECT pg_notify($1, $2)", NOTIFY_CHANNEL, ",".join(stale))
+        for node in stale:
+            self.fleet.set_online(node, False)
+            log.warning("node %s is offline: %s", node, reason)
+        await self._reload_allocations(stale)
+        await self._publish_events(
+            [Lost(job_id=r["job_id"], node_id=r["node_id"], reason=reason) for r in lost]
+        )
+        if lost:
+            self.wake.capacity()
+
+    async def _resend(self) -> None:
+        async with self.pool.acquire() as conn:
+            rows = await Store.fetch(conn, "stale_placed", self.settings.resend_after_s)
+            if rows:
+                await Store.execute(conn, "touch_jobs", [r["job_id"] for r in rows])
+        for r in rows:
+            job = job_request_decoder.decode(r["request"])
+            log.info(
+                "re-sending grant %s of job %s to %s", r["grant_id"], r["job_id"], r["node_id"]
+            )
+            await self._publish_grant(
+                _grant(job, r["node_id"], r["grant_id"], r["accelerator"], list(r["devices"]))
+            )
+
+    # --- other replicas ------------------------------------------------------------------
+
+    def _on_notify(self, conn: object, pid: int, channel: str, payload: object) -> None:
+        if self._listen_conn is not None and pid == self._listen_conn.get_server_pid():
+            return
+        self._notified.update(n for n in str(payload).split(",") if n)
+        asyncio.get_running_loop().create_task(self._apply_notified())
+
+    async def _apply_notified(self) -> None:
+        nodes, self._notified = sorted(self._notified), set()
+        if nodes:
+            await self._reload_allocations(nodes)
+            self.wake.capacity()
+
+    async def _reload_allocations(self, nodes: list[str] | None) -> None:
+        async with self.pool.acquire() as conn:
+            if nodes is None:
+                rows = await Store.fetch(conn, "load_allocations")
+            else:
+                rows = await Store.fetch(conn, "load_node_allocations", nodes)
+        self.fleet.replace_holds(
+            ((r["node_id"], r["device_index"], r["mode"]) for r in rows), nodes
+        )
+
+
+def _is_json(text: str) -> bool:
+    try:
+        msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return False
+    return True
+
+
+def _mode(p: Placement) -> str:
+    return "shared" if p.use == "shared" else "exclusive"
+
+
+def _requirement_key(job: JobRequest) -> bytes:
+    return encode((job.requirements, job.gpu, job.variants, job.distributed, job.sandbox))
+
+
+def _grant(
+    job: JobRequest, node_id: str, grant_id: str, accelerator: Any, devices: list[int]
+) -> Grant:
+    return Grant(
+        grant_id=grant_id,
+        job=job,
+        node_id=node_id,
+        accelerator=accelerator,
+        devices=devices,
+        visible_env=visibility_env(accelerator, devices, job.sandbox.devices.gpu == "compute"),
+    )

@@ -1,0 +1,97 @@
+"""PostgreSQL edge of placement: migrations and named queries from ``queries.sql``."""
+
+from __future__ import annotations
+
+import logging
+import re
+from importlib import resources
+from typing import Any
+
+import asyncpg
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+
+# Any fixed number: every placement replica takes the same lock, so migrations run once.
+_MIGRATION_LOCK = 0x67707531
+
+
+def load_queries(text: str) -> dict[str, str]:
+    """Split ``-- name: x`` sections into {name: sql}."""
+    parts = _NAME.split(text)
+    queries: dict[str, str] = {}
+    for name, body in zip(parts[1::2], parts[2::2], strict=True):
+        sql = "\n".join(
+            line for line in body.strip().splitlines() if not line.lstrip().startswith("--")
+        )
+        if name in queries:
+            raise ValueError(f"query {name!r} defined twice")
+        queries[name] = sql.strip().rstrip(";")
+    return queries
+
+
+QUERIES = load_queries(resources.files(__package__).joinpath("queries.sql").read_text())
+
+
+def migrations() -> list[tuple[int, str, str]]:
+    """(number, name, sql) of every numbered migration file, in order."""
+    found = []
+    for entry in resources.files(__package__).joinpath("migrations").iterdir():
+        m = re.match(r"^(\d+)_(.+)\.sql$", entry.name)
+        if m:
+            found.append((int(m[1]), entry.name, entry.read_text()))
+    return sorted(found)
+
+
+async def migrate(conn: Any) -> list[str]:
+    """Apply the migrations not yet recorded in ``schema_migrations``. Returns the applied names."""
+    applied: list[str] = []
+    await conn.execute("SELECT pg_advisory_lock($1)", _MIGRATION_LOCK)
+    try:
+        await conn.execute(
+            "CREATE TABLE IF NOT EXISTS schema_migrations ("
+            " version int PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        done = {r["version"] for r in await conn.fetch("SELECT version FROM schema_migrations")}
+        for version, name, sql in migrations():
+            if version in done:
+                continue
+            async with conn.transaction():
+                await conn.execute(sql)
+                await conn.execute(
+                    "INSERT INTO schema_migrations (version, name) VALUES ($1, $2)", version, name
+                )
+            log.info("applied migration %s", name)
+            applied.append(name)
+    finally:
+        await conn.execute("SELECT pg_advisory_unlock($1)", _MIGRATION_LOCK)
+    return applied
+
+
+async def create_pool(url: str, *, min_size: int = 2, max_size: int = 8) -> asyncpg.Pool:
+    pool = await asyncpg.create_pool(url, min_size=min_size, max_size=max_size)
+    assert pool is not None
+    return pool
+
+
+class Store:
+    """Calls queries by name. Each method takes the connection it runs on, so callers decide
+    what shares a transaction."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self.pool = pool
+
+    @staticmethod
+    async def fetch(conn: Any, name: str, *args: Any) -> list[asyncpg.Record]:
+        return list(await conn.fetch(QUERIES[name], *args))
+
+    @staticmethod
+    async def fetchrow(conn: Any, name: str, *args: Any) -> asyncpg.Record | None:
+        row: asyncpg.Record | None = await conn.fetchrow(QUERIES[name], *args)
+        return row
+
+    @staticmethod
+    async def execute(conn: Any, name: str, *args: Any) -> str:
+        status: str = await conn.execute(QUERIES[name], *args)
+        return status

@@ -1,0 +1,184 @@
+"""Placement against real NATS and PostgreSQL: ingest, dedupe, rejection, grants, status."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+
+import asyncpg
+import pytest
+from nats.aio.client import Client
+
+from gpulayer_contracts import (
+    Grant,
+    HostInfo,
+    JobStatus,
+    WorkerCapabilities,
+    __version__,
+    encode,
+)
+from gpulayer_contracts.codec import event_decoder, grant_decoder
+from gpulayer_contracts.subjects import (
+    JOBS_SUBMIT,
+    MSG_ID_HEADER,
+    node_capabilities,
+    node_grants,
+    node_status,
+)
+from gpulayer_placement.service import PlacementService, Settings
+from gpulayer_placement.store import create_pool
+from gpulayer_runtime.nats import ensure_streams
+
+pytestmark = pytest.mark.integration
+
+
+def caps(node_id: str) -> WorkerCapabilities:
+    return WorkerCapabilities(
+        node_id=node_id,
+        agent_version=__version__,
+        detected_at=datetime.now(UTC),
+        host=HostInfo(platform="linux-x86_64", os="linux", cpu_cores=2),
+    )
+
+
+@pytest.fixture
+async def placement(nc: Client, database_url: str) -> AsyncIterator[PlacementService]:
+    await ensure_streams(nc.jetstream())
+    pool = await create_pool(database_url)
+    svc = PlacementService(nc, pool, Settings(node_timeout_s=5, resend_after_s=60))
+    await svc.start()
+    yield svc
+    await svc.close()
+    await pool.close()
+
+
+class Events:
+    """Collects job events from the JOB_EVENTS stream subjects."""
+
+    def __init__(self) -> None:
+        self.by_job: dict[str, list[object]] = {}
+        self.changed = asyncio.Event()
+
+    async def cb(self, msg: object) -> None:
+        ev = event_decoder.decode(msg.data)  # type: ignore[attr-defined]
+        self.by_job.setdefault(ev.job_id, []).append(ev)
+        self.changed.set()
+
+    def types(self, job_id: str) -> list[str]:
+        return [type(e).__struct_config__.tag for e in self.by_job.get(job_id, [])]  # type: ignore[attr-defined]
+
+    async def wait_for(self, job_id: str, tag: str, timeout: float = 10.0) -> None:
+        async def _wait() -> None:
+            while tag not in self.types(job_id):
+                self.changed.clear()
+                await self.changed.wait()
+
+        await asyncio.wait_for(_wait(), timeout)
+
+
+@pytest.fixture
+async def events(nc: Client) -> Events:
+    ev = Events()
+    await nc.subscribe("gpulayer.job.*.events", cb=ev.cb)
+    return ev
+
+
+async def test_cpu_job_is_placed_and_granted(
+    nc: Client, placement: PlacementService, events: Events
+) -> None:
+    js = nc.jetstream()
+    grants: asyncio.Queue[Grant] = asyncio.Queue()
+
+    async def on_grant(msg: object) -> None:
+        await grants.put(grant_decoder.decode(msg.data))  # type: ignore[attr-defined]
+
+    await nc.subscribe(node_grants("node-a"), cb=on_grant)
+    await js.publish(node_capabilities("node-a"), encode(caps("node-a")))
+    job = {"job_id": "cpu-1", "command": ["echo", "hi"]}
+    await js.publish(JOBS_SUBMIT, json.dumps(job).encode(), headers={MSG_ID_HEADER: "cpu-1"})
+    await events.wait_for("cpu-1", "placed")
+    grant = await asyncio.wait_for(grants.get(), 5)
+    assert grant.node_id == "node-a"
+    assert grant.job.command == ["echo", "hi"]
+    assert grant.visible_env["CUDA_VISIBLE_DEVICES"] == ""
+    # The job may briefly wait if it arrives before the node's capabilities are absorbed.
+    types = events.types("cpu-1")
+    assert types[0] == "accepted"
+    assert types.count("placed") == 1
+
+
+async def test_same_job_id_twice_is_one_job(
+    nc: Client, placement: PlacementService, events: Events, database_url: str
+) -> None:
+    js = nc.jetstream()
+    await js.publish(node_capabilities("node-a"), encode(caps("node-a")))
+    body = json.dumps({"job_id": "dup-1", "command": ["true"]}).encode()
+    # Different message ids, so JetStream's own dedupe doesn't hide the second copy.
+    await js.publish(JOBS_SUBMIT, body, headers={MSG_ID_HEADER: "a"})
+    await js.publish(JOBS_SUBMIT, body, headers={MSG_ID_HEADER: "b"})
+    await js.publish(JOBS_SUBMIT, json.dumps({"job_id": "after", "command": ["true"]}).encode())
+    await events.wait_for("after", "placed")
+    await events.wait_for("dup-1", "placed")
+    assert events.types("dup-1").count("accepted") == 1
+    assert events.types("dup-1").count("placed") == 1
+    conn = await asyncpg.connect(database_url)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM jobs WHERE job_id = 'dup-1'") == 1
+    finally:
+        await conn.close()
+
+
+async def test_garbage_is_rejected_and_next_job_runs(
+    nc: Client, placement: PlacementService, events: Events
+) -> None:
+    js = nc.jetstream()
+    await js.publish(node_capabilities("node-a"), encode(caps("node-a")))
+    await js.publish(JOBS_SUBMIT, b"\x00 not json at all")
+    await js.publish(JOBS_SUBMIT, b'{"job_id": "bad-1", "command": "echo hi"}')
+    await js.publish(
+        JOBS_SUBMIT, b'{"job_id": "bad-2", "command": ["x"], "requirements": {"gpu_cont": 1}}'
+    )
+    await js.publish(
+        JOBS_SUBMIT, b'{"job_id": "bad-3", "command": ["x"], "env": {"LD_PRELOAD": "a.so"}}'
+    )
+    await js.publish(JOBS_SUBMIT, b'{"job_id": "good-1", "command": ["true"]}')
+    await events.wait_for("good-1", "placed")
+    await events.wait_for("bad-3", "rejected")
+    bad1 = events.by_job["bad-1"][0]
+    assert "$.command: Expected `array`, got `str`" in bad1.reasons[0]  # type: ignore[attr-defined]
+    assert events.by_job["bad-2"][0].reasons == ["$.requirements.gpu_cont: unknown field"]  # type: ignore[attr-defined]
+    assert "$.env.LD_PRELOAD" in events.by_job["bad-3"][0].reasons[0]  # type: ignore[attr-defined]
+
+
+async def test_status_finishes_job_and_releases(
+    nc: Client, placement: PlacementService, events: Events, database_url: str
+) -> None:
+    js = nc.jetstream()
+    await js.publish(node_capabilities("node-a"), encode(caps("node-a")))
+    await js.publish(JOBS_SUBMIT, b'{"job_id": "st-1", "command": ["true"]}')
+    await events.wait_for("st-1", "placed")
+    conn = await asyncpg.connect(database_url)
+    try:
+        grant_id = await conn.fetchval("SELECT grant_id FROM jobs WHERE job_id = 'st-1'")
+        for state in ("running", "succeeded", "succeeded"):
+            await js.publish(
+                node_status("node-a"),
+                encode(
+                    JobStatus(
+                        job_id="st-1", grant_id=grant_id, node_id="node-a", state=state, exit_code=0
+                    )
+                ),
+            )
+
+        async def finished() -> None:
+            # The outcome is a database row, not an event this test can subscribe to.
+            while (  # noqa: ASYNC110
+                await conn.fetchval("SELECT state FROM jobs WHERE job_id = 'st-1'") != "succeeded"
+            ):
+                await asyncio.sleep(0.05)
+
+        await asyncio.wait_for(finished(), 10)
+    finally:
+        await conn.close()
