@@ -218,6 +218,7 @@ async def _run_examples(
 ) -> bool:
     if not examples:
         return True
+    await _wait_for_node(nc, stack, console)
     by_id = {e.job.job_id: e for e in examples}
     for e in examples:
         console.print(
@@ -262,6 +263,29 @@ async def _run_examples(
         console.print(f"{mark} {e.path.name}: expected {e.expect}, got {got}")
         good &= got == e.expect
     return good
+
+
+async def _wait_for_node(
+    nc: object, stack: Stack, console: Console, timeout_s: float = 30.0
+) -> None:
+    """Wait until placement knows this machine, so the examples are matched against it."""
+    from gpulayer_cli.client import ApiUnavailable, api
+    from gpulayer_contracts.subjects import API_NODES
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        crashed = list(_crashed(stack))
+        if crashed:
+            raise RuntimeError("; ".join(crashed))
+        with contextlib.suppress(ApiUnavailable):
+            nodes = await api(nc, API_NODES, timeout=1.0)  # type: ignore[arg-type]
+            if any(n["node_id"] == stack.node_id for n in nodes):
+                console.print(f"placement knows node {stack.node_id}")
+                return
+        await asyncio.sleep(0.1)
+    console.print(
+        f"[yellow]node {stack.node_id} not registered after {timeout_s:g}s; submitting anyway[/]"
+    )
 
 
 async def _serve(nc: object, stack: Stack, console: Console) -> None:

@@ -43,7 +43,8 @@ async def connect(url: str, name: str, **kwargs: object) -> Client:
         log.warning("nats error: %s", err)
 
     async def on_disconnect() -> None:
-        log.warning("nats disconnected")
+        # Also called on a deliberate close; a lost server shows up as errors and reconnects.
+        log.info("nats disconnected")
 
     async def on_reconnect() -> None:
         log.info("nats reconnected")

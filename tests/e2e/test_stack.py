@@ -1,0 +1,212 @@
+"""The whole way, with the services as separate processes against real NATS and PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from nats.aio.client import Client
+
+from gpulayer_contracts.codec import event_decoder
+from gpulayer_contracts.subjects import JOBS_SUBMIT, MSG_ID_HEADER
+from gpulayer_runtime.nats import ensure_streams
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def _bin(name: str) -> str:
+    return str(BIN / name)
+
+
+class Services:
+    def __init__(self) -> None:
+        self.procs: dict[str, asyncio.subprocess.Process] = {}
+
+    async def start(self, name: str, env: dict[str, str], log: Path) -> None:
+        with log.open("ab") as out:
+            self.procs[name] = await asyncio.create_subprocess_exec(
+                _bin(name), env=env, stdout=out, stderr=asyncio.subprocess.STDOUT
+            )
+
+    async def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+@pytest.fixture
+async def stack(
+    nats_url: str, database_url: str, tmp_path: Path, nc: Client
+) -> AsyncIterator[dict[str, str]]:
+    await ensure_streams(nc.jetstream())
+    env = dict(os.environ)
+    env.update(
+        GPULAYER_NATS_URL=nats_url,
+        GPULAYER_DATABASE_URL=database_url,
+        GPULAYER_NODE_ID="e2e-node",
+        GPULAYER_EXECUTOR_WORKDIR=str(tmp_path / "work"),
+        GPULAYER_HEARTBEAT_S="1",
+    )
+    services = Services()
+    for name in ("gpulayer-placement", "gpulayer-executor", "gpulayer-probe"):
+        await services.start(name, env, tmp_path / f"{name}.log")
+    yield env
+    await services.stop()
+    for name, proc in services.procs.items():
+        # A clean shutdown on SIGTERM, not a crash.
+        assert proc.returncode == 0, (
+            f"{name} exited {proc.returncode}: " + (tmp_path / f"{name}.log").read_text()[-2000:]
+        )
+
+
+async def _events_until(
+    nc: Client, job_ids: set[str], timeout: float = 30.0
+) -> dict[str, list[str]]:
+    """Every event type per job until each job reaches a terminal event."""
+    seen: dict[str, list[str]] = {j: [] for j in job_ids}
+    done = asyncio.Event()
+    terminal = {"rejected", "succeeded", "failed", "cancelled", "lost"}
+
+    async def cb(msg: object) -> None:
+        ev = event_decoder.decode(msg.data)  # type: ignore[attr-defined]
+        if ev.job_id in seen:
+            seen[ev.job_id].append(type(ev).__struct_config__.tag)
+            if all(set(types) & terminal for types in seen.values()):
+                done.set()
+
+    sub = await nc.subscribe("gpulayer.job.*.events", cb=cb)
+    try:
+        await asyncio.wait_for(done.wait(), timeout)
+    finally:
+        await sub.unsubscribe()
+    return seen
+
+
+async def test_cpu_job_runs_end_to_end(stack: dict[str, str], nc: Client, tmp_path: Path) -> None:
+    out = tmp_path / "out.txt"
+    job = {
+        "job_id": "e2e-cpu",
+        "command": [
+            sys.executable,
+            "-c",
+            f"import os; open({str(out)!r}, 'w').write(repr(os.environ['CUDA_VISIBLE_DEVICES']))",
+        ],
+    }
+    waiter = asyncio.create_task(_events_until(nc, {"e2e-cpu"}))
+    await asyncio.sleep(0)  # let the subscription register before publishing
+    await nc.flush()
+    await nc.jetstream().publish(
+        JOBS_SUBMIT, json.dumps(job).encode(), headers={MSG_ID_HEADER: "e2e-cpu"}
+    )
+    seen = await waiter
+    types = seen["e2e-cpu"]
+    assert types[0] == "accepted"
+    assert types[-1] == "succeeded", types
+    assert "placed" in types
+    assert "running" in types
+    assert out.read_text() == "''"  # a CPU job sees CUDA_VISIBLE_DEVICES set and empty
+
+
+async def test_duplicate_id_runs_once_and_garbage_is_rejected(
+    stack: dict[str, str], nc: Client, tmp_path: Path
+) -> None:
+    counter = tmp_path / "count.txt"
+    body = json.dumps(
+        {"job_id": "e2e-dup", "command": ["sh", "-c", f"echo run >> {counter}"]}
+    ).encode()
+    waiter = asyncio.create_task(_events_until(nc, {"e2e-dup", "e2e-bad", "e2e-next"}))
+    await asyncio.sleep(0)
+    await nc.flush()
+    js = nc.jetstream()
+    # Different message ids: JetStream's dedupe window doesn't hide the copy, placement must.
+    await js.publish(JOBS_SUBMIT, body, headers={MSG_ID_HEADER: "copy-1"})
+    await js.publish(JOBS_SUBMIT, body, headers={MSG_ID_HEADER: "copy-2"})
+    await js.publish(JOBS_SUBMIT, b"this is not json")
+    await js.publish(JOBS_SUBMIT, b'{"job_id": "e2e-bad", "command": "ls -l"}')
+    await js.publish(JOBS_SUBMIT, json.dumps({"job_id": "e2e-next", "command": ["true"]}).encode())
+    seen = await waiter
+    assert seen["e2e-dup"].count("accepted") == 1
+    assert seen["e2e-dup"].count("running") == 1
+    assert seen["e2e-dup"][-1] == "succeeded"
+    assert counter.read_text() == "run\n"
+    assert seen["e2e-bad"] == ["rejected"]
+    assert seen["e2e-next"][-1] == "succeeded"
+
+
+async def test_dev_up_once_runs_the_examples(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULAYER_")}
+    proc = await asyncio.create_subprocess_exec(
+        _bin("gpulayer"), "dev", "up", "--once", "--data-dir", str(tmp_path / "dev"),
+        "--examples", str(ROOT / "examples"), "--timeout", "90",
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=tmp_path,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(proc.communicate(), 150)
+    text = out.decode()
+    assert proc.returncode == 0, text
+    assert re.search(r"cpu-hello-\d+ succeeded", text), text
+    assert "ok cpu-hello.toml: expected succeeded, got succeeded" in text
+
+
+async def test_readme_snippet_runs_against_dev_up(tmp_path: Path) -> None:
+    """The nats-py example in the README, unchanged but for the URL, against `gpulayer dev up`."""
+    readme = (ROOT / "README.md").read_text()
+    snippet = re.search(r"```python\n(.*?)```", readme, re.S)
+    assert snippet is not None
+    empty = tmp_path / "no-examples"
+    empty.mkdir()
+    (empty / "expectations.toml").write_text("[expect]\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULAYER_")}
+    dev = await asyncio.create_subprocess_exec(
+        _bin("gpulayer"), "dev", "up", "--data-dir", str(tmp_path / "dev"), "--examples", str(empty),
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=tmp_path,
+    )  # fmt: skip
+    assert dev.stdout is not None
+    url = None
+    lines: list[str] = []
+    try:
+        async with asyncio.timeout(60):
+            while True:
+                line = (await dev.stdout.readline()).decode()
+                assert line, "dev up ended early:\n" + "".join(lines)
+                lines.append(line)
+                if m := re.match(r"NATS\s+(nats://\S+)", line):
+                    url = m[1]
+                if line.startswith("serving"):
+                    break
+        assert url is not None
+        script = tmp_path / "snippet.py"
+        script.write_text(snippet[1].replace("nats://127.0.0.1:4222", url))
+        # Only nats-py: the snippet imports nothing of gpulayer.
+        assert "gpulayer_" not in snippet[1]
+        run = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(script),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        out, _ = await asyncio.wait_for(run.communicate(), 60)
+        text = out.decode()
+        assert run.returncode == 0, text
+        types = [line.split()[0] for line in text.splitlines() if line]
+        assert types[0] == "accepted"
+        assert types[-1] == "succeeded", text
+    finally:
+        dev.send_signal(signal.SIGINT)
+        rest, _ = await asyncio.wait_for(dev.communicate(), 30)
+    assert dev.returncode == 0, "".join(lines) + rest.decode()
