@@ -11,6 +11,7 @@ from contextlib import AsyncExitStack
 from gpulayer_runtime.logs import setup_logging
 from gpulayer_runtime.nats import connect, ensure_streams
 from gpulayer_runtime.settings import database_url, env_float, env_int, env_str, nats_url
+from gpulayer_runtime.telemetry import setup_telemetry
 
 log = logging.getLogger("gpulayer_placement")
 
@@ -28,17 +29,19 @@ async def _amain() -> None:
         batch_size=env_int(env, "GPULAYER_PLACEMENT_BATCH", 256),
     )
     log.info("settings: nats=%s database=%s %s", url, _redact(db), settings)
+    telemetry = setup_telemetry("gpulayer-placement", env)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     async with AsyncExitStack() as stack:
+        stack.callback(telemetry.shutdown)
         nc = await connect(url, "gpulayer-placement")
         stack.push_async_callback(nc.drain)
         await ensure_streams(nc.jetstream())
         pool = await create_pool(db)
         stack.push_async_callback(pool.close)
-        service = PlacementService(nc, pool, settings)
+        service = PlacementService(nc, pool, settings, telemetry)
         await service.start()
         stack.push_async_callback(service.close)
         done = asyncio.create_task(service.stop.wait())

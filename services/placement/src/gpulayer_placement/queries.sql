@@ -43,22 +43,23 @@ WITH lost AS (
 SELECT job_id, node_id FROM lost;
 
 -- name: insert_jobs
-INSERT INTO jobs (job_id, request, state, reason)
-SELECT j.job_id, j.request::jsonb, j.state, j.reason
-FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) AS j(job_id, request, state, reason)
+INSERT INTO jobs (job_id, request, state, reason, traceparent)
+SELECT j.job_id, j.request::jsonb, j.state, j.reason, j.traceparent
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[])
+     AS j(job_id, request, state, reason, traceparent)
 ON CONFLICT (job_id) DO NOTHING
 RETURNING job_id;
 
 -- name: take_pending
 -- Oldest first, a page after ($2, $3). SKIP LOCKED lets several replicas split waiting jobs.
-SELECT job_id, request::text AS request, reason, attempt, submitted_at FROM jobs
+SELECT job_id, request::text AS request, reason, attempt, submitted_at, traceparent FROM jobs
 WHERE state = 'pending' AND (submitted_at, job_id) > ($2::timestamptz, $3::text)
 ORDER BY submitted_at, job_id
 LIMIT $1
 FOR UPDATE SKIP LOCKED;
 
 -- name: take_jobs
-SELECT job_id, request::text AS request, reason, attempt, submitted_at FROM jobs
+SELECT job_id, request::text AS request, reason, attempt, submitted_at, traceparent FROM jobs
 WHERE state = 'pending' AND job_id = ANY($1::text[])
 ORDER BY submitted_at, job_id
 FOR UPDATE SKIP LOCKED;
@@ -97,7 +98,8 @@ DELETE FROM allocations WHERE job_id = ANY($1::text[]) RETURNING node_id, device
 -- name: stale_placed
 -- Placed jobs whose executor never said "running": re-send the grant (executors start a grant
 -- at most once, so this is safe).
-SELECT job_id, request::text AS request, node_id, grant_id, accelerator, devices FROM jobs
+SELECT job_id, request::text AS request, node_id, grant_id, accelerator, devices, traceparent
+FROM jobs
 WHERE state = 'placed' AND updated_at < now() - make_interval(secs => $1);
 
 -- name: touch_jobs
@@ -128,3 +130,6 @@ FROM nodes n ORDER BY node_id;
 
 -- name: job_counts
 SELECT state, count(*) AS n FROM jobs GROUP BY state;
+
+-- name: pending_counts
+SELECT unsatisfiable, count(*) AS n FROM jobs WHERE state = 'pending' GROUP BY unsatisfiable;

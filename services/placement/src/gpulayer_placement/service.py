@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -65,6 +66,7 @@ from gpulayer_contracts.validation import visibility_env
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.matcher import NoPlacement, Placement, match
 from gpulayer_placement.store import Store, migrate
+from gpulayer_runtime.telemetry import DISABLED, Telemetry, extract, inject
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +82,21 @@ class Settings:
     page_size: int = 1000
 
 
+@dataclass(frozen=True, slots=True)
+class _Placed:
+    job: JobRequest
+    placement: Placement
+    grant_id: str
+    traceparent: str | None
+    submitted: float  # epoch seconds the job entered the JOBS stream (or the table)
+    match_ns: tuple[int, int]  # wall-clock start/end of matching, for the job's trace
+
+
 @dataclass
 class _Outcome:
-    placements: list[tuple[JobRequest, Placement, str]] = field(default_factory=list)
+    placements: list[_Placed] = field(default_factory=list)
     waiting: list[tuple[str, NoPlacement]] = field(default_factory=list)
+    commit_ns: tuple[int, int] = (0, 0)
 
 
 @dataclass
@@ -104,8 +117,15 @@ class _Wake:
 
 
 class PlacementService:
-    def __init__(self, nc: Client, pool: asyncpg.Pool, settings: Settings | None = None) -> None:
+    def __init__(
+        self,
+        nc: Client,
+        pool: asyncpg.Pool,
+        settings: Settings | None = None,
+        telemetry: Telemetry = DISABLED,
+    ) -> None:
         self.nc = nc
+        self.tel = telemetry
         self.js: JetStreamContext = nc.jetstream()
         self.pool = pool
         self.store = Store(pool)
@@ -114,6 +134,9 @@ class PlacementService:
         self.stop = asyncio.Event()
         self.wake = _Wake()
         self._jobs: dict[str, JobRequest] = {}
+        # JetStream publish time of jobs ingested here, for the submit-to-grant latency.
+        self._submitted: dict[str, float] = {}
+        self._gauges: dict[str, list[tuple[float, dict[str, Any]]]] = {}
         self._caps_queue: asyncio.Queue[Msg] = asyncio.Queue()
         self._heartbeats: dict[str, datetime] = {}
         self._notified: set[str] = set()
@@ -166,6 +189,9 @@ class PlacementService:
         self._spawn("heartbeats", self._heartbeat_loop())
         self._spawn("reaper", self._every(max(self.settings.node_timeout_s / 3, 0.2), self._reap))
         self._spawn("resend", self._every(max(self.settings.resend_after_s / 3, 0.5), self._resend))
+        if self.tel.enabled:
+            self._register_gauges()
+            self._spawn("job-gauges", self._every(5.0, self._refresh_job_gauges))
         log.info("placement started with %d known nodes", len(self.fleet))
 
     def _spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
@@ -243,42 +269,64 @@ class PlacementService:
         headers = {MSG_ID_HEADER: f"{event.job_id}:{tag}:{event.at.timestamp()}"}
         await self.js.publish(job_events(event.job_id), encode(event), headers=headers)
 
-    async def _publish_grant(self, grant: Grant) -> None:
-        await self.js.publish(
-            node_grants(grant.node_id), encode(grant), headers={MSG_ID_HEADER: grant.grant_id}
-        )
+    async def _publish_grant(self, grant: Grant, headers: dict[str, str] | None = None) -> None:
+        h = {MSG_ID_HEADER: grant.grant_id}
+        if headers:
+            h.update(headers)
+        await self.js.publish(node_grants(grant.node_id), encode(grant), headers=h)
 
     # --- ingest --------------------------------------------------------------------------
 
     async def _ingest(self, msgs: list[Msg]) -> None:
-        rows: dict[str, tuple[str, str, str | None]] = {}
+        rows: dict[str, tuple[str, str, str, str | None]] = {}
         accepted: dict[str, JobRequest] = {}
         warnings: dict[str, list[str]] = {}
         rejections: dict[str, list[str]] = {}
+        tel = self.tel.enabled
         for msg in msgs:
+            traceparent = (msg.headers or {}).get("traceparent")
+            if tel:
+                meta = msg.metadata
+                if meta.num_delivered and meta.num_delivered > 1:
+                    self.tel.count(
+                        "gpulayer.consumer.redeliveries", 1, {"consumer": "placement-jobs"}
+                    )
             try:
                 job = decode_job_json(msg.data)
             except InvalidInput as err:
                 job_id = best_effort_job_id(msg.data)
                 log.warning("rejected message on %s (job %s): %s", msg.subject, job_id, err)
+                self.tel.count(
+                    "gpulayer.messages.rejected", 1, {"subject": "jobs.submit", "why": "malformed"}
+                )
                 if job_id is not None and job_id not in rows:
                     rejections[job_id] = [str(err)]
-                    rows[job_id] = (job_id, msg.data.decode("utf-8", "replace"), "rejected")
+                    rows[job_id] = (
+                        job_id,
+                        msg.data.decode("utf-8", "replace"),
+                        "rejected",
+                        traceparent,
+                    )
                 continue
             if job.job_id in rows:
                 continue  # the same id twice in one batch is one job
             result = validate_job(job)
             body = encode(job).decode()
             if result.errors:
+                self.tel.count(
+                    "gpulayer.messages.rejected", 1, {"subject": "jobs.submit", "why": "invalid"}
+                )
                 rejections[job.job_id] = result.errors
-                rows[job.job_id] = (job.job_id, body, "rejected")
+                rows[job.job_id] = (job.job_id, body, "rejected", traceparent)
             else:
                 accepted[job.job_id] = job
                 warnings[job.job_id] = result.warnings
-                rows[job.job_id] = (job.job_id, body, "pending")
+                rows[job.job_id] = (job.job_id, body, "pending", traceparent)
+                if tel:
+                    self._submitted[job.job_id] = msg.metadata.timestamp.timestamp()
         new: set[str] = set()
         if rows:
-            ids, bodies, states = zip(*rows.values(), strict=True)
+            ids, bodies, states, parents = zip(*rows.values(), strict=True)
             reasons = ["; ".join(rejections[i]) if i in rejections else None for i in ids]
             # A rejected body that isn't JSON is stored as a JSON string so the row still exists.
             bodies = tuple(
@@ -286,7 +334,9 @@ class PlacementService:
                 for b, s in zip(bodies, states, strict=True)
             )
             async with self.pool.acquire() as conn:
-                inserted = await Store.fetch(conn, "insert_jobs", ids, bodies, states, reasons)
+                inserted = await Store.fetch(
+                    conn, "insert_jobs", ids, bodies, states, reasons, parents
+                )
             new = {r["job_id"] for r in inserted}
         events: list[JobEvent] = []
         for job_id in rows:
@@ -358,11 +408,13 @@ class PlacementService:
                 if not rows:
                     return None
                 self._match_rows(rows, failed, outcome)
+                t0 = time.time_ns()
                 await self._persist(conn, outcome)
+            outcome.commit_ns = (t0, time.time_ns())
         except BaseException:
             # Nothing was committed: give back what this batch held in memory.
-            for _, p, _ in outcome.placements:
-                self.fleet.release(p.node_id, p.devices, _mode(p))
+            for pl in outcome.placements:
+                self.fleet.release(pl.placement.node_id, pl.placement.devices, _mode(pl.placement))
             raise
         await self._publish_outcome(outcome)
         return rows[-1]["submitted_at"], rows[-1]["job_id"]
@@ -379,9 +431,23 @@ class PlacementService:
                 job = job_request_decoder.decode(row["request"])
                 self._jobs[job_id] = job
             key = _requirement_key(job)
+            t0 = time.time_ns()
             decision = failed.get(key) or match(job, self.fleet.rotated())
+            t1 = time.time_ns()
+            if self.tel.enabled:
+                self.tel.record("gpulayer.placement.decision.duration", (t1 - t0) / 1e9)
             if isinstance(decision, Placement):
-                outcome.placements.append((job, decision, f"{job_id}-{row['attempt'] + 1}"))
+                submitted = self._submitted.pop(job_id, None) or row["submitted_at"].timestamp()
+                outcome.placements.append(
+                    _Placed(
+                        job=job,
+                        placement=decision,
+                        grant_id=f"{job_id}-{row['attempt'] + 1}",
+                        traceparent=row["traceparent"],
+                        submitted=submitted,
+                        match_ns=(t0, t1),
+                    )
+                )
                 # Held at once, so later jobs of this batch see the devices taken.
                 self.fleet.hold(decision.node_id, decision.devices, _mode(decision))
             else:
@@ -392,24 +458,25 @@ class PlacementService:
     async def _persist(self, conn: Any, outcome: _Outcome) -> None:
         if outcome.placements:
             alloc: tuple[list[str], list[str], list[int], list[str]] = ([], [], [], [])
-            for job, p, _ in outcome.placements:
-                for d in p.devices:
-                    alloc[0].append(job.job_id)
-                    alloc[1].append(p.node_id)
+            for pl in outcome.placements:
+                for d in pl.placement.devices:
+                    alloc[0].append(pl.job.job_id)
+                    alloc[1].append(pl.placement.node_id)
                     alloc[2].append(d)
-                    alloc[3].append(_mode(p))
+                    alloc[3].append(_mode(pl.placement))
             if alloc[0]:
                 await Store.execute(conn, "insert_allocations", *alloc)
+            ps = outcome.placements
             await Store.execute(
                 conn,
                 "mark_placed",
-                [j.job_id for j, _, _ in outcome.placements],
-                [p.node_id for _, p, _ in outcome.placements],
-                [g for _, _, g in outcome.placements],
-                [p.accelerator for _, p, _ in outcome.placements],
-                ["{" + ",".join(map(str, p.devices)) + "}" for _, p, _ in outcome.placements],
+                [pl.job.job_id for pl in ps],
+                [pl.placement.node_id for pl in ps],
+                [pl.grant_id for pl in ps],
+                [pl.placement.accelerator for pl in ps],
+                ["{" + ",".join(map(str, pl.placement.devices)) + "}" for pl in ps],
             )
-            nodes = sorted({p.node_id for _, p, _ in outcome.placements if p.devices})
+            nodes = sorted({pl.placement.node_id for pl in ps if pl.placement.devices})
             if nodes:
                 await conn.execute("SELECT pg_notify($1, $2)", NOTIFY_CHANNEL, ",".join(nodes))
         if outcome.waiting:
@@ -423,8 +490,14 @@ class PlacementService:
 
     async def _publish_outcome(self, outcome: _Outcome) -> None:
         grants = [
-            _grant(job, p.node_id, grant_id, p.accelerator, p.devices)
-            for job, p, grant_id in outcome.placements
+            _grant(
+                pl.job,
+                pl.placement.node_id,
+                pl.grant_id,
+                pl.placement.accelerator,
+                pl.placement.devices,
+            )
+            for pl in outcome.placements
         ]
         events: list[JobEvent] = [
             Placed(
@@ -438,19 +511,123 @@ class PlacementService:
         ]
         # Events first: a user watching the job sees "placed" before the executor's "running".
         await self._publish_events(events)
-        await asyncio.gather(*(self._publish_grant(g) for g in grants))
+        if self.tel.enabled:
+            pairs = zip(outcome.placements, grants, strict=True)
+            await asyncio.gather(
+                *(self._publish_traced(pl, g, outcome.commit_ns) for pl, g in pairs)
+            )
+        else:
+            await asyncio.gather(*(self._publish_grant(g) for g in grants))
         self.placed_total += len(grants)
+
+    async def _publish_traced(self, pl: _Placed, grant: Grant, commit_ns: tuple[int, int]) -> None:
+        """Publish a grant under the job's trace: the submitter's trace id when it sent one.
+
+        The batch's steps happened before the job's span could be opened, so its child spans
+        are recorded afterwards with their measured start and end times."""
+        from opentelemetry import trace
+        from opentelemetry.trace import SpanKind
+
+        tracer = self.tel.tracer
+        attrs: dict[str, Any] = {
+            "messaging.system": "nats",
+            "messaging.destination.name": node_grants(grant.node_id),
+            "gpulayer.job.id": grant.job.job_id,
+            "gpulayer.node.id": grant.node_id,
+            "gpulayer.accelerator": grant.accelerator,
+            "gpulayer.devices": grant.devices,
+        }
+        parent = extract({"traceparent": pl.traceparent}) if pl.traceparent else None
+        root = tracer.start_span(
+            "placement place",
+            context=parent,
+            kind=SpanKind.CONSUMER,
+            attributes=attrs,
+            start_time=pl.match_ns[0],
+        )
+        ctx = trace.set_span_in_context(root)
+        tracer.start_span("placement match", context=ctx, start_time=pl.match_ns[0]).end(
+            end_time=pl.match_ns[1]
+        )
+        tracer.start_span("placement commit", context=ctx, start_time=commit_ns[0]).end(
+            end_time=commit_ns[1]
+        )
+        with tracer.start_as_current_span(
+            "placement publish grant", context=ctx, kind=SpanKind.PRODUCER
+        ):
+            await self._publish_grant(grant, inject({}))
+        self.tel.record(
+            "gpulayer.placement.submit_to_grant.duration", max(time.time() - pl.submitted, 0.0)
+        )
+        self.tel.count("gpulayer.placement.placed", 1, {"accelerator": grant.accelerator})
+        root.end()
+
+    # --- metrics -------------------------------------------------------------------------
+
+    def _register_gauges(self) -> None:
+        def nodes() -> list[tuple[float, dict[str, Any]]]:
+            counts: dict[tuple[str, str, str], int] = {}
+            for v in self.fleet.views():
+                accs = {
+                    d.accelerator for d in v.capabilities.accelerators if d.execution_supported
+                } or {"cpu"}
+                for acc in accs:
+                    key = (
+                        "online" if v.online else "offline",
+                        acc,
+                        v.capabilities.host.platform or "unknown",
+                    )
+                    counts[key] = counts.get(key, 0) + 1
+            return [
+                (n, {"state": k[0], "accelerator": k[1], "platform": k[2]})
+                for k, n in counts.items()
+            ]
+
+        def devices() -> list[tuple[float, dict[str, Any]]]:
+            counts: dict[tuple[str, str, str], int] = {}
+            for v in self.fleet.views():
+                for d in v.capabilities.accelerators:
+                    if not d.execution_supported:
+                        continue
+                    state = "allocated" if d.index in v.exclusive or d.index in v.shared else "free"
+                    key = (state, d.accelerator, v.node_id)
+                    counts[key] = counts.get(key, 0) + 1
+            return [
+                (n, {"state": k[0], "accelerator": k[1], "node": k[2]}) for k, n in counts.items()
+            ]
+
+        self.tel.gauge("gpulayer.nodes", nodes)
+        self.tel.gauge("gpulayer.devices", devices)
+        self.tel.gauge("gpulayer.jobs", lambda: self._gauges.get("jobs", []))
+        self.tel.gauge("gpulayer.jobs.pending", lambda: self._gauges.get("pending", []))
+
+    async def _refresh_job_gauges(self) -> None:
+        async with self.pool.acquire() as conn:
+            states = await Store.fetch(conn, "job_counts")
+            pending = await Store.fetch(conn, "pending_counts")
+        self._gauges["jobs"] = [(r["n"], {"state": r["state"]}) for r in states]
+        self._gauges["pending"] = [
+            (r["n"], {"reason": "unsatisfiable" if r["unsatisfiable"] else "waiting for capacity"})
+            for r in pending
+        ]
 
     # --- status --------------------------------------------------------------------------
 
     async def _apply_status(self, msgs: list[Msg]) -> None:
         latest: dict[tuple[str, str], tuple[str, str, str, int | None, str | None]] = {}
         for msg in msgs:
+            if self.tel.enabled and (msg.metadata.num_delivered or 0) > 1:
+                self.tel.count(
+                    "gpulayer.consumer.redeliveries", 1, {"consumer": "placement-status"}
+                )
             try:
                 status = status_decoder.decode(msg.data)
                 node = node_from_subject(msg.subject)
             except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as err:
                 log.warning("rejected status message on %s: %s", msg.subject, err)
+                self.tel.count(
+                    "gpulayer.messages.rejected", 1, {"subject": "node.status", "why": "malformed"}
+                )
                 continue
             if status.node_id != node:
                 log.warning(
@@ -583,8 +760,9 @@ class PlacementService:
             log.info(
                 "re-sending grant %s of job %s to %s", r["grant_id"], r["job_id"], r["node_id"]
             )
+            grant = _grant(job, r["node_id"], r["grant_id"], r["accelerator"], list(r["devices"]))
             await self._publish_grant(
-                _grant(job, r["node_id"], r["grant_id"], r["accelerator"], list(r["devices"]))
+                grant, {"traceparent": r["traceparent"]} if r["traceparent"] else None
             )
 
     # --- other replicas ------------------------------------------------------------------

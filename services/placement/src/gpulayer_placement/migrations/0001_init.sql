@@ -26,7 +26,9 @@ CREATE TABLE jobs (
     exit_code    int,
     reason       text,
     unsatisfiable boolean NOT NULL DEFAULT false,
-    attempt      int NOT NULL DEFAULT 0
+    attempt      int NOT NULL DEFAULT 0,
+    -- W3C traceparent the job was submitted with: its placement joins the submitter's trace.
+    traceparent  text
 );
 -- The scheduler takes waiting jobs oldest first.
 CREATE INDEX jobs_pending_idx ON jobs (submitted_at, job_id) WHERE state = 'pending';
