@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 from nats.aio.client import Client
+from tests.helpers import Services, events_until
 
-from gpulayer_contracts.codec import event_decoder
 from gpulayer_contracts.subjects import JOBS_SUBMIT, MSG_ID_HEADER
 from gpulayer_runtime.nats import ensure_streams
 
@@ -26,28 +26,6 @@ BIN = Path(sys.executable).parent
 
 def _bin(name: str) -> str:
     return str(BIN / name)
-
-
-class Services:
-    def __init__(self) -> None:
-        self.procs: dict[str, asyncio.subprocess.Process] = {}
-
-    async def start(self, name: str, env: dict[str, str], log: Path) -> None:
-        with log.open("ab") as out:
-            self.procs[name] = await asyncio.create_subprocess_exec(
-                _bin(name), env=env, stdout=out, stderr=asyncio.subprocess.STDOUT
-            )
-
-    async def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.returncode is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                await asyncio.wait_for(proc.wait(), 10)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
 
 
 @pytest.fixture
@@ -75,29 +53,6 @@ async def stack(
         )
 
 
-async def _events_until(
-    nc: Client, job_ids: set[str], timeout: float = 30.0
-) -> dict[str, list[str]]:
-    """Every event type per job until each job reaches a terminal event."""
-    seen: dict[str, list[str]] = {j: [] for j in job_ids}
-    done = asyncio.Event()
-    terminal = {"rejected", "succeeded", "failed", "cancelled", "lost"}
-
-    async def cb(msg: object) -> None:
-        ev = event_decoder.decode(msg.data)  # type: ignore[attr-defined]
-        if ev.job_id in seen:
-            seen[ev.job_id].append(type(ev).__struct_config__.tag)
-            if all(set(types) & terminal for types in seen.values()):
-                done.set()
-
-    sub = await nc.subscribe("gpulayer.job.*.events", cb=cb)
-    try:
-        await asyncio.wait_for(done.wait(), timeout)
-    finally:
-        await sub.unsubscribe()
-    return seen
-
-
 async def test_cpu_job_runs_end_to_end(stack: dict[str, str], nc: Client, tmp_path: Path) -> None:
     out = tmp_path / "out.txt"
     job = {
@@ -108,7 +63,7 @@ async def test_cpu_job_runs_end_to_end(stack: dict[str, str], nc: Client, tmp_pa
             f"import os; open({str(out)!r}, 'w').write(repr(os.environ['CUDA_VISIBLE_DEVICES']))",
         ],
     }
-    waiter = asyncio.create_task(_events_until(nc, {"e2e-cpu"}))
+    waiter = asyncio.create_task(events_until(nc, {"e2e-cpu"}))
     await asyncio.sleep(0)  # let the subscription register before publishing
     await nc.flush()
     await nc.jetstream().publish(
@@ -130,7 +85,7 @@ async def test_duplicate_id_runs_once_and_garbage_is_rejected(
     body = json.dumps(
         {"job_id": "e2e-dup", "command": ["sh", "-c", f"echo run >> {counter}"]}
     ).encode()
-    waiter = asyncio.create_task(_events_until(nc, {"e2e-dup", "e2e-bad", "e2e-next"}))
+    waiter = asyncio.create_task(events_until(nc, {"e2e-dup", "e2e-bad", "e2e-next"}))
     await asyncio.sleep(0)
     await nc.flush()
     js = nc.jetstream()

@@ -1,0 +1,117 @@
+"""One trace per job across processes, and the metrics, seen by a real OTLP/HTTP receiver."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from nats.aio.client import Client
+from tests.helpers import Services, events_until
+from tests.otlp_receiver import OtlpReceiver, Received
+
+from gpulayer_contracts.subjects import JOBS_SUBMIT, MSG_ID_HEADER
+from gpulayer_runtime.nats import ensure_streams
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def receiver() -> Iterator[OtlpReceiver]:
+    with OtlpReceiver() as r:
+        yield r
+
+
+def _has(r: Received, service: str, trace_id: str) -> bool:
+    return any(s.service == service and s.trace_id == trace_id for s in r.spans)
+
+
+def _metric(r: Received, name: str) -> list[float]:
+    return [p.value for p in r.metrics if p.name == name]
+
+
+async def test_one_trace_per_job_and_metrics(
+    nats_url: str, database_url: str, tmp_path: Path, nc: Client, receiver: OtlpReceiver
+) -> None:
+    await ensure_streams(nc.jetstream())
+    env = dict(os.environ)
+    env.update(
+        GPULAYER_NATS_URL=nats_url,
+        GPULAYER_DATABASE_URL=database_url,
+        GPULAYER_NODE_ID="otel-node",
+        GPULAYER_EXECUTOR_WORKDIR=str(tmp_path / "work"),
+        GPULAYER_HEARTBEAT_S="1",
+        OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
+        OTEL_BSP_SCHEDULE_DELAY="100",
+        OTEL_METRIC_EXPORT_INTERVAL="300",
+    )
+    services = Services()
+    for name in ("gpulayer-placement", "gpulayer-executor", "gpulayer-probe"):
+        await services.start(name, env, tmp_path / f"{name}.log")
+    try:
+        trace_id = secrets.token_hex(16)
+        traceparent = f"00-{trace_id}-{secrets.token_hex(8)}-01"
+        waiter = asyncio.create_task(events_until(nc, {"otel-1"}))
+        await asyncio.sleep(0)
+        await nc.flush()
+        await nc.jetstream().publish(
+            JOBS_SUBMIT,
+            json.dumps({"job_id": "otel-1", "command": ["true"]}).encode(),
+            headers={MSG_ID_HEADER: "otel-1", "traceparent": traceparent},
+        )
+        seen = await waiter
+        assert seen["otel-1"][-1] == "succeeded"
+
+        r = receiver.received
+        got = await asyncio.to_thread(
+            r.wait,
+            lambda r: (
+                _has(r, "gpulayer-placement", trace_id) and _has(r, "gpulayer-executor", trace_id)
+            ),
+            20,
+        )
+        services_seen = {s.service for s in r.spans if s.trace_id == trace_id}
+        assert got, f"spans under the submitter's trace from {services_seen}"
+        place = next(s for s in r.spans if s.trace_id == trace_id and s.name == "placement place")
+        assert place.attributes["gpulayer.job.id"] == "otel-1"
+        assert place.attributes["gpulayer.node.id"] == "otel-node"
+        assert place.attributes["messaging.system"] == "nats"
+        names = {s.name for s in r.spans if s.trace_id == trace_id}
+        assert {"placement match", "placement commit", "placement publish grant"} <= names
+
+        # A capability update from the probe is its own trace.
+        assert await asyncio.to_thread(
+            r.wait, lambda r: any(s.service == "gpulayer-probe" for s in r.spans), 20
+        )
+        assert all(s.trace_id != trace_id for s in r.spans if s.service == "gpulayer-probe")
+
+        wanted = [
+            "gpulayer.placement.submit_to_grant.duration",
+            "gpulayer.placement.decision.duration",
+            "gpulayer.nodes",
+            "gpulayer.executor.job.duration",
+            "gpulayer.probe.detection.duration",
+        ]
+        assert await asyncio.to_thread(r.wait, lambda r: all(_metric(r, n) for n in wanted), 20), {
+            p.name for p in r.metrics
+        }
+        grant_latency = [
+            p for p in r.metrics if p.name == "gpulayer.placement.submit_to_grant.duration"
+        ]
+        assert any(p.value >= 1 and 0 < p.total < 10 for p in grant_latency)
+        online = [
+            p.value
+            for p in r.metrics
+            if p.name == "gpulayer.nodes" and p.attributes.get("state") == "online"
+        ]
+        assert max(online) >= 1
+        durations = [p for p in r.metrics if p.name == "gpulayer.executor.job.duration"]
+        assert any(
+            p.attributes.get("outcome") == "succeeded" and 0 < p.total < 10 for p in durations
+        )
+    finally:
+        await services.stop()
