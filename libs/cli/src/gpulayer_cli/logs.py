@@ -1,0 +1,145 @@
+"""``gpulayer logs JOB_ID [-f]``: a job's output lines from the LOGS stream.
+
+Without ``-f`` it prints what is stored now. With ``-f`` it keeps printing until the job's events
+subject shows a terminal event, then prints the lines stored before that event and returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from typing import TextIO
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from gpulayer_contracts.codec import log_line_decoder
+from gpulayer_contracts.events import TERMINAL_EVENT_TYPES
+from gpulayer_contracts.subjects import job_events, job_logs
+
+LOGS_STREAM = "LOGS"
+EVENTS_STREAM = "JOB_EVENTS"
+# After the terminal event, how long to wait for the last stored lines to arrive.
+DRAIN_S = 10.0
+
+
+class _Printer:
+    """Writes each log line once, in stream order, and says when a given sequence is reached."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.seq = 0
+        self.target: int | None = None
+        self.reached = asyncio.Event()
+
+    def until(self, seq: int) -> None:
+        self.target = seq
+        if self.seq >= seq:
+            self.reached.set()
+
+    async def on_msg(self, msg: Msg) -> None:
+        seq = msg.metadata.sequence.stream
+        if seq <= self.seq:
+            return
+        self.seq = seq
+        try:
+            line = log_line_decoder.decode(msg.data).line
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            line = None
+        if line is not None:
+            self.out.write(line + "\n")
+            self.out.flush()
+        if self.target is not None and seq >= self.target:
+            self.reached.set()
+
+
+async def _last_seq(js: JetStreamContext, stream: str, subject: str) -> int | None:
+    try:
+        msg = await js.get_last_msg(stream, subject)
+    except nats.js.errors.NotFoundError:
+        return None
+    return msg.seq
+
+
+async def run_logs(
+    nats_url: str, job_id: str, *, follow: bool, out: TextIO, err: TextIO | None = None
+) -> int:
+    """Print the job's output lines; with ``follow`` until the job has ended. Exit status:
+    0, or 1 when the job is unknown / NATS can't be reached, 2 for an invalid job id."""
+    err = err or sys.stderr
+    try:
+        logs_subject, events_subject = job_logs(job_id), job_events(job_id)
+    except ValueError as e:
+        err.write(f"gpulayer logs: {e}\n")
+        return 2
+    try:
+        nc = await nats.connect(
+            nats_url, name="gpulayer-logs", connect_timeout=5, max_reconnect_attempts=3
+        )
+    except (nats.errors.Error, OSError) as e:
+        err.write(f"gpulayer logs: cannot reach NATS at {nats_url}: {e}\n")
+        return 1
+    try:
+        js = nc.jetstream()
+        printer = _Printer(out)
+        try:
+            last = await _last_seq(js, LOGS_STREAM, logs_subject)
+            if not follow:
+                if last is None:
+                    if await _last_seq(js, EVENTS_STREAM, events_subject) is None:
+                        err.write(f"gpulayer logs: no logs or events for job {job_id}\n")
+                        return 1
+                    return 0
+                await _print_until(js, logs_subject, printer, last)
+                return 0
+            return await _follow(js, logs_subject, events_subject, printer)
+        except nats.js.errors.NotFoundError:
+            err.write(
+                "gpulayer logs: the LOGS and JOB_EVENTS streams do not exist (is gpulayer running?)\n"
+            )
+            return 1
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.close()
+
+
+async def _print_until(js: JetStreamContext, subject: str, printer: _Printer, last: int) -> None:
+    printer.until(last)
+    sub = await js.subscribe(subject, ordered_consumer=True, cb=printer.on_msg)
+    try:
+        await printer.reached.wait()
+    finally:
+        await sub.unsubscribe()
+
+
+async def _follow(
+    js: JetStreamContext, logs_subject: str, events_subject: str, printer: _Printer
+) -> int:
+    ended = asyncio.Event()
+
+    async def on_event(msg: Msg) -> None:
+        with contextlib.suppress(msgspec.DecodeError):
+            raw = msgspec.json.decode(msg.data)
+            if isinstance(raw, dict) and raw.get("type") in TERMINAL_EVENT_TYPES:
+                ended.set()
+
+    logs_sub = await js.subscribe(logs_subject, ordered_consumer=True, cb=printer.on_msg)
+    events_sub = await js.subscribe(events_subject, ordered_consumer=True, cb=on_event)
+    try:
+        await ended.wait()
+        # The executor publishes a job's lines before its terminal event: print up to the last
+        # line stored now, then stop.
+        last = await _last_seq(js, LOGS_STREAM, logs_subject)
+        if last is not None:
+            printer.until(last)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(printer.reached.wait(), DRAIN_S)
+    finally:
+        await events_sub.unsubscribe()
+        await logs_sub.unsubscribe()
+    return 0

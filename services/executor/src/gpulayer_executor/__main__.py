@@ -1,0 +1,99 @@
+"""``gpulayer-executor``: configuration is read here, from the environment, and nowhere deeper."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pwd
+import signal
+from collections.abc import Mapping
+from pathlib import Path
+
+from gpulayer_executor.env import RunAs, base_environment
+from gpulayer_executor.service import ExecutorConfig
+from gpulayer_runtime.logs import setup_logging
+from gpulayer_runtime.nats import connect, ensure_streams
+from gpulayer_runtime.settings import ConfigError, env_float, env_int, env_str, nats_url, node_id
+
+log = logging.getLogger("gpulayer_executor")
+
+
+def _run_as(name: str) -> RunAs:
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        raise ConfigError(f"GPULAYER_EXECUTOR_USER={name!r}: no such user") from None
+    if entry.pw_uid == 0:
+        raise ConfigError(f"GPULAYER_EXECUTOR_USER={name!r}: must be an unprivileged user")
+    return RunAs(name=name, uid=entry.pw_uid, gid=entry.pw_gid, home=entry.pw_dir)
+
+
+def _seconds_or_zero(env: Mapping[str, str], name: str) -> float:
+    raw = env.get(name, "").strip()
+    if raw in ("", "0"):
+        return 0.0
+    return env_float(env, name, 0.0)
+
+
+def settings(env: Mapping[str, str]) -> ExecutorConfig:
+    """The executor's configuration from an environment mapping."""
+    node = node_id(env)
+    workdir = Path(env_str(env, "GPULAYER_EXECUTOR_WORKDIR", f".gpulayer/executor/{node}"))
+    user = env_str(env, "GPULAYER_EXECUTOR_USER", "")
+    run_as = _run_as(user) if user else None
+    if run_as is not None:
+        base = base_environment(env, user=run_as.name, home=run_as.home)
+    else:
+        me = pwd.getpwuid(os.getuid())
+        base = base_environment(env, user=me.pw_name, home=env.get("HOME") or me.pw_dir)
+    return ExecutorConfig(
+        node_id=node,
+        workdir=workdir.resolve(),
+        base_env=base,
+        run_as=run_as,
+        kill_grace_s=env_float(env, "GPULAYER_KILL_GRACE_S", 5.0),
+        max_jobs=env_int(env, "GPULAYER_EXECUTOR_MAX_JOBS", 64),
+        drain_s=_seconds_or_zero(env, "GPULAYER_EXECUTOR_DRAIN_S"),
+    )
+
+
+async def _amain() -> None:
+    env = os.environ
+    url = nats_url(env)
+    config = settings(env)
+    log.info(
+        "settings: nats=%s node=%s workdir=%s user=%s kill_grace_s=%s max_jobs=%s drain_s=%s",
+        url,
+        config.node_id,
+        config.workdir,
+        config.run_as.name if config.run_as else "(executor's own)",
+        config.kill_grace_s,
+        config.max_jobs,
+        config.drain_s,
+    )
+    from gpulayer_executor.service import Executor
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    nc = await connect(url, f"gpulayer-executor-{config.node_id}")
+    try:
+        await ensure_streams(nc.jetstream())
+        await Executor(nc, config).run(stop)
+    finally:
+        await nc.drain()
+
+
+def main() -> None:
+    setup_logging("gpulayer-executor", env_str(os.environ, "GPULAYER_LOG_FORMAT", "text"))
+    try:
+        asyncio.run(_amain())
+    except ConfigError as err:
+        log.error("%s", err)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

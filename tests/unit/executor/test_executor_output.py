@@ -1,0 +1,47 @@
+"""Splitting output into bounded lines, and the /proc stat parser (pure)."""
+
+from __future__ import annotations
+
+from gpulayer_executor.output import LineSplitter
+from gpulayer_executor.procs import parse_stat
+from gpulayer_executor.runner import _exit_outcome
+
+
+def test_lines_across_chunks() -> None:
+    s = LineSplitter(100)
+    assert s.feed(b"one\ntw") == ["one"]
+    assert s.feed(b"o\r\nthr") == ["two"]
+    assert s.feed(b"ee") == []
+    assert s.close() == ["three"]
+    assert s.close() == []
+
+
+def test_long_lines_are_truncated_with_a_count() -> None:
+    s = LineSplitter(10)
+    out = s.feed(b"a" * 25 + b"\nshort\n")
+    assert out == ["a" * 10 + " [gpulayer: line truncated, 15 bytes dropped]", "short"]
+
+
+def test_an_endless_line_never_grows_the_buffer() -> None:
+    s = LineSplitter(10)
+    for _ in range(1000):
+        assert s.feed(b"x" * 1000) == []
+    assert len(s._buf) == 10
+    assert s.feed(b"\n") == ["x" * 10 + " [gpulayer: line truncated, 999990 bytes dropped]"]
+
+
+def test_invalid_utf8_is_replaced() -> None:
+    assert LineSplitter(100).feed(b"caf\xe9\n") == ["caf\ufffd"]
+
+
+def test_parse_stat_with_odd_command_names() -> None:
+    text = "4242 (a) b (c) S 1 4242 4242 0 -1 4194560 " + " ".join(["0"] * 12) + " 987654 0"
+    st = parse_stat(text)
+    assert (st.state, st.pgid, st.sid, st.start_ticks) == ("S", 4242, 4242, 987654)
+
+
+def test_exit_outcomes() -> None:
+    assert _exit_outcome(0).state == "succeeded"
+    assert (_exit_outcome(3).state, _exit_outcome(3).exit_code) == ("failed", 3)
+    killed = _exit_outcome(-9)
+    assert (killed.state, killed.signal, killed.reason) == ("failed", 9, "killed by SIGKILL")

@@ -1,0 +1,127 @@
+"""Grant record transitions (pure) and the state store (files in a temp folder)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpulayer_contracts.events import Grant
+from gpulayer_contracts.jobs import JobRequest
+from gpulayer_executor import state as st
+
+
+def grant(grant_id: str = "g1", job_id: str = "j1") -> Grant:
+    return Grant(
+        grant_id=grant_id,
+        job=JobRequest(job_id=job_id, command=["true"]),
+        node_id="n",
+        accelerator="cpu",
+    )
+
+
+PROC = st.ProcessInfo(pid=123, pgid=123, start_ticks=456, boot_id="b")
+
+
+def test_the_normal_life_of_a_grant() -> None:
+    rec = st.received(grant())
+    rec = st.starting(rec)
+    rec = st.running(rec, PROC)
+    rec = st.running_reported(rec)
+    rec = st.finished(rec, st.Outcome(state="succeeded", exit_code=0))
+    rec = st.reported(rec)
+    assert (rec.phase, rec.process, rec.running_reported, rec.reported) == (
+        "finished",
+        PROC,
+        True,
+        True,
+    )
+
+
+def test_any_unfinished_phase_may_finish() -> None:
+    lost = st.Outcome(state="lost", reason="executor restarted")
+    assert st.finished(st.received(grant()), lost).phase == "finished"
+    assert st.finished(st.starting(st.received(grant())), lost).phase == "finished"
+
+
+@pytest.mark.parametrize(
+    "step",
+    [
+        lambda r: st.running(r, PROC),  # running without starting
+        lambda r: st.reported(r),  # reported before finishing
+        lambda r: st.starting(st.starting(r)),  # starting twice: a second spawn
+    ],
+)
+def test_illegal_transitions_raise(step: object) -> None:
+    with pytest.raises(st.InvalidTransition):
+        step(st.received(grant()))  # type: ignore[operator]
+
+
+def test_finishing_twice_raises() -> None:
+    done = st.finished(st.received(grant()), st.Outcome(state="cancelled"))
+    with pytest.raises(st.InvalidTransition):
+        st.finished(done, st.Outcome(state="lost"))
+
+
+def test_grant_keys_are_safe_file_names() -> None:
+    assert st.grant_key("g-1_a.b") == "g-1_a.b"
+    for unsafe in ("../../etc/passwd", "a/b", ".", "..", "x" * 300, "ä"):
+        key = st.grant_key(unsafe)
+        assert key.startswith("~")
+        assert "/" not in key
+    assert st.grant_key("a/b") != st.grant_key("a/c")
+
+
+def test_create_is_create_if_absent(tmp_path: Path) -> None:
+    store = st.StateStore(tmp_path)
+    rec = st.received(grant())
+    assert store.create(rec)
+    assert not store.create(st.received(grant()))
+    assert store.load("g1") == rec
+
+
+def test_save_replaces_and_all_lists_records(tmp_path: Path) -> None:
+    store = st.StateStore(tmp_path)
+    rec = st.received(grant())
+    store.create(rec)
+    store.create(st.received(grant("g2", "j2")))
+    store.save(st.starting(rec))
+    assert {(r.grant_id, r.phase) for r in store.all()} == {("g1", "starting"), ("g2", "received")}
+    assert not list(store.grants_dir.glob(".*.tmp"))
+
+
+def test_unreadable_records_are_skipped(tmp_path: Path) -> None:
+    store = st.StateStore(tmp_path)
+    store.create(st.received(grant()))
+    (store.grants_dir / "broken.json").write_text("{")
+    assert [r.grant_id for r in store.all()] == ["g1"]
+
+
+def test_records_survive_a_new_store_and_round_trip_exactly(tmp_path: Path) -> None:
+    rec = st.running(st.starting(st.received(grant())), PROC)
+    st.StateStore(tmp_path).create(rec)
+    assert st.StateStore(tmp_path).load("g1") == rec
+
+
+def test_cancel_marks(tmp_path: Path) -> None:
+    store = st.StateStore(tmp_path)
+    assert store.cancel_mark("j1") is None
+    store.mark_cancel("j1", "user asked")
+    mark = store.cancel_mark("j1")
+    assert mark is not None
+    assert mark.reason == "user asked"
+    store.mark_cancel("../x", "ignored: not a job id")
+    assert store.cancel_mark("../x") is None
+
+
+def test_prune_forgets_only_old_reported_records(tmp_path: Path) -> None:
+    store = st.StateStore(tmp_path)
+    done = st.reported(st.finished(st.received(grant("old")), st.Outcome(state="succeeded")))
+    store.create(done)
+    store.job_dir("old").mkdir()
+    store.create(st.received(grant("queued", "j2")))
+    assert store.prune(older_than_s=3600) == 0
+    assert store.prune(older_than_s=-1) == 1
+    assert store.load("old") is None
+    assert not store.job_dir("old").exists()
+    assert store.load("queued") is not None
