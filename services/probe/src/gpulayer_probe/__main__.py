@@ -1,4 +1,10 @@
-"""``gpulayer-probe``: configuration is read here, from the environment, and nowhere deeper."""
+"""``gpulayer-probe``: configuration is read here, from the environment, and nowhere deeper.
+
+GPULAYER_NATS_URL, GPULAYER_NODE_ID (default: hostname), GPULAYER_WORKLOAD_PYTHON (default: this
+interpreter), GPULAYER_PROBE_REFRESH_S (60), GPULAYER_HEARTBEAT_S (5), GPULAYER_PROBE_TIMEOUT_S
+(10, each source), GPULAYER_PROBE_TORCH_TIMEOUT_S (60), GPULAYER_ADVERTISE_ADDRESS (default:
+detected), GPULAYER_LOG_FORMAT (text|json).
+"""
 
 from __future__ import annotations
 
@@ -6,22 +12,33 @@ import asyncio
 import logging
 import os
 import signal
+import sys
+from collections.abc import Mapping
 
+from gpulayer_probe.service import ProbeService, ProbeSettings
 from gpulayer_runtime.logs import setup_logging
 from gpulayer_runtime.nats import connect, ensure_streams
-from gpulayer_runtime.settings import env_float, env_str, nats_url, node_id
+from gpulayer_runtime.settings import ConfigError, env_float, env_str, nats_url, node_id
 
 log = logging.getLogger("gpulayer_probe")
 
 
-async def _amain() -> None:
-    env = os.environ
-    url = nats_url(env)
-    node = node_id(env)
-    heartbeat_s = env_float(env, "GPULAYER_HEARTBEAT_S", 5.0)
-    log.info("settings: nats=%s node=%s heartbeat_s=%s", url, node, heartbeat_s)
-    from gpulayer_probe.service import serve
+def read_settings(env: Mapping[str, str]) -> tuple[str, str, ProbeSettings]:
+    """NATS URL, node id and probe settings from ``env``. Raises ConfigError on bad values."""
+    settings = ProbeSettings(
+        python=env_str(env, "GPULAYER_WORKLOAD_PYTHON", sys.executable),
+        refresh_s=env_float(env, "GPULAYER_PROBE_REFRESH_S", 60.0),
+        heartbeat_s=env_float(env, "GPULAYER_HEARTBEAT_S", 5.0),
+        timeout=env_float(env, "GPULAYER_PROBE_TIMEOUT_S", 10.0),
+        torch_timeout=env_float(env, "GPULAYER_PROBE_TORCH_TIMEOUT_S", 60.0),
+        advertise_address=env.get("GPULAYER_ADVERTISE_ADDRESS", "").strip() or None,
+    )
+    return nats_url(env), node_id(env), settings
 
+
+async def _amain() -> None:
+    url, node, settings = read_settings(os.environ)
+    log.info("settings: nats=%s node=%s %s", url, node, settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -29,14 +46,19 @@ async def _amain() -> None:
     nc = await connect(url, f"gpulayer-probe-{node}")
     try:
         await ensure_streams(nc.jetstream())
-        await serve(nc, node, heartbeat_s=heartbeat_s, stop=stop)
+        await ProbeService(nc, node, settings).run(stop)
     finally:
         await nc.drain()
+    log.info("stopped")
 
 
 def main() -> None:
     setup_logging("gpulayer-probe", env_str(os.environ, "GPULAYER_LOG_FORMAT", "text"))
-    asyncio.run(_amain())
+    try:
+        asyncio.run(_amain())
+    except ConfigError as err:
+        log.error("configuration: %s", err)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

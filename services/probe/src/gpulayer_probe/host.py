@@ -1,7 +1,9 @@
-"""Host facts: OS, platform, CPU, memory, disk, Python."""
+"""Host facts: OS, platform, CPU, memory, disk, Python, advertise address."""
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import platform
 import shutil
 import socket
@@ -9,8 +11,13 @@ import socket
 import psutil
 
 from gpulayer_contracts.capabilities import HostInfo
+from gpulayer_probe.base import Finding, ProbeContext
 
 _ARCH = {"amd64": "x86_64", "x64": "x86_64", "aarch64": "arm64"}
+
+# A documentation address (RFC 5737): connecting a UDP socket to it sends nothing, but makes the
+# kernel pick the interface that carries the default route.
+_ROUTE_PROBE = ("192.0.2.1", 9)
 
 
 def platform_tag(system: str, machine: str) -> str:
@@ -23,16 +30,71 @@ def platform_tag(system: str, machine: str) -> str:
 
 
 def detect_host(disk_path: str = "/") -> HostInfo:
+    """Host facts that need no subprocess. A fact that can't be read is None."""
     system = platform.system()
     machine = platform.machine()
+    cores: int | None = None
+    memory: int | None = None
+    disk: int | None = None
+    with contextlib.suppress(Exception):
+        cores = psutil.cpu_count(logical=True)
+    with contextlib.suppress(Exception):
+        memory = int(psutil.virtual_memory().total)
+    with contextlib.suppress(OSError):
+        disk = int(shutil.disk_usage(disk_path).free)
     return HostInfo(
         hostname=socket.gethostname(),
         os=system.lower(),
         os_release=platform.release(),
         platform=platform_tag(system, machine),
         arch=_ARCH.get(machine.lower(), machine.lower()),
-        cpu_cores=psutil.cpu_count(logical=True),
-        memory_bytes=int(psutil.virtual_memory().total),
-        disk_free_bytes=int(shutil.disk_usage(disk_path).free),
+        cpu_cores=cores,
+        memory_bytes=memory,
+        disk_free_bytes=disk,
         python_version=platform.python_version(),
     )
+
+
+def usable_address(candidate: str | None) -> str | None:
+    """``candidate`` if other machines could reach it (not loopback, link-local or unspecified)."""
+    if not candidate:
+        return None
+    try:
+        addr = ipaddress.ip_address(candidate)
+    except ValueError:
+        return None
+    if addr.is_loopback or addr.is_link_local or addr.is_unspecified or addr.is_multicast:
+        return None
+    return candidate
+
+
+def route_address() -> str | None:
+    """The local address of the default route, or None where there is none (offline)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(_ROUTE_PROBE)
+            return str(s.getsockname()[0])
+    except OSError:
+        return None
+
+
+class HostProbe:
+    name = "host"
+
+    async def probe(self, ctx: ProbeContext) -> Finding:
+        found = Finding(self.name, host=detect_host())
+        host = found.host
+        assert host is not None
+        for fact in ("cpu_cores", "memory_bytes", "disk_free_bytes"):
+            if getattr(host, fact) is None:
+                found.note(f"{fact} could not be read; unknown")
+        if ctx.advertise_address:
+            found.advertise_address = ctx.advertise_address
+        else:
+            found.advertise_address = usable_address(route_address())
+            if found.advertise_address is None:
+                found.note(
+                    "no advertise address: no default route with a non-loopback address "
+                    "(set GPULAYER_ADVERTISE_ADDRESS)"
+                )
+        return found

@@ -1,38 +1,255 @@
-"""The probe service: publishes capabilities at start and a heartbeat in between."""
+"""The probe service: publish capabilities at start and on change, a heartbeat in between.
+
+Tasks, under one ``run``: the heartbeat (never waits on detection), the refresher (detects every
+``refresh_s``), the torch query (in the background, so the first publish never waits for
+``import torch``), and the doctor (NATS request/reply: re-detect now, torch included, and reply
+with the result). A lock orders detections and publishes.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
+import msgspec
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from gpulayer_contracts import Heartbeat, WorkerCapabilities, __version__, encode
-from gpulayer_contracts.subjects import node_capabilities, node_heartbeat
-from gpulayer_probe.host import detect_host
+from gpulayer_contracts.subjects import node_capabilities, node_doctor, node_heartbeat
+from gpulayer_probe.base import DEFAULT_CDI_DIRS, Finding
+from gpulayer_probe.frameworks import query_torch
+from gpulayer_probe.registry import (
+    build_capabilities,
+    collect,
+    default_probes,
+    make_context,
+    torch_unknown,
+)
+from gpulayer_probe.runner import Runner, run_command
 
 log = logging.getLogger(__name__)
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+# Free disk moves all the time; only a move this large (or this share) is worth an event.
+DISK_CHANGE_BYTES = 1 << 30
+DISK_CHANGE_SHARE = 0.05
 
-def detect(node_id: str) -> WorkerCapabilities:
-    return WorkerCapabilities(
-        node_id=node_id,
-        agent_version=__version__,
-        detected_at=datetime.now(UTC),
-        host=detect_host(),
-        accelerators=[],
+
+def _comparable(caps: WorkerCapabilities) -> WorkerCapabilities:
+    return msgspec.structs.replace(
+        caps,
+        detected_at=_EPOCH,
+        host=msgspec.structs.replace(caps.host, disk_free_bytes=None),
     )
 
 
-async def serve(nc: Client, node_id: str, *, heartbeat_s: float, stop: asyncio.Event) -> None:
-    js = nc.jetstream()
-    caps = detect(node_id)
-    await js.publish(node_capabilities(node_id), encode(caps))
-    log.info("published capabilities for %s", node_id)
-    while not stop.is_set():
-        hb = Heartbeat(node_id=node_id, sent_at=datetime.now(UTC), agent_version=__version__)
-        await nc.publish(node_heartbeat(node_id), encode(hb))
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), heartbeat_s)
+def significantly_changed(old: WorkerCapabilities | None, new: WorkerCapabilities) -> bool:
+    """Whether ``new`` is worth publishing after ``old``: any change but ``detected_at``, with
+    free disk counted only when it moved by more than 1 GiB and 5%."""
+    if old is None or _comparable(old) != _comparable(new):
+        return True
+    a, b = old.host.disk_free_bytes, new.host.disk_free_bytes
+    if (a is None) != (b is None):
+        return True
+    if a is None or b is None:
+        return False
+    moved = abs(a - b)
+    return moved > DISK_CHANGE_BYTES and moved > DISK_CHANGE_SHARE * max(a, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeSettings:
+    python: str = sys.executable
+    refresh_s: float = 60.0
+    heartbeat_s: float = 5.0
+    timeout: float = 10.0
+    torch_timeout: float = 60.0
+    cdi_dirs: Sequence[str] = DEFAULT_CDI_DIRS
+    advertise_address: str | None = None
+
+
+class ProbeService:
+    def __init__(
+        self,
+        nc: Client,
+        node_id: str,
+        settings: ProbeSettings = ProbeSettings(),
+        *,
+        run: Runner = run_command,
+    ) -> None:
+        self._nc = nc
+        self._node = node_id
+        self._s = settings
+        self._run = run
+        self._lock = asyncio.Lock()
+        self._findings: list[Finding] = []
+        self._torch: Finding | None = None
+        self._torch_key: tuple[object, ...] | None = None
+        self._torch_task: asyncio.Task[None] | None = None
+        self._published: WorkerCapabilities | None = None
+        self.current: WorkerCapabilities | None = None
+        self.detections = 0  # completed refresh cycles, for tests and metrics
+        self._detected = asyncio.Condition()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        sub = await self._nc.subscribe(node_doctor(self._node), cb=self._on_doctor)
+        tasks = [
+            asyncio.create_task(self._heartbeat(stop), name="probe-heartbeat"),
+            asyncio.create_task(self._refresher(stop), name="probe-refresher"),
+        ]
+        try:
+            await stop.wait()
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            if self._torch_task is not None:
+                tasks.append(self._torch_task)
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+
+    # -- detection -------------------------------------------------------------------------
+
+    async def detect(self) -> WorkerCapabilities:
+        """Re-run every fast probe; combine with the last torch answer (or say it's pending)."""
+        ctx = make_context(
+            run=self._run,
+            timeout=self._s.timeout,
+            python=self._s.python,
+            cdi_dirs=self._s.cdi_dirs,
+            advertise_address=self._s.advertise_address,
+        )
+        self._findings = await collect(ctx, default_probes())
+        return self._build()
+
+    def _frameworks(self) -> dict[str, str]:
+        return {k: v for f in self._findings for k, v in f.frameworks.items()}
+
+    def _torch_cache_key(self) -> tuple[object, ...]:
+        # torch's answer changes with torch itself or with the driver under it.
+        devices = tuple((d.uuid, d.driver_version) for f in self._findings for d in f.accelerators)
+        return (self._s.python, self._frameworks().get("torch"), devices)
+
+    def _build(self) -> WorkerCapabilities:
+        findings = list(self._findings)
+        if "torch" in self._frameworks():
+            if self._torch is not None and self._torch_key == self._torch_cache_key():
+                findings.append(self._torch)
+            else:
+                findings.append(torch_unknown("pending"))
+        caps = build_capabilities(self._node, findings)
+        self.current = caps
+        return caps
+
+    async def _query_torch(self) -> None:
+        key = self._torch_cache_key()
+        finding = await query_torch(self._s.python, self._run, self._s.torch_timeout)
+        async with self._lock:
+            self._torch, self._torch_key = finding, key
+            await self._publish_if_changed(self._build())
+
+    def _start_torch_if_needed(self, *, force: bool = False) -> None:
+        if "torch" not in self._frameworks():
+            return
+        if not force and self._torch_key == self._torch_cache_key():
+            return
+        if self._torch_task is not None and not self._torch_task.done():
+            if not force:
+                return
+            self._torch_task.cancel()
+        self._torch_task = asyncio.create_task(self._query_torch(), name="probe-torch")
+
+    # -- publishing ------------------------------------------------------------------------
+
+    async def _publish_if_changed(self, caps: WorkerCapabilities) -> bool:
+        if not significantly_changed(self._published, caps):
+            return False
+        try:
+            await self._nc.jetstream().publish(node_capabilities(self._node), encode(caps))
+        except Exception as err:  # NATS down: the next refresh tries again
+            log.warning("publishing capabilities failed: %s", err)
+            return False
+        self._published = caps
+        log.info(
+            "published capabilities for %s: %d device(s), apis %s",
+            self._node,
+            len(caps.accelerators),
+            ",".join(caps.gpu_apis.host) or "-",
+        )
+        return True
+
+    async def wait_for_detections(self, count: int) -> None:
+        """Return once ``count`` refresh cycles have completed (detected and, if changed,
+        published)."""
+        async with self._detected:
+            await self._detected.wait_for(lambda: self.detections >= count)
+
+    async def _refresher(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            async with self._lock:
+                try:
+                    await self._publish_if_changed(await self.detect())
+                except Exception:
+                    log.exception("detection failed; trying again at the next refresh")
+            self._start_torch_if_needed()
+            async with self._detected:
+                self.detections += 1
+                self._detected.notify_all()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self._s.refresh_s)
+
+    async def _on_doctor(self, msg: Msg) -> None:
+        """Re-detect now, torch included, publish if changed, and reply with the result."""
+        try:
+            async with self._lock:
+                caps = await self.detect()
+            if "torch" in self._frameworks():
+                key = self._torch_cache_key()
+                finding = await query_torch(self._s.python, self._run, self._s.torch_timeout)
+                async with self._lock:
+                    self._torch, self._torch_key = finding, key
+            async with self._lock:
+                caps = self._build()
+                await self._publish_if_changed(caps)
+            await msg.respond(encode(caps))
+        except Exception:
+            log.exception("doctor request failed")
+
+    async def _heartbeat(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            hb = Heartbeat(node_id=self._node, sent_at=datetime.now(UTC), agent_version=__version__)
+            try:
+                await self._nc.publish(node_heartbeat(self._node), encode(hb))
+            except Exception as err:
+                log.warning("heartbeat failed: %s", err)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self._s.heartbeat_s)
+
+
+async def serve(
+    nc: Client,
+    node_id: str,
+    *,
+    heartbeat_s: float,
+    stop: asyncio.Event,
+    settings: ProbeSettings | None = None,
+) -> None:
+    """Run the probe service until ``stop`` is set (kept for callers of the first version)."""
+    s = settings or ProbeSettings(heartbeat_s=heartbeat_s)
+    await ProbeService(nc, node_id, s).run(stop)
+
+
+async def detect(node_id: str) -> WorkerCapabilities:
+    """One detection without the torch query (kept for callers of the first version, which
+    was synchronous; now a coroutine)."""
+    from gpulayer_probe.registry import detect_capabilities
+
+    return await detect_capabilities(node_id, include_torch=False)

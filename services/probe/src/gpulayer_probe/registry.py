@@ -1,0 +1,178 @@
+"""The probe registry: every source, run at once, merged into one ``WorkerCapabilities``.
+
+Each probe is run under a guard: an exception or a hang in one source becomes a note and the
+others still report. (Probes bound their own commands; the guard catches a probe that hangs
+outside them.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import platform
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime
+
+from gpulayer_contracts import __version__
+from gpulayer_contracts.capabilities import GpuApis, HostInfo, WorkerCapabilities
+from gpulayer_probe.apple import AppleProbe
+from gpulayer_probe.base import DEFAULT_CDI_DIRS, Finding, Probe, ProbeContext
+from gpulayer_probe.frameworks import FrameworksProbe, query_torch
+from gpulayer_probe.gpu_apis import GpuApisProbe
+from gpulayer_probe.host import HostProbe
+from gpulayer_probe.nvidia import NvidiaProbe
+from gpulayer_probe.rocm import RocmProbe
+from gpulayer_probe.runner import Runner, run_command
+
+# Extra time a probe gets beyond its command timeout before the guard gives up on it.
+_GUARD_GRACE_S = 5.0
+
+
+def default_probes(*, frameworks: bool = True, path: str | None = None) -> list[Probe]:
+    """Every source, in the order their notes appear."""
+    probes: list[Probe] = [HostProbe(), NvidiaProbe(), RocmProbe(), AppleProbe(), GpuApisProbe()]
+    if frameworks:
+        probes.append(FrameworksProbe(path))
+    return probes
+
+
+async def _guarded(probe: Probe, ctx: ProbeContext) -> Finding:
+    try:
+        return await asyncio.wait_for(probe.probe(ctx), ctx.timeout + _GUARD_GRACE_S)
+    except TimeoutError:
+        found = Finding(probe.name)
+        found.note(f"probe did not finish within {ctx.timeout + _GUARD_GRACE_S:g}s; unknown")
+        return found
+    except Exception as err:  # a bug in one probe must not take the others down
+        found = Finding(probe.name)
+        found.note(f"probe failed: {type(err).__name__}: {err}")
+        return found
+
+
+async def collect(ctx: ProbeContext, probes: Sequence[Probe]) -> list[Finding]:
+    """Run every probe concurrently; always one finding per probe."""
+    return list(await asyncio.gather(*(_guarded(p, ctx) for p in probes)))
+
+
+def build_capabilities(
+    node_id: str,
+    findings: Sequence[Finding],
+    *,
+    agent_version: str = __version__,
+    detected_at: datetime | None = None,
+) -> WorkerCapabilities:
+    """Merge findings (in order) into capabilities. Pure."""
+    host = HostInfo()
+    accelerators = []
+    host_apis: dict[str, str] = {}
+    container_apis: dict[str, str] = {}
+    evidence: dict[str, str] = {}
+    frameworks: dict[str, str] = {}
+    fw_caps: list[str] = []
+    backends: list[str] = []
+    launchers: list[str] = []
+    notes: list[str] = []
+    workload_python = workload_python_version = advertise = None
+    for f in findings:
+        host = f.host or host
+        advertise = f.advertise_address or advertise
+        accelerators.extend(f.accelerators)
+        for api, why in f.host_apis.items():
+            host_apis.setdefault(api, why)
+        for api, why in f.container_apis.items():
+            container_apis.setdefault(api, why)
+        for key, why in f.evidence.items():
+            evidence.setdefault(key, why)
+        workload_python = f.workload_python or workload_python
+        workload_python_version = f.workload_python_version or workload_python_version
+        frameworks.update(f.frameworks)
+        fw_caps.extend(c for c in f.framework_capabilities if c not in fw_caps)
+        backends.extend(b for b in f.distributed_backends if b not in backends)
+        launchers.extend(x for x in f.launchers if x not in launchers)
+        notes.extend(f.notes)
+    # An API shown as present carries its positive evidence; container evidence gets its own key.
+    evidence.update(host_apis)
+    evidence.update({f"container:{api}": why for api, why in container_apis.items()})
+    return WorkerCapabilities(
+        node_id=node_id,
+        agent_version=agent_version,
+        detected_at=detected_at or datetime.now(UTC),
+        host=host,
+        accelerators=accelerators,
+        workload_python=workload_python,
+        workload_python_version=workload_python_version,
+        frameworks=dict(sorted(frameworks.items())),
+        framework_capabilities=fw_caps,
+        distributed_backends=backends,
+        launchers=launchers,
+        gpu_apis=GpuApis(
+            host=sorted(host_apis), containers=sorted(container_apis), evidence=evidence
+        ),
+        advertise_address=advertise,
+        notes=notes,
+    )
+
+
+def make_context(
+    *,
+    run: Runner = run_command,
+    timeout: float = 10.0,
+    python: str | None = None,
+    cdi_dirs: Sequence[str] = DEFAULT_CDI_DIRS,
+    dev_dir: str = "/dev",
+    advertise_address: str | None = None,
+) -> ProbeContext:
+    return ProbeContext(
+        run=run,
+        timeout=timeout,
+        system=platform.system().lower(),
+        machine=platform.machine().lower(),
+        python=python,
+        cdi_dirs=tuple(cdi_dirs),
+        dev_dir=dev_dir,
+        advertise_address=advertise_address,
+    )
+
+
+def torch_unknown(reason: str) -> Finding:
+    """A note for capabilities the torch query has not answered (yet)."""
+    found = Finding("torch")
+    found.note(f"capability query {reason}; torch.cuda, torch.mps and distributed backends unknown")
+    return found
+
+
+async def detect_capabilities(
+    node_id: str,
+    *,
+    python: str | None = None,
+    include_torch: bool = True,
+    include_frameworks: bool = True,
+    timeout: float = 10.0,
+    torch_timeout: float = 60.0,
+    run: Runner = run_command,
+    cdi_dirs: Sequence[str] = DEFAULT_CDI_DIRS,
+    advertise_address: str | None = None,
+    path: str | None = None,
+) -> WorkerCapabilities:
+    """Detect this machine's capabilities once.
+
+    ``python`` is the workload interpreter (default: this one). ``timeout`` bounds each source;
+    the torch query (only where torch is installed) is bounded by ``torch_timeout``.
+    """
+    if python is None:
+        python = sys.executable
+    ctx = make_context(
+        run=run,
+        timeout=timeout,
+        python=python,
+        cdi_dirs=cdi_dirs,
+        advertise_address=advertise_address,
+    )
+    findings = await collect(ctx, default_probes(frameworks=include_frameworks, path=path))
+    frameworks = {k: v for f in findings for k, v in f.frameworks.items()}
+    if "torch" in frameworks:
+        if include_torch:
+            findings.append(await query_torch(python, run, torch_timeout))
+        else:
+            findings.append(torch_unknown("skipped"))
+    return build_capabilities(node_id, findings)
