@@ -40,5 +40,9 @@ fmt: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/python -m bench $(if $(FULL),--full,)
 
+docs: $(STAMP)  # regenerate docs/jobs.md from the contracts' JSON Schema
+	$(VENV)/bin/python docs/gen_reference.py
+.PHONY: docs  # docs/ is a directory: without this, make would call the target up to date
+
 clean:
 	rm -rf $(VENV) .gpulayer .pytest_cache .mypy_cache .ruff_cache

@@ -1,14 +1,33 @@
-"""deploy/compose.yaml fits the code: commands exist, variables are read, paths exist."""
+"""deploy/ fits together and fits the code.
+
+compose.yaml: commands are console scripts, variables are read by the code (or are standard
+OpenTelemetry SDK variables), every image is pinned, every mounted file and the Dockerfile exist,
+start order waits on healthchecks, state lives in volumes. otel-collector.yaml: receives OTLP on
+the port the services send to, traces go to Jaeger, metrics to a Prometheus endpoint that
+prometheus.yml scrapes. Grafana: datasources and dashboards are provisioned, and every metric a
+dashboard query names is one the code emits (gpulayer_runtime.telemetry.METRICS).
+"""
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
+import opentelemetry.sdk.environment_variables as otel_env
+import pytest
 import yaml
 
+from gpulayer_runtime.telemetry import METRICS, prometheus_name
+
 ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+OURS = ("placement", "probe", "executor")
+
+Doc = dict[str, Any]
 
 
 def _console_scripts() -> set[str]:
@@ -26,14 +45,71 @@ def _variables_read_by_code() -> set[str]:
     return names
 
 
-def _compose() -> dict:  # type: ignore[type-arg]
-    return yaml.safe_load((ROOT / "deploy" / "compose.yaml").read_text())
+def _otel_variables() -> set[str]:
+    """Variables the OpenTelemetry SDK reads (its own table), plus those our code reads."""
+    names = {v for k, v in vars(otel_env).items() if k.startswith("OTEL_") and isinstance(v, str)}
+    for path in ROOT.glob("libs/*/src/**/*.py"):
+        names |= set(re.findall(r'"(OTEL_[A-Z0-9_]+)"', path.read_text()))
+    return names
+
+
+def _yaml(path: Path) -> Doc:
+    data = yaml.safe_load(path.read_text())
+    assert isinstance(data, dict), f"{path} is not a mapping"
+    return data
+
+
+def _compose() -> Doc:
+    return _yaml(DEPLOY / "compose.yaml")
+
+
+def _services() -> dict[str, Doc]:
+    services: dict[str, Doc] = _compose()["services"]
+    return services
+
+
+def _env(svc: Doc) -> dict[str, str]:
+    env = svc.get("environment") or {}
+    if isinstance(env, list):  # the KEY=value list form
+        env = dict(item.split("=", 1) for item in env)
+    return {str(k): str(v) for k, v in env.items()}
+
+
+def _by_image(prefix: str) -> str:
+    names = [n for n, s in _services().items() if str(s.get("image", "")).startswith(prefix)]
+    assert len(names) == 1, f"expected one service with image {prefix}*, found {names}"
+    return names[0]
+
+
+def _mounts(svc: Doc) -> list[tuple[str, str]]:
+    """(source, target) of each volume entry, short or long syntax."""
+    out: list[tuple[str, str]] = []
+    for entry in svc.get("volumes", []) or []:
+        if isinstance(entry, str):
+            source, target = entry.split(":")[:2]
+        else:
+            source, target = str(entry.get("source", "")), str(entry["target"])
+        out.append((source, target))
+    return out
+
+
+def _port(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+def _collector() -> Doc:
+    return _yaml(DEPLOY / "otel-collector.yaml")
+
+
+# --- compose: the services ---------------------------------------------------------------------
 
 
 def test_every_service_command_is_a_console_script() -> None:
     scripts = _console_scripts()
-    services = _compose()["services"]
-    ours = {name: s for name, s in services.items() if str(s.get("image", "")).startswith("gpulayer")}
+    services = _services()
+    ours = {
+        name: s for name, s in services.items() if str(s.get("image", "")).startswith("gpulayer")
+    }
     assert {"placement", "probe", "executor"} <= set(ours)
     for name, svc in ours.items():
         assert svc["command"][0] in scripts, f"{name}: {svc['command'][0]} is not a console script"
@@ -41,19 +117,291 @@ def test_every_service_command_is_a_console_script() -> None:
 
 def test_every_variable_is_one_the_code_reads() -> None:
     read = _variables_read_by_code()
-    for name, svc in _compose()["services"].items():
+    for name, svc in _services().items():
         for var in svc.get("environment", {}) or {}:
             if var.startswith("GPULAYER_"):
                 assert var in read, f"{name}: {var} is not read by any service"
 
 
+def test_otel_variables_are_standard_ones() -> None:
+    known = _otel_variables()
+    for name, svc in _services().items():
+        for var in _env(svc):
+            if var.startswith("OTEL_"):
+                assert var in known, f"{name}: {var} is not an OpenTelemetry SDK variable"
+
+
+def test_services_export_to_the_collector() -> None:
+    services = _services()
+    collector = _by_image("otel/opentelemetry-collector-contrib")
+    http = _collector()["receivers"]["otlp"]["protocols"]["http"]
+    otlp_http_port = _port(http["endpoint"])
+    for name in OURS:
+        env = _env(services[name])
+        url = urlsplit(env["OTEL_EXPORTER_OTLP_ENDPOINT"])
+        # The services' exporter is OTLP/HTTP: the endpoint is the HTTP receiver, not gRPC.
+        assert url.scheme == "http", name
+        assert url.hostname == collector, f"{name}: {url.hostname} is not the collector service"
+        assert url.port == otlp_http_port, f"{name}: port {url.port} is not the OTLP/HTTP port"
+        assert env["OTEL_SERVICE_NAME"] == f"gpulayer-{name}"
+        assert env["GPULAYER_LOG_FORMAT"] == "json"
+
+
+def test_images_are_pinned_and_built_once() -> None:
+    services = _services()
+    built = [n for n, s in services.items() if s.get("build")]
+    assert built == ["placement"], f"one service builds the image, found {built}"
+    image = services["placement"]["image"]
+    for name, svc in services.items():
+        ref = str(svc["image"])
+        if name in OURS:
+            assert ref == image, f"{name} does not run the one built image"
+            continue
+        repo, _, tag = ref.rpartition(":")
+        assert repo, f"{name}: {ref}"
+        assert re.search(r"\d", tag), f"{name}: {ref} is not pinned to a version"
+
+
 def test_build_paths_exist() -> None:
-    for svc in _compose()["services"].values():
+    for svc in _services().values():
         build = svc.get("build")
         if build:
-            context = (ROOT / "deploy" / build["context"]).resolve()
+            context = (DEPLOY / build["context"]).resolve()
             assert context == ROOT
-            assert (context / build["dockerfile"]).is_file()
+            dockerfile = context / build["dockerfile"]
+            assert dockerfile.is_file()
+            for line in dockerfile.read_text().splitlines():
+                parts = line.split()
+                if parts and parts[0] == "COPY" and not any(p.startswith("--from") for p in parts):
+                    for source in parts[1:-1]:
+                        assert (context / source).exists(), f"Dockerfile COPY {source}: missing"
+
+
+def test_mounted_files_exist() -> None:
+    for name, svc in _services().items():
+        for source, _ in _mounts(svc):
+            if source.startswith((".", "/")):
+                assert (DEPLOY / source).exists(), f"{name}: {source} does not exist"
+
+
+def test_start_order_waits_on_healthchecks() -> None:
+    services = _services()
+    for name in ("nats", "postgres"):
+        assert services[name].get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
+    for name in OURS:
+        deps = services[name]["depends_on"]
+        assert deps["nats"]["condition"] == "service_healthy", name
+    assert services["placement"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    for name, svc in services.items():
+        for dep, how in (svc.get("depends_on") or {}).items():
+            assert dep in services, f"{name} depends on unknown service {dep}"
+            if how["condition"] == "service_healthy":
+                assert services[dep].get("healthcheck"), f"{name} waits on {dep}'s missing check"
+
+
+def test_state_lives_in_named_volumes() -> None:
+    compose = _compose()
+    declared = set(compose.get("volumes") or {})
+    services = _services()
+    for name, target in (
+        ("nats", "/data"),
+        ("postgres", "/var/lib/postgresql/data"),
+        ("executor", _env(services["executor"])["GPULAYER_EXECUTOR_WORKDIR"]),
+        ("prometheus", "/prometheus"),
+        ("grafana", "/var/lib/grafana"),
+    ):
+        named = [s for s, t in _mounts(services[name]) if t == target]
+        assert named, f"{name}: nothing is mounted at {target}"
+        assert named[0] in declared, f"{name}: {target} is not on a named volume"
+    if "-sd" in services["nats"]["command"]:
+        nats_cmd = services["nats"]["command"]
+        assert nats_cmd[nats_cmd.index("-sd") + 1] == "/data"
+
+
+def test_nats_runs_jetstream_with_monitoring() -> None:
+    nats = _services()["nats"]
+    assert "-js" in nats["command"] or "--jetstream" in nats["command"]
+    assert "-m" in nats["command"] or "--http_port" in nats["command"]
+
+
+# --- the collector and Prometheus -----------------------------------------------------------------
+
+
+def test_collector_config_is_the_mounted_one() -> None:
+    svc = _services()[_by_image("otel/opentelemetry-collector-contrib")]
+    config = next(a.split("=", 1)[1] for a in svc["command"] if a.startswith("--config="))
+    assert ("./otel-collector.yaml", config) in _mounts(svc)
+
+
+def test_collector_pipelines_reach_jaeger_and_prometheus() -> None:
+    cfg = _collector()
+    services = _services()
+    assert _port(cfg["receivers"]["otlp"]["protocols"]["http"]["endpoint"]) == 4318
+    pipelines = cfg["service"]["pipelines"]
+    for pipeline in pipelines.values():
+        for kind in ("receivers", "processors", "exporters"):
+            for component in pipeline.get(kind, []):
+                assert component in cfg[kind], f"{component} is used but not configured"
+        assert "otlp" in pipeline["receivers"]
+
+    jaeger = _by_image("jaegertracing/all-in-one")
+    traces = [cfg["exporters"][e] for e in pipelines["traces"]["exporters"]]
+    assert any(urlsplit(f"//{e.get('endpoint', '')}").hostname == jaeger for e in traces)
+    assert _env(services[jaeger]).get("COLLECTOR_OTLP_ENABLED", "true") == "true"
+
+    prom_exporters = [
+        e for e in pipelines["metrics"]["exporters"] if e.split("/")[0] == "prometheus"
+    ]
+    assert prom_exporters, "metrics are not exported for Prometheus"
+    port = _port(cfg["exporters"][prom_exporters[0]]["endpoint"])
+    collector = _by_image("otel/opentelemetry-collector-contrib")
+    targets = {
+        t
+        for job in _yaml(DEPLOY / "prometheus.yml")["scrape_configs"]
+        for static in job.get("static_configs", [])
+        for t in static["targets"]
+    }
+    assert f"{collector}:{port}" in targets, "prometheus.yml does not scrape the collector"
+    prom = _services()[_by_image("prom/prometheus")]
+    assert ("./prometheus.yml", "/etc/prometheus/prometheus.yml") in _mounts(prom)
+
+
+# --- Grafana -------------------------------------------------------------------------------------
+
+
+def _grafana_mount(target: str) -> Path:
+    svc = _services()[_by_image("grafana/grafana")]
+    source = next(s for s, t in _mounts(svc) if t == target)
+    return (DEPLOY / source).resolve()
+
+
+def _datasources() -> list[Doc]:
+    folder = _grafana_mount("/etc/grafana/provisioning") / "datasources"
+    out: list[Doc] = []
+    for path in sorted(folder.glob("*.y*ml")):
+        out += _yaml(path)["datasources"]
+    return out
+
+
+def _dashboards() -> list[tuple[Path, Doc]]:
+    providers_dir = _grafana_mount("/etc/grafana/provisioning") / "dashboards"
+    svc = _services()[_by_image("grafana/grafana")]
+    found: list[tuple[Path, Doc]] = []
+    for path in sorted(providers_dir.glob("*.y*ml")):
+        for provider in _yaml(path)["providers"]:
+            in_container = provider["options"]["path"]
+            source = next(s for s, t in _mounts(svc) if t == in_container)
+            for board in sorted((DEPLOY / source).glob("*.json")):
+                found.append((board, json.loads(board.read_text())))
+    assert found, "no dashboard is provisioned"
+    return found
+
+
+def _panels(board: Doc) -> list[Doc]:
+    out: list[Doc] = []
+    for panel in board.get("panels", []):
+        out.append(panel)
+        out += _panels(panel)  # panels inside collapsed rows
+    return out
+
+
+def test_datasources_point_at_the_stack() -> None:
+    sources = {d["type"]: d for d in _datasources()}
+    assert {"prometheus", "jaeger"} <= set(sources)
+    prom, jaeger = urlsplit(sources["prometheus"]["url"]), urlsplit(sources["jaeger"]["url"])
+    assert prom.hostname == _by_image("prom/prometheus")
+    assert prom.port == 9090
+    assert jaeger.hostname == _by_image("jaegertracing/all-in-one")
+    assert jaeger.port == 16686
+
+
+def test_dashboards_use_provisioned_datasources() -> None:
+    uids = {d["uid"] for d in _datasources()}
+    for path, board in _dashboards():
+        for panel in _panels(board):
+            for item in [panel, *panel.get("targets", [])]:
+                ds = item.get("datasource")
+                if isinstance(ds, dict):
+                    assert ds.get("uid") in uids, f"{path.name}: {panel['title']}: {ds}"
+
+
+# PromQL words that are not metric names.
+_PROMQL_WORDS = {
+    "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or",
+    "unless", "offset", "inf", "nan",
+}  # fmt: skip
+
+
+def promql_metrics(expr: str) -> set[str]:
+    """Metric names in a PromQL expression (functions, labels, grouping and ranges removed)."""
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', " ", expr)  # strings
+    text = re.sub(r"\{[^}]*\}", " ", text)  # label matchers
+    text = re.sub(r"\[[^\]]*\]", " ", text)  # ranges
+    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
+    names = set()
+    for m in re.finditer(r"(?<![\w$.])([A-Za-z_:][A-Za-z0-9_:]*)\b(\s*\()?", text):
+        word, is_call = m.group(1), m.group(2)
+        if is_call or word.lower() in _PROMQL_WORDS:
+            continue
+        names.add(word)
+    return names
+
+
+def _emitted() -> set[str]:
+    names: set[str] = set()
+    for name, (kind, _, _) in METRICS.items():
+        base = prometheus_name(name)
+        names |= (
+            {f"{base}_bucket", f"{base}_sum", f"{base}_count"} if kind == "histogram" else {base}
+        )
+    return names
+
+
+def test_promql_metric_extraction() -> None:
+    expr = (
+        'histogram_quantile(0.95, sum by (le, source) (rate(a_seconds_bucket{x="y"}[5m])))'
+        " / on (job) group_left (b) max without (c) (b_total offset 5m) > bool 0"
+    )
+    assert promql_metrics(expr) == {"a_seconds_bucket", "b_total"}
+
+
+def test_every_dashboard_query_names_an_emitted_metric() -> None:
+    emitted = _emitted()
+    used: set[str] = set()
+    for path, board in _dashboards():
+        for panel in _panels(board):
+            for target in panel.get("targets", []):
+                names = promql_metrics(target["expr"])
+                assert names, f"{path.name}: {panel['title']}: no metric in {target['expr']}"
+                unknown = names - emitted
+                assert not unknown, f"{path.name}: {panel['title']}: {sorted(unknown)} not emitted"
+                used |= names
+    # The dashboard covers what the issue asks for.
+    for metric in (
+        "gpulayer.placement.placed",
+        "gpulayer.placement.decision.duration",
+        "gpulayer.jobs.pending",
+        "gpulayer.nodes",
+        "gpulayer.devices",
+        "gpulayer.executor.jobs",
+        "gpulayer.probe.detection.duration",
+    ):
+        assert any(u.startswith(prometheus_name(metric)) for u in used), f"{metric} not on a panel"
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("gpulayer.placement.decision.duration", "gpulayer_placement_decision_duration_seconds"),
+        ("gpulayer.placement.placed", "gpulayer_placement_placed_total"),
+        ("gpulayer.jobs.pending", "gpulayer_jobs_pending"),
+    ],
+)
+def test_prometheus_names(name: str, expected: str) -> None:
+    assert prometheus_name(name) == expected
+
+
+# --- the Makefile and CI ---------------------------------------------------------------------------
 
 
 def test_makefile_and_ci_call_the_readme_commands() -> None:
@@ -62,5 +410,5 @@ def test_makefile_and_ci_call_the_readme_commands() -> None:
     assert "make test" in readme
     assert "make test" in (ROOT / ".ci" / "run").read_text()
     makefile = (ROOT / "Makefile").read_text()
-    for target in ("run:", "test:", "lint:", "bench:"):
+    for target in ("run:", "test:", "lint:", "bench:", "docs:"):
         assert f"\n{target}" in makefile
