@@ -169,12 +169,6 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_probe(args: argparse.Namespace) -> int:
-    from gpulayer_probe.cli import main as probe_main
-
-    return int(probe_main(args.rest))
-
-
 def cmd_logs(args: argparse.Namespace) -> int:
     from gpulayer_cli.logs import run_logs
 
@@ -245,13 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--json", action="store_true")
     m.set_defaults(fn=cmd_matrix)
 
-    pr = sub.add_parser(
-        "probe",
-        help="detect this machine's capabilities (see gpulayer probe --help)",
-        add_help=False,
+    # Listed for --help; main() hands `gpulayer probe ...` to the probe's own parser.
+    sub.add_parser(
+        "probe", help="detect this machine's capabilities as JSON (gpulayer probe --help)"
     )
-    pr.add_argument("rest", nargs=argparse.REMAINDER)
-    pr.set_defaults(fn=cmd_probe)
 
     lg = sub.add_parser("logs", help="print a job's output")
     lg.add_argument("job_id")
@@ -269,6 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["probe"]:
+        # The probe has its own options (--python, --gpu-apis, ...): hand them over untouched.
+        from gpulayer_probe.cli import main as probe_main
+
+        return int(probe_main(argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args))

@@ -178,6 +178,8 @@ class PlacementService:
             durable="placement-status",
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30),
         )
+        # Unsubscribed on close, or draining the connection would wait out its timeout.
+        self._subs += [jobs, status]
         from gpulayer_placement.api import Api
 
         await Api(self).subscribe()
