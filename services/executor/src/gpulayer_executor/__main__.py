@@ -15,6 +15,7 @@ from gpulayer_executor.service import ExecutorConfig
 from gpulayer_runtime.logs import setup_logging
 from gpulayer_runtime.nats import connect, ensure_streams
 from gpulayer_runtime.settings import ConfigError, env_float, env_int, env_str, nats_url, node_id
+from gpulayer_runtime.telemetry import setup_telemetry
 
 log = logging.getLogger("gpulayer_executor")
 
@@ -78,12 +79,14 @@ async def _amain() -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    telemetry = setup_telemetry("gpulayer-executor", env)
     nc = await connect(url, f"gpulayer-executor-{config.node_id}")
     try:
         await ensure_streams(nc.jetstream())
-        await Executor(nc, config).run(stop)
+        await Executor(nc, config, telemetry).run(stop)
     finally:
         await nc.drain()
+        telemetry.shutdown()
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ from gpulayer_executor import state as st
 from gpulayer_executor.env import EnvRefused, RunAs, device_env, job_environment
 from gpulayer_executor.output import LogSink
 from gpulayer_executor.runner import SpawnError, StopRequest, run_process
+from gpulayer_runtime.telemetry import DISABLED, Telemetry, extract
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,9 @@ class _Job:
 
     def __init__(self, rec: st.GrantRecord) -> None:
         self.rec = rec
+        # Wall-clock ns: spawn asked, process started (for the job's trace and duration metric).
+        self.spawn_ns = 0
+        self.started_ns = 0
         self.stop: asyncio.Future[StopRequest] = asyncio.get_running_loop().create_future()
         self.task: asyncio.Task[None] | None = None
 
@@ -132,8 +137,9 @@ def status_for(rec: st.GrantRecord, node_id: str) -> tuple[JobStatus, JobEvent]:
 
 
 class Executor:
-    def __init__(self, nc: Client, config: ExecutorConfig) -> None:
+    def __init__(self, nc: Client, config: ExecutorConfig, telemetry: Telemetry = DISABLED) -> None:
         self.nc = nc
+        self.tel = telemetry
         self.js: JetStreamContext = nc.jetstream()
         self.config = config
         self.node_id = config.node_id
@@ -261,7 +267,11 @@ class Executor:
             else:
                 await msg.ack()
             return
-        rec = st.received(grant)
+        if self.tel.enabled and (msg.metadata.num_delivered or 0) > 1:
+            self.tel.count("gpulayer.consumer.redeliveries", 1, {"consumer": "executor-grants"})
+        rec = msgspec.structs.replace(
+            st.received(grant), traceparent=(msg.headers or {}).get("traceparent")
+        )
         if not await asyncio.to_thread(self.store.create, rec):
             log.warning(
                 "grant %s for job %s delivered again; ignored", grant.grant_id, grant.job.job_id
@@ -370,11 +380,13 @@ class Executor:
         sink.start()
 
         async def on_started(info: st.ProcessInfo) -> None:
+            job.started_ns = time.time_ns()
             await self._save(job, st.running(job.rec, info))
             log.info("job %s running as pid %s in %s", grant.job.job_id, info.pid, cwd)
             if await self._report(job.rec):
                 await self._save(job, st.running_reported(job.rec))
 
+        job.spawn_ns = time.time_ns()
         try:
             return await run_process(
                 grant.job.command,
@@ -404,6 +416,8 @@ class Executor:
 
     async def _finish(self, job: _Job, outcome: st.Outcome) -> None:
         await self._save(job, st.finished(job.rec, outcome))
+        if self.tel.enabled:
+            self._trace_job(job, outcome)
         log.info(
             "job %s (grant %s) %s%s",
             job.rec.job_id,
@@ -412,6 +426,52 @@ class Executor:
             f": {outcome.reason}" if outcome.reason else "",
         )
         await self._report_finished(job.rec)
+
+    def _trace_job(self, job: _Job, outcome: st.Outcome) -> None:
+        """The job's run as spans under the grant's trace (the submitter's), and its metrics.
+
+        Recorded when the job ends, with the measured times: a span left open across an
+        executor restart would never be exported anyway."""
+        from opentelemetry import trace
+        from opentelemetry.trace import SpanKind, Status, StatusCode
+
+        grant = job.rec.grant
+        end = time.time_ns()
+        begin = job.spawn_ns or end
+        attrs: dict[str, Any] = {
+            "messaging.system": "nats",
+            "gpulayer.job.id": grant.job.job_id,
+            "gpulayer.node.id": self.node_id,
+            "gpulayer.accelerator": grant.accelerator,
+            "gpulayer.devices": grant.devices,
+            "gpulayer.outcome": outcome.state,
+        }
+        if outcome.exit_code is not None:
+            attrs["process.exit.code"] = outcome.exit_code
+        tracer = self.tel.tracer
+        parent = extract({"traceparent": job.rec.traceparent}) if job.rec.traceparent else None
+        root = tracer.start_span(
+            "executor run",
+            context=parent,
+            kind=SpanKind.CONSUMER,
+            attributes=attrs,
+            start_time=begin,
+        )
+        ctx = trace.set_span_in_context(root)
+        if job.started_ns:
+            tracer.start_span("executor start", context=ctx, start_time=begin).end(
+                end_time=job.started_ns
+            )
+            tracer.start_span("executor process", context=ctx, start_time=job.started_ns).end(
+                end_time=end
+            )
+        if outcome.state != "succeeded":
+            root.set_status(Status(StatusCode.ERROR, outcome.reason or outcome.state))
+        root.end(end_time=end)
+        labels = {"outcome": outcome.state, "accelerator": grant.accelerator}
+        self.tel.count("gpulayer.executor.jobs", 1, labels)
+        if job.started_ns:
+            self.tel.record("gpulayer.executor.job.duration", (end - job.started_ns) / 1e9, labels)
 
     async def _report_finished(self, rec: st.GrantRecord) -> None:
         if await self._report(rec):

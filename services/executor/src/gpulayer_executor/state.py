@@ -71,6 +71,8 @@ class GrantRecord(msgspec.Struct, frozen=True, kw_only=True):
     running_reported: bool = False
     outcome: Outcome | None = None
     reported: bool = False
+    # W3C traceparent the grant arrived with: the job's run joins the submitter's trace.
+    traceparent: str | None = None
 
     @property
     def grant_id(self) -> str:

@@ -433,11 +433,14 @@ class PlacementService:
                 job = job_request_decoder.decode(row["request"])
                 self._jobs[job_id] = job
             key = _requirement_key(job)
-            t0 = time.time_ns()
+            tel = self.tel.enabled
+            t0 = time.time_ns() if tel else 0
             decision = failed.get(key) or match(job, self.fleet.rotated())
-            t1 = time.time_ns()
-            if self.tel.enabled:
+            if tel:
+                t1 = time.time_ns()
                 self.tel.record("gpulayer.placement.decision.duration", (t1 - t0) / 1e9)
+            else:
+                t1 = 0
             if isinstance(decision, Placement):
                 submitted = self._submitted.pop(job_id, None) or row["submitted_at"].timestamp()
                 outcome.placements.append(

@@ -19,6 +19,7 @@ from gpulayer_probe.service import ProbeService, ProbeSettings
 from gpulayer_runtime.logs import setup_logging
 from gpulayer_runtime.nats import connect, ensure_streams
 from gpulayer_runtime.settings import ConfigError, env_float, env_str, nats_url, node_id
+from gpulayer_runtime.telemetry import setup_telemetry
 
 log = logging.getLogger("gpulayer_probe")
 
@@ -43,12 +44,14 @@ async def _amain() -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    telemetry = setup_telemetry("gpulayer-probe", os.environ)
     nc = await connect(url, f"gpulayer-probe-{node}")
     try:
         await ensure_streams(nc.jetstream())
-        await ProbeService(nc, node, settings).run(stop)
+        await ProbeService(nc, node, settings, telemetry=telemetry).run(stop)
     finally:
         await nc.drain()
+        telemetry.shutdown()
     log.info("stopped")
 
 

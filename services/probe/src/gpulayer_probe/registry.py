@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import platform
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 
 from gpulayer_contracts import __version__
@@ -24,6 +25,8 @@ from gpulayer_probe.nvidia import NvidiaProbe
 from gpulayer_probe.rocm import RocmProbe
 from gpulayer_probe.runner import Runner, run_command
 
+Timing = Callable[[str, float], None]
+
 # Extra time a probe gets beyond its command timeout before the guard gives up on it.
 _GUARD_GRACE_S = 5.0
 
@@ -36,7 +39,8 @@ def default_probes(*, frameworks: bool = True, path: str | None = None) -> list[
     return probes
 
 
-async def _guarded(probe: Probe, ctx: ProbeContext) -> Finding:
+async def _guarded(probe: Probe, ctx: ProbeContext, on_timing: Timing | None = None) -> Finding:
+    started = time.perf_counter()
     try:
         return await asyncio.wait_for(probe.probe(ctx), ctx.timeout + _GUARD_GRACE_S)
     except TimeoutError:
@@ -47,11 +51,17 @@ async def _guarded(probe: Probe, ctx: ProbeContext) -> Finding:
         found = Finding(probe.name)
         found.note(f"probe failed: {type(err).__name__}: {err}")
         return found
+    finally:
+        if on_timing is not None:
+            on_timing(probe.name, time.perf_counter() - started)
 
 
-async def collect(ctx: ProbeContext, probes: Sequence[Probe]) -> list[Finding]:
-    """Run every probe concurrently; always one finding per probe."""
-    return list(await asyncio.gather(*(_guarded(p, ctx) for p in probes)))
+async def collect(
+    ctx: ProbeContext, probes: Sequence[Probe], on_timing: Timing | None = None
+) -> list[Finding]:
+    """Run every probe concurrently; always one finding per probe. ``on_timing(source,
+    seconds)`` hears how long each source took."""
+    return list(await asyncio.gather(*(_guarded(p, ctx, on_timing) for p in probes)))
 
 
 def build_capabilities(

@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from opentelemetry.trace import SpanKind
 
 from gpulayer_contracts import Heartbeat, WorkerCapabilities, __version__, encode
 from gpulayer_contracts.subjects import node_capabilities, node_doctor, node_heartbeat
@@ -32,6 +33,7 @@ from gpulayer_probe.registry import (
     torch_unknown,
 )
 from gpulayer_probe.runner import Runner, run_command
+from gpulayer_runtime.telemetry import DISABLED, Telemetry, inject
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +84,10 @@ class ProbeService:
         settings: ProbeSettings = ProbeSettings(),
         *,
         run: Runner = run_command,
+        telemetry: Telemetry = DISABLED,
     ) -> None:
         self._nc = nc
+        self._tel = telemetry
         self._node = node_id
         self._s = settings
         self._run = run
@@ -127,8 +131,12 @@ class ProbeService:
             cdi_dirs=self._s.cdi_dirs,
             advertise_address=self._s.advertise_address,
         )
-        self._findings = await collect(ctx, default_probes())
+        on_timing = self._record_timing if self._tel.enabled else None
+        self._findings = await collect(ctx, default_probes(), on_timing)
         return self._build()
+
+    def _record_timing(self, source: str, seconds: float) -> None:
+        self._tel.record("gpulayer.probe.detection.duration", seconds, {"source": source})
 
     def _frameworks(self) -> dict[str, str]:
         return {k: v for f in self._findings for k, v in f.frameworks.items()}
@@ -173,7 +181,21 @@ class ProbeService:
         if not significantly_changed(self._published, caps):
             return False
         try:
-            await self._nc.jetstream().publish(node_capabilities(self._node), encode(caps))
+            # Each capability update is a trace of its own.
+            with self._tel.span(
+                "probe publish capabilities",
+                kind=SpanKind.PRODUCER,
+                attributes={
+                    "messaging.system": "nats",
+                    "messaging.destination.name": node_capabilities(self._node),
+                    "gpulayer.node.id": self._node,
+                    "gpulayer.accelerators": len(caps.accelerators),
+                },
+            ) as span:
+                headers = inject({}, span) if span is not None else None
+                await self._nc.jetstream().publish(
+                    node_capabilities(self._node), encode(caps), headers=headers
+                )
         except Exception as err:  # NATS down: the next refresh tries again
             log.warning("publishing capabilities failed: %s", err)
             return False
