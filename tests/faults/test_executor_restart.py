@@ -47,9 +47,9 @@ async def events_of(
     sub = await js.subscribe(job_events(job_id), ordered_consumer=True)
     out: list[AnyJobEvent] = []
     try:
-        async with asyncio.timeout(20):
+        async with asyncio.timeout(40):
             while True:
-                event = event_decoder.decode((await sub.next_msg(timeout=20)).data)
+                event = event_decoder.decode((await sub.next_msg(timeout=40)).data)
                 out.append(event)
                 if until(event):
                     return out
@@ -80,7 +80,7 @@ async def statuses(js: JetStreamContext, grant_id: str) -> list[JobStatus]:
 
 
 async def grants_consumed(js: JetStreamContext) -> None:
-    async with asyncio.timeout(10):
+    async with asyncio.timeout(30):
         while True:
             info = await js.consumer_info("GRANTS", f"executor-{NODE}")
             if not info.num_pending and not info.num_ack_pending:
@@ -97,7 +97,7 @@ def read_text(path: Path) -> str:
 
 async def wait_for_file(path: Path) -> str:
     # Written by the job, outside NATS: polling with a deadline is the only way to see it.
-    async with asyncio.timeout(10):
+    async with asyncio.timeout(30):
         while True:
             if text := read_text(path).strip():
                 return text
@@ -147,7 +147,7 @@ class ExecutorProcess:
         served = read_text(self.log).count("serving")
         # The executor logs "serving" once reconciled and consuming: a process outside this
         # test's event loop, so its log is polled, with a deadline.
-        async with asyncio.timeout(15):
+        async with asyncio.timeout(45):
             while True:
                 text = read_text(self.log)
                 if text.count("serving") > served:
