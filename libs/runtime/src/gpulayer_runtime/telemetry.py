@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import socket
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -44,6 +46,14 @@ METRICS: dict[str, tuple[str, str, str]] = {
 }  # fmt: skip
 
 
+# The SDK's default buckets (0..10000) suit milliseconds; ours are seconds, from a placement
+# decision (sub-millisecond) to a long job.
+SECONDS_BUCKETS = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+    10.0, 30.0, 60.0, 300.0, 1800.0, 3600.0,
+]  # fmt: skip
+
+
 def prometheus_name(name: str) -> str:
     """The name a metric gets behind the Collector's Prometheus exporter."""
     kind, unit, _ = METRICS[name]
@@ -65,7 +75,12 @@ class Telemetry:
         meter = metrics.get_meter(service)
         self._meter = meter
         self.histograms = {
-            name: meter.create_histogram(name, unit=unit, description=desc)
+            name: meter.create_histogram(
+                name,
+                unit=unit,
+                description=desc,
+                explicit_bucket_boundaries_advisory=SECONDS_BUCKETS,
+            )
             for name, (kind, unit, desc) in METRICS.items()
             if kind == "histogram"
         }
@@ -84,7 +99,9 @@ class Telemetry:
         if self.enabled:
             self.counters[name].add(value, attributes)
 
-    def gauge(self, name: str, callback: Callable[[], Sequence[tuple[float, Mapping[str, Any]]]]) -> None:
+    def gauge(
+        self, name: str, callback: Callable[[], Sequence[tuple[float, Mapping[str, Any]]]]
+    ) -> None:
         """An observable gauge read at each export; ``callback`` returns (value, attributes)."""
         if not self.enabled:
             return
@@ -109,7 +126,9 @@ class Telemetry:
         if not self.enabled:
             yield None
             return
-        with self.tracer.start_as_current_span(name, context=parent, kind=kind, attributes=attributes) as s:
+        with self.tracer.start_as_current_span(
+            name, context=parent, kind=kind, attributes=attributes
+        ) as s:
             yield s
 
     def shutdown(self) -> None:
@@ -133,14 +152,17 @@ def extract(headers: Mapping[str, str] | None) -> otel_context.Context | None:
 
 
 def _exporting(env: Mapping[str, str]) -> bool:
-    return any(
-        env.get(k)
-        for k in (
-            "OTEL_EXPORTER_OTLP_ENDPOINT",
-            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-            "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+    return (
+        any(
+            env.get(k)
+            for k in (
+                "OTEL_EXPORTER_OTLP_ENDPOINT",
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+            )
         )
-    ) and env.get("OTEL_SDK_DISABLED", "").lower() != "true"
+        and env.get("OTEL_SDK_DISABLED", "").lower() != "true"
+    )
 
 
 def setup_telemetry(service: str, env: Mapping[str, str]) -> Telemetry:
@@ -151,15 +173,21 @@ def setup_telemetry(service: str, env: Mapping[str, str]) -> Telemetry:
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    resource = Resource.create({SERVICE_NAME: env.get("OTEL_SERVICE_NAME") or service})
+    # Several replicas of one service must not collide in the metrics backend.
+    instance = f"{socket.gethostname()}-{os.getpid()}"
+    resource = Resource.create(
+        {SERVICE_NAME: env.get("OTEL_SERVICE_NAME") or service, SERVICE_INSTANCE_ID: instance}
+    )
     tracer_provider = TracerProvider(resource=resource)
     tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(tracer_provider)
-    meter_provider = MeterProvider(resource=resource, metric_readers=[PeriodicExportingMetricReader(OTLPMetricExporter())])
+    meter_provider = MeterProvider(
+        resource=resource, metric_readers=[PeriodicExportingMetricReader(OTLPMetricExporter())]
+    )
     metrics.set_meter_provider(meter_provider)
     tel = Telemetry(service, enabled=True)
     tel._shutdown += [tracer_provider.shutdown, meter_provider.shutdown]

@@ -598,7 +598,8 @@ class PlacementService:
                     key = (state, d.accelerator, v.node_id)
                     counts[key] = counts.get(key, 0) + 1
             return [
-                (n, {"state": k[0], "accelerator": k[1], "node": k[2]}) for k, n in counts.items()
+                (n, {"state": k[0], "accelerator": k[1], "node_id": k[2]})
+                for k, n in counts.items()
             ]
 
         self.tel.gauge("gpulayer.nodes", nodes)
