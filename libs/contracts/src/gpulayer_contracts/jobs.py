@@ -23,25 +23,66 @@ JOB_ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
 JobId = Annotated[str, msgspec.Meta(pattern=JOB_ID_PATTERN, description="Client-chosen job id")]
 
 
+def _doc(text: str) -> msgspec.Meta:
+    return msgspec.Meta(description=text)
+
+
 class Requirements(Input, frozen=True):
     """What a node must offer. Unset fields are no constraint."""
 
-    accelerator: Accelerator | None = None
-    gpu_count: Annotated[int, msgspec.Meta(ge=0)] = 0
-    gpu_memory_gb: Annotated[float, msgspec.Meta(gt=0)] | None = None
-    gpu_memory_kind: MemoryKind | None = None
-    min_cuda_compute_capability: float | str | None = None
-    frameworks: dict[str, str] = {}
-    framework_capabilities: list[str] = []
-    python: str | None = None
+    accelerator: Annotated[Accelerator | None, _doc("cpu, cuda, mps or rocm; unset means any")] = (
+        None
+    )
+    gpu_count: Annotated[
+        int,
+        msgspec.Meta(
+            ge=0,
+            description="Devices needed; only devices that can execute work count. "
+            "A GPU accelerator named without a count means one",
+        ),
+    ] = 0
+    gpu_memory_gb: (
+        Annotated[
+            float,
+            msgspec.Meta(
+                gt=0, description="Memory per device, in GB of 10^9 bytes (80 fits an 80GB card)"
+            ),
+        ]
+        | None
+    ) = None
+    gpu_memory_kind: Annotated[MemoryKind | None, _doc("dedicated (VRAM) or unified (Apple)")] = (
+        None
+    )
+    min_cuda_compute_capability: Annotated[
+        float | str | None, _doc("Compared numerically per device: 8.6 >= 8.0, 10.0 > 9.0")
+    ] = None
+    frameworks: Annotated[
+        dict[str, str], _doc('Framework name to PEP 440 specifier, e.g. {torch = ">=2.3"}')
+    ] = {}
+    framework_capabilities: Annotated[
+        list[str], _doc("What frameworks must be able to drive, e.g. torch.cuda, torch.mps")
+    ] = []
+    python: Annotated[
+        str | None, _doc("PEP 440 specifier on the workload interpreter's version")
+    ] = None
 
 
 class GpuUsage(Input, frozen=True):
     """How the job uses GPUs. ``use`` unset means: exclusive when GPUs are requested, else none."""
 
-    use: GpuUse | None = None
-    apis_any: list[str] = []
-    in_container: bool = False
+    use: Annotated[
+        GpuUse | None,
+        _doc("none, shared or exclusive; unset: exclusive when GPUs are requested, else none"),
+    ] = None
+    apis_any: Annotated[
+        list[str],
+        _doc(
+            "Any one of these GPU APIs must be usable (cuda, rocm, vulkan, opencl, directml, metal)"
+        ),
+    ] = []
+    in_container: Annotated[
+        bool, _doc("Check apis_any against the node's container APIs instead of its host APIs")
+    ] = False
 
 
 class Variant(Input, frozen=True):
@@ -51,7 +92,9 @@ class Variant(Input, frozen=True):
 
 
 class SandboxDevices(Input, frozen=True):
-    gpu: Literal["compute"] | None = None
+    gpu: Annotated[
+        Literal["compute"] | None, _doc('"compute" makes the granted GPUs visible; unset: none')
+    ] = None
 
 
 class Sandbox(Input, frozen=True):
@@ -61,23 +104,42 @@ class Sandbox(Input, frozen=True):
 
 
 class Distributed(Input, frozen=True):
-    nodes: Annotated[int, msgspec.Meta(ge=1)] = 1
-    processes_per_node: Annotated[int, msgspec.Meta(ge=1)] = 1
-    backend: str | None = None
-    launcher: str | None = None
+    nodes: Annotated[int, msgspec.Meta(ge=1, description="Number of nodes")] = 1
+    processes_per_node: Annotated[int, msgspec.Meta(ge=1, description="Processes on each node")] = 1
+    backend: Annotated[str | None, _doc("Distributed backend, e.g. gloo or nccl")] = None
+    launcher: Annotated[str | None, _doc("Launcher, e.g. torchrun")] = None
 
 
 class JobRequest(Input, frozen=True):
     """A job as submitted. ``job_id`` is the dedupe key: the same id twice is one job."""
 
     job_id: JobId
-    command: Annotated[list[str], msgspec.Meta(min_length=1)]
-    name: str = ""
-    env: dict[str, str] = {}
-    timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    command: Annotated[
+        list[str],
+        msgspec.Meta(
+            min_length=1, description="argv; run without a shell, arguments arrive literally"
+        ),
+    ]
+    name: Annotated[str, _doc("Human-readable name")] = ""
+    env: Annotated[
+        dict[str, str],
+        _doc(
+            "Extra environment; variables gpulayer sets (CUDA_VISIBLE_DEVICES, LD_PRELOAD, GPULAYER_*) are refused"
+        ),
+    ] = {}
+    timeout_s: (
+        Annotated[
+            float,
+            msgspec.Meta(gt=0, description="Killed (with its children) after this many seconds"),
+        ]
+        | None
+    ) = None
     requirements: Requirements = Requirements()
     gpu: GpuUsage | None = None
-    variants: dict[PlatformFamily, Variant] = {}
+    variants: Annotated[
+        dict[PlatformFamily, Variant],
+        _doc("Per platform (linux, darwin, windows): replaces gpu whole there"),
+    ] = {}
     sandbox: Sandbox = Sandbox()
     distributed: Distributed | None = None
-    requires_core: str | None = None
+    requires_core: Annotated[str | None, _doc("PEP 440 specifier on gpulayer's own version")] = None
