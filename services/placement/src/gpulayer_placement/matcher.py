@@ -663,7 +663,7 @@ def _place(plan: _Plan, cap: _Cap, view: NodeView) -> Placement | int:
                 if free_count < len(eligible):
                     return free_count
             return Placement(node_id=view.node_id, accelerator=acc, devices=list(eligible), use=use)
-        free = eligible
+        free = sorted(members.difference(ex)) if ex else eligible
         if not free:
             return 0
         return Placement(node_id=view.node_id, accelerator=acc, devices=list(free), use=use)
