@@ -1,0 +1,334 @@
+"""``python -m bench [--full]``: every figure of issue 7, one ``name=value unit`` line each,
+then a summary table with the goals. Quick mode stays under 3 minutes on a 2-core machine."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+import asyncpg
+
+from bench.figures import (
+    REPO,
+    Sizes,
+    full_loop,
+    naive_postgres,
+    placement_memory,
+    placement_throughput,
+    probe_figures,
+    raw_jetstream,
+    submit_to_grant_latency,
+)
+from bench.figures import capability_ingest as ingest_figure
+from bench.fleet import FleetShape, encoded, fleet, gpu_jobs_for, job_mix
+from bench.harness import BenchError, Scenario, load_fleet, scenario
+from bench.report import Figure, judge, print_summary, unavailable
+from gpulayer_runtime.servers import EmbeddedPostgres, ServerStartError
+
+T = TypeVar("T")
+
+# Goals from issue 7 (figures, never tests).
+GOAL_PLACEMENT_1K = 2_500.0
+GOAL_PLACEMENT_10K = 0.8 * GOAL_PLACEMENT_1K
+GOAL_NAIVE_RATIO = 3.0
+GOAL_P99_MS = 25.0
+GOAL_INGEST = 10_000.0
+GOAL_LOOP = 500.0
+GOAL_LOOP_P99_MS = 50.0
+GOAL_PROBE_MS = 150.0
+GOAL_RSS_MB = 300.0
+
+
+class Run:
+    def __init__(self, sizes: Sizes, root: Path, admin_url: str, profile: Path | None) -> None:
+        self.sizes = sizes
+        self.root = root
+        self.admin_url = admin_url
+        self.profile = profile
+        self.figures: list[Figure] = []
+
+    def add(self, *figs: Figure) -> None:
+        for f in figs:
+            self.figures.append(f)
+            print(f.line(), flush=True)
+
+    def get(self, name: str) -> float | None:
+        for f in self.figures:
+            if f.name == name:
+                return f.value
+        return None
+
+    @contextlib.asynccontextmanager
+    async def scenario(self, name: str) -> AsyncIterator[Scenario]:
+        async with scenario(name, self.root, self.admin_url, profile_dir=self.profile) as s:
+            yield s
+
+
+async def _guard(
+    run: Run, names: list[tuple[str, str]], work: Callable[[], Awaitable[None]]
+) -> None:
+    """Run a group of figures; if it fails, each figure it would have printed and hasn't yet
+    becomes ``unavailable`` with the reason."""
+    try:
+        await work()
+    except (BenchError, ServerStartError, asyncpg.PostgresError, OSError, TimeoutError) as err:
+        reason = f"{type(err).__name__}: {err}"
+        for name, unit in names:
+            if run.get(name) is None and not any(f.name == name for f in run.figures):
+                run.add(unavailable(name, unit, reason))
+
+
+async def placement_group(run: Run, n: int, tag: str) -> None:
+    sz = run.sizes
+    shape = FleetShape.of(n)
+    tp_name = f"placement_{tag}_nodes"
+    names = [(tp_name, "jobs/s")]
+    if tag == "10k":
+        names += [
+            ("capability_ingest_10k", "events/s"),
+            ("capability_staleness_p99_10k", "ms"),
+            ("placement_rss_peak", "MB"),
+        ]
+
+    async def work() -> None:
+        async with run.scenario(f"n{tag}") as s:
+            initial = await load_fleet(s, fleet(f"n{tag}", n), timeout=max(30.0, n / 200))
+            run.add(Figure(f"capability_initial_load_{tag}", initial, "events/s"))
+            after_fleet = s.placement.sample_rss()
+            tp = await placement_throughput(s, f"tp{tag}", sz.jobs, shape)
+            note = f"{tp.granted}/{tp.submitted} granted in {tp.seconds:.1f}s"
+            run.add(
+                Figure(tp_name, tp.rate, "jobs/s", note=note),
+                Figure(f"submit_publish_rate_{tag}", tp.publish_rate, "jobs/s"),
+            )
+            if tp.granted < tp.submitted:
+                print(f"# {tp_name}: {note}", flush=True)
+            if tag != "10k":
+                return
+            ing = await ingest_figure(s, f"n{tag}", n)
+            run.add(
+                Figure("capability_ingest_10k", ing.rate, "events/s"),
+                Figure("capability_publish_rate_10k", ing.publish_rate, "events/s"),
+                Figure("capability_staleness_p50_10k", ing.stale_p50, "ms"),
+                Figure("capability_staleness_p99_10k", ing.stale_p99, "ms"),
+                Figure("capability_staleness_max_10k", ing.stale_max, "ms"),
+            )
+            mem = await placement_memory(s, sz.pending, after_fleet)
+            run.add(
+                Figure("placement_rss_after_fleet_10k", mem.after_fleet_mb, "MB"),
+                Figure(
+                    "placement_rss_peak",
+                    mem.peak_mb,
+                    "MB",
+                    note=f"10,000 nodes, {sz.jobs} placed + {mem.pending} pending jobs",
+                ),
+                Figure("pending_jobs_considered", mem.pending / mem.seconds, "jobs/s"),
+            )
+
+    await _guard(run, names, work)
+
+
+async def latency_group(run: Run) -> None:
+    sz = run.sizes
+    n = sz.small_nodes
+    names = [("submit_to_grant_p50", "ms"), ("submit_to_grant_p99", "ms")]
+
+    async def work() -> None:
+        async with run.scenario("latency") as s:
+            await load_fleet(s, fleet("lat", n), timeout=60)
+            lat = await submit_to_grant_latency(s, sz.latency_rate, sz.latency_s, FleetShape.of(n))
+            run.add(
+                Figure("submit_to_grant_offered", lat.offered, "jobs/s"),
+                Figure("submit_to_grant_p50", lat.p50, "ms"),
+                Figure("submit_to_grant_p99", lat.p99, "ms"),
+                Figure("submit_to_grant_max", lat.max, "ms"),
+            )
+            if lat.granted < lat.submitted:
+                print(f"# latency: only {lat.granted}/{lat.submitted} granted", flush=True)
+
+    await _guard(run, names, work)
+
+
+async def loop_group(run: Run) -> None:
+    sz = run.sizes
+    names = [
+        ("full_loop_jobs_per_s", "jobs/s"),
+        ("full_loop_submit_to_start_p50", "ms"),
+        ("full_loop_submit_to_start_p99", "ms"),
+    ]
+
+    async def work() -> None:
+        async with run.scenario("loop") as s:
+            limit = 120.0 if sz.full else 40.0
+            fl = await full_loop(s, sz.loop_jobs, sz.loop_paced, limit)
+            note = f"{fl.completed}/{fl.submitted} finished, {fl.failed} not succeeded"
+            run.add(Figure("full_loop_jobs_per_s", fl.rate, "jobs/s", note=note))
+            if fl.failed or fl.completed < fl.submitted:
+                print(f"# full loop: {note}", flush=True)
+            run.add(
+                Figure("full_loop_paced_offered", fl.start_rate, "jobs/s"),
+                Figure("full_loop_submit_to_start_p50", fl.start_p50, "ms"),
+                Figure("full_loop_submit_to_start_p99", fl.start_p99, "ms"),
+                Figure("full_loop_burst_submit_to_start_p50", fl.queued_start_p50, "ms"),
+                Figure("full_loop_burst_submit_to_start_p99", fl.queued_start_p99, "ms"),
+            )
+
+    await _guard(run, names, work)
+
+
+async def limits_group(run: Run) -> None:
+    sz = run.sizes
+    shape = FleetShape.of(sz.small_nodes)
+    jobs = encoded(job_mix("raw", sz.jobs, gpu_jobs_for(sz.jobs, shape)))
+    run.add(await raw_jetstream(run.root, jobs))
+    for f in await naive_postgres(run.admin_url, sz.naive_serial, sz.naive_concurrent):
+        run.add(f)
+
+
+def judge_all(run: Run) -> None:
+    """Goals and ratios, appended after the measured figures."""
+    by = {f.name: f for f in run.figures}
+
+    def goal(name: str, op: str, target: float, text: str | None = None) -> None:
+        if name in by:
+            judge(by[name], op, target, text)
+
+    goal("placement_1k_nodes", ">=", GOAL_PLACEMENT_1K)
+    goal("placement_10k_nodes", ">=", GOAL_PLACEMENT_10K, ">= 2000 jobs/s (0.8x 2500)")
+    goal("submit_to_grant_p99", "<=", GOAL_P99_MS)
+    goal("capability_ingest_10k", ">=", GOAL_INGEST)
+    goal("full_loop_jobs_per_s", ">=", GOAL_LOOP)
+    goal("full_loop_submit_to_start_p99", "<=", GOAL_LOOP_P99_MS)
+    goal("probe_no_torch", "<=", GOAL_PROBE_MS)
+    goal("probe_no_torch_8gpu_recorded", "<=", GOAL_PROBE_MS)
+    goal("placement_rss_peak", "<=", GOAL_RSS_MB)
+    p1k = run.get("placement_1k_nodes")
+    p10k = run.get("placement_10k_nodes")
+    if p1k and p10k:
+        run.add(Figure("placement_10k_over_1k", p10k / p1k, "x"))
+        judge(run.figures[-1], ">=", 0.8)
+    naive = [
+        v
+        for v in (run.get("pg_naive_tx_per_grant_1conn"), run.get("pg_naive_tx_per_grant_8conn"))
+        if v
+    ]
+    if p1k and naive:
+        run.add(
+            Figure(
+                "placement_over_naive_pg", p1k / max(naive), "x", note="best of 1 and 8 connections"
+            )
+        )
+        judge(run.figures[-1], ">=", GOAL_NAIVE_RATIO)
+    serial = run.get("pg_naive_tx_per_grant_1conn")
+    if p1k and serial:
+        run.add(Figure("placement_over_naive_pg_1conn", p1k / serial, "x"))
+    raw = run.get("jetstream_raw_publish_pull_ack")
+    if p1k and raw:
+        run.add(Figure("placement_over_raw_jetstream", p1k / raw, "x"))
+
+
+def machine() -> str:
+    model = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    commit = "unknown"
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+            timeout=10, check=False,
+        ).stdout.strip() or commit  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True,
+            timeout=10, check=False,
+        ).stdout.strip()  # fmt: skip
+        if dirty:
+            commit += " (dirty working tree)"
+    return (
+        f"{os.cpu_count()} cores, {model}, Python {platform.python_version()}, "
+        f"{platform.system()} {platform.release()}, commit {commit}"
+    )
+
+
+async def amain(args: argparse.Namespace) -> list[Figure]:
+    sizes = Sizes.big() if args.full else Sizes.quick()
+    root = Path(tempfile.mkdtemp(prefix="gpulayer-bench-"))
+    started = time.perf_counter()
+    pg = EmbeddedPostgres(root / "pg", fast=args.fast_pg)
+    try:
+        pg.start()
+        run = Run(sizes, root, pg.url, args.profile)
+        only = set(args.only.split(",")) if args.only else None
+        groups: list[tuple[str, Callable[[], Awaitable[None]]]] = [
+            ("limits", lambda: limits_group(run)),
+            ("placement1k", lambda: placement_group(run, sizes.small_nodes, "1k")),
+            ("latency", lambda: latency_group(run)),
+            ("placement10k", lambda: placement_group(run, sizes.large_nodes, "10k")),
+            ("loop", lambda: loop_group(run)),
+        ]
+        for name, group in groups:
+            if only is None or name in only:
+                t0 = time.perf_counter()
+                await group()
+                print(f"# {name} took {time.perf_counter() - t0:.1f}s", flush=True)
+        print(f"# measured in {time.perf_counter() - started:.1f}s", flush=True)
+        return run.figures
+    finally:
+        pg.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    p.add_argument("--full", action="store_true", help="the full sizes (make bench FULL=1)")
+    p.add_argument(
+        "--fast-pg",
+        action="store_true",
+        help="PostgreSQL with fsync and synchronous_commit off (default: durable, as in production)",
+    )
+    p.add_argument(
+        "--only", help="comma-separated groups: probe,limits,placement1k,latency,placement10k,loop"
+    )
+    p.add_argument("--profile", metavar="DIR", help="attach py-spy to placement; raw stacks in DIR")
+    args = p.parse_args(argv)
+    if args.profile:
+        args.profile = Path(args.profile).resolve()
+        args.profile.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    header = machine()
+    print(f"# gpulayer bench ({'full' if args.full else 'quick'}): {header}", flush=True)
+    print(
+        f"# PostgreSQL: {'fsync off (scratch)' if args.fast_pg else 'durable defaults'}", flush=True
+    )
+    figures: list[Figure] = []
+    only = set(args.only.split(",")) if args.only else None
+    if only is None or "probe" in only:
+        # Before the event loop: the probe's CLI runs its own.
+        sizes = Sizes.big() if args.full else Sizes.quick()
+        for f in probe_figures(sizes.probe_runs):
+            figures.append(f)
+            print(f.line(), flush=True)
+    figures += asyncio.run(amain(args))
+    run = Run(Sizes.quick(), Path("."), "", None)
+    run.figures = figures
+    judge_all(run)
+    print(f"# total {time.perf_counter() - t0:.1f}s", flush=True)
+    print_summary(run.figures, f"gpulayer bench — {header}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
