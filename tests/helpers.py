@@ -22,9 +22,12 @@ class Services:
     def __init__(self) -> None:
         self.procs: dict[str, asyncio.subprocess.Process] = {}
 
-    async def start(self, name: str, env: dict[str, str], log: Path) -> None:
+    async def start(
+        self, name: str, env: dict[str, str], log: Path, key: str | None = None
+    ) -> None:
+        """Start console script ``name``; ``key`` names it when one script runs several times."""
         with log.open("ab") as out:
-            self.procs[name] = await asyncio.create_subprocess_exec(
+            self.procs[key or name] = await asyncio.create_subprocess_exec(
                 bin_path(name), env=env, stdout=out, stderr=asyncio.subprocess.STDOUT
             )
 

@@ -49,15 +49,33 @@ def cmd_dev_up(args: argparse.Namespace) -> int:
     )
 
 
+async def _quiet(err: Exception) -> None:
+    """The CLI reports a failed connection once, itself, instead of per attempt."""
+
+
 async def _with_nats(fn: Callable[[Any], Awaitable[int]]) -> int:
+    from nats.errors import NoServersError
+
     from gpulayer_cli.client import ApiFailed, ApiUnavailable
     from gpulayer_runtime.nats import connect
 
     url = _nats_url()
     try:
-        nc = await asyncio.wait_for(connect(url, "gpulayer-cli", max_reconnect_attempts=0), 5)
-    except (OSError, TimeoutError) as err:
-        print(f"gpulayer: cannot reach NATS at {url}: {err}", file=sys.stderr)
+        nc = await asyncio.wait_for(
+            connect(
+                url,
+                "gpulayer-cli",
+                max_reconnect_attempts=0,
+                allow_reconnect=False,
+                error_cb=_quiet,
+            ),
+            5,
+        )
+    except (OSError, TimeoutError, NoServersError) as err:
+        print(
+            f"gpulayer: cannot reach NATS at {url}: {str(err) or 'no server answered'}",
+            file=sys.stderr,
+        )
         return EXIT_UNREACHABLE
     try:
         return await fn(nc)

@@ -49,16 +49,16 @@ async def connect(url: str, name: str, **kwargs: object) -> Client:
     async def on_reconnect() -> None:
         log.info("nats reconnected")
 
-    return await nats.connect(
-        url,
-        name=name,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
-        error_cb=on_error,
-        disconnected_cb=on_disconnect,
-        reconnected_cb=on_reconnect,
-        **kwargs,
-    )
+    options: dict[str, object] = {
+        "name": name,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 0.5,
+        "error_cb": on_error,
+        "disconnected_cb": on_disconnect,
+        "reconnected_cb": on_reconnect,
+    }
+    options.update(kwargs)
+    return await nats.connect(url, **options)
 
 
 async def ensure_streams(js: JetStreamContext) -> None:

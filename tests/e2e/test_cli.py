@@ -1,0 +1,190 @@
+"""The `gpulayer` command line against a running stack, and `gpulayer check` without one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from nats.aio.client import Client
+from tests.helpers import Services, bin_path
+
+from gpulayer_runtime.nats import ensure_streams
+
+pytestmark = pytest.mark.e2e
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+async def gpulayer(*args: str, env: dict[str, str], timeout: float = 60) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        bin_path("gpulayer"),
+        *args,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+@pytest.fixture
+async def stack(
+    nats_url: str, database_url: str, tmp_path: Path, nc: Client
+) -> AsyncIterator[dict[str, str]]:
+    await ensure_streams(nc.jetstream())
+    env = dict(os.environ)
+    env.update(
+        GPULAYER_NATS_URL=nats_url,
+        GPULAYER_DATABASE_URL=database_url,
+        GPULAYER_NODE_ID="cli-node",
+        GPULAYER_EXECUTOR_WORKDIR=str(tmp_path / "work"),
+        GPULAYER_HEARTBEAT_S="1",
+        GPULAYER_KILL_GRACE_S="0.5",
+    )
+    services = Services()
+    for name in ("gpulayer-placement", "gpulayer-executor", "gpulayer-probe"):
+        await services.start(name, env, tmp_path / f"{name}.log")
+    async with asyncio.timeout(30):
+        while True:  # until placement answers and knows this node
+            code, out, _ = await gpulayer("nodes", "--json", env=env)
+            if code == 0 and any(n["node_id"] == "cli-node" for n in json.loads(out)):
+                break
+            await asyncio.sleep(0.1)
+    yield env
+    await services.stop()
+
+
+def write_job(path: Path, job: dict[str, object]) -> str:
+    path.write_text(json.dumps(job))
+    return str(path)
+
+
+async def test_submit_wait_follows_the_job(stack: dict[str, str], tmp_path: Path) -> None:
+    ok = write_job(tmp_path / "ok.json", {"job_id": "cli-ok", "command": ["echo", "hi"]})
+    code, out, err = await gpulayer("submit", ok, "--wait", env=stack)
+    assert code == 0, out + err
+    assert "cli-ok" in out
+    assert "succeeded" in out
+    bad = write_job(tmp_path / "bad.json", {"job_id": "cli-bad", "command": ["sh", "-c", "exit 4"]})
+    code, out, _ = await gpulayer("submit", bad, "--wait", "--json", env=stack)
+    assert code == 1  # the exit code follows the job
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last["type"] == "failed"
+    assert last["exit_code"] == 4
+    code, out, _ = await gpulayer("logs", "cli-ok", env=stack)
+    assert code == 0
+    assert "hi" in out
+
+
+async def test_invalid_job_file_exits_2_naming_the_field(
+    stack: dict[str, str], tmp_path: Path
+) -> None:
+    f = tmp_path / "typo.toml"
+    f.write_text('job_id = "t"\ncommand = ["true"]\n[requirements]\ngpu_cont = 1\n')
+    code, _, err = await gpulayer("submit", str(f), env=stack)
+    assert code == 2
+    assert "$.requirements.gpu_cont: unknown field" in err
+
+
+async def test_jobs_explain_and_cancel(stack: dict[str, str], tmp_path: Path) -> None:
+    waiting = write_job(
+        tmp_path / "w.json",
+        {
+            "job_id": "cli-wait",
+            "command": ["true"],
+            "requirements": {"accelerator": "cuda", "gpu_count": 1},
+        },
+    )
+    code, _, _ = await gpulayer("submit", waiting, env=stack)
+    assert code == 0
+    async with asyncio.timeout(20):
+        while True:
+            code, out, _ = await gpulayer("explain", "cli-wait", "--json", env=stack)
+            if (
+                code == 0
+                and json.loads(out)["state"] == "pending"
+                and json.loads(out).get("reasons")
+            ):
+                break
+            await asyncio.sleep(0.1)
+    explained = json.loads(out)
+    assert explained["summary"].startswith("0/1 nodes can run this job")
+    assert any("cuda" in r for r in explained["reasons"])
+    code, out, _ = await gpulayer("cancel", "cli-wait", "--json", env=stack)
+    assert code == 0
+    assert json.loads(out)["state"] == "cancelled"
+
+    sleeper = write_job(tmp_path / "s.json", {"job_id": "cli-sleep", "command": ["sleep", "60"]})
+    follow = asyncio.create_task(gpulayer("submit", sleeper, "--wait", "--json", env=stack))
+    async with asyncio.timeout(20):
+        while True:
+            code, out, _ = await gpulayer("jobs", "--json", "--state", "running", env=stack)
+            if code == 0 and any(j["job_id"] == "cli-sleep" for j in json.loads(out)):
+                break
+            await asyncio.sleep(0.1)
+    code, out, _ = await gpulayer("cancel", "cli-sleep", "--json", env=stack)
+    assert code == 0
+    assert json.loads(out)["state"] == "cancelling"
+    code, out, _ = await follow
+    assert code == 1
+    assert json.loads(out.strip().splitlines()[-1])["type"] == "cancelled"
+    code, out, _ = await gpulayer("cancel", "cli-sleep", env=stack)
+    assert code == 1  # already finished: a clear refusal
+
+
+async def test_unreachable_nats_exits_3(tmp_path: Path) -> None:
+    env = dict(os.environ, GPULAYER_NATS_URL="nats://127.0.0.1:1")
+    code, _, err = await gpulayer("nodes", env=env, timeout=30)
+    assert code == 3
+    assert "cannot reach NATS" in err
+
+
+def _fake_nvidia(tmp_path: Path, recording: str) -> dict[str, str]:
+    tools = tmp_path / "bin"
+    tools.mkdir(exist_ok=True)
+    shutil.copy(FIXTURES / "nvidia-smi" / "fake-nvidia-smi", tools / "nvidia-smi")
+    (tools / "nvidia-smi").chmod(0o755)
+    return dict(
+        os.environ,
+        PATH=f"{tools}{os.pathsep}{os.environ['PATH']}",
+        FAKE_NVIDIA_SMI_DIR=str(FIXTURES / "nvidia-smi" / recording),
+    )
+
+
+async def test_check_answers_for_this_machine(tmp_path: Path) -> None:
+    cuda = write_job(
+        tmp_path / "cuda.json",
+        {
+            "job_id": "chk",
+            "command": ["true"],
+            "requirements": {
+                "accelerator": "cuda",
+                "gpu_count": 2,
+                "min_cuda_compute_capability": 8.0,
+            },
+        },
+    )
+    env = _fake_nvidia(tmp_path, "h100-dgx-8x")
+    code, out, err = await gpulayer("check", cuda, "--python", sys.executable, env=env)
+    assert code == 0, out + err
+    assert "yes" in out
+    env = _fake_nvidia(tmp_path, "t4-2x")
+    code, out, _ = await gpulayer("check", cuda, "--json", env=env)
+    assert code == 1
+    answer = json.loads(out)
+    assert answer["fits"] is False
+    assert any("compute capability" in r for r in answer["reasons"]), answer
+    invalid = tmp_path / "invalid.json"
+    invalid.write_text(
+        '{"job_id": "x", "command": ["true"], "requirements": {"accelerator": "tpu"}}'
+    )
+    code, _, err = await gpulayer("check", str(invalid), env=env)
+    assert code == 2
+    assert "$.requirements.accelerator" in err
