@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -307,8 +308,8 @@ class Executor:
         self._jobs[rec.grant_id] = job
         job.task = asyncio.create_task(self._job_life(job), name=f"job-{rec.job_id}-{rec.grant_id}")
 
-    async def _save(self, job: _Job, rec: st.GrantRecord) -> None:
-        await asyncio.to_thread(self.store.save, rec)
+    async def _save(self, job: _Job, rec: st.GrantRecord, *, durable: bool = True) -> None:
+        await asyncio.to_thread(functools.partial(self.store.save, rec, durable=durable))
         job.rec = rec
 
     async def _job_life(self, job: _Job) -> None:
@@ -381,10 +382,10 @@ class Executor:
 
         async def on_started(info: st.ProcessInfo) -> None:
             job.started_ns = time.time_ns()
-            await self._save(job, st.running(job.rec, info))
+            await self._save(job, st.running(job.rec, info), durable=False)
             log.info("job %s running as pid %s in %s", grant.job.job_id, info.pid, cwd)
             if await self._report(job.rec):
-                await self._save(job, st.running_reported(job.rec))
+                await self._save(job, st.running_reported(job.rec), durable=False)
 
         job.spawn_ns = time.time_ns()
         try:
@@ -475,7 +476,9 @@ class Executor:
 
     async def _report_finished(self, rec: st.GrantRecord) -> None:
         if await self._report(rec):
-            await asyncio.to_thread(self.store.save, st.reported(rec))
+            await asyncio.to_thread(
+                functools.partial(self.store.save, st.reported(rec), durable=False)
+            )
 
     # --- reporting --------------------------------------------------------------------------
 

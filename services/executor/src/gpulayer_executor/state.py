@@ -145,12 +145,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_tmp(directory: Path, name: str, data: bytes) -> Path:
+def _write_tmp(directory: Path, name: str, data: bytes, *, durable: bool = True) -> Path:
     tmp = directory / f".{name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
     with open(tmp, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     return tmp
 
 
@@ -191,11 +192,15 @@ class StateStore:
         _fsync_dir(self.grants_dir)
         return True
 
-    def save(self, rec: GrantRecord) -> None:
+    def save(self, rec: GrantRecord, *, durable: bool = True) -> None:
+        """Replace a record atomically. ``durable=False`` skips the fsyncs, for phases whose loss
+        in a crash is harmless: the pid of a running job (the restart finds its processes by
+        GPULAYER_GRANT_ID) and the "reported" flags (a repeated report is deduplicated)."""
         path = self._path(rec.grant_id)
-        tmp = _write_tmp(self.grants_dir, path.name, _encoder.encode(rec))
+        tmp = _write_tmp(self.grants_dir, path.name, _encoder.encode(rec), durable=durable)
         os.replace(tmp, path)
-        _fsync_dir(self.grants_dir)
+        if durable:
+            _fsync_dir(self.grants_dir)
 
     def load(self, grant_id: str) -> GrantRecord | None:
         try:

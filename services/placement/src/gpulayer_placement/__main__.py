@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -43,6 +44,11 @@ async def _amain() -> None:
         stack.push_async_callback(pool.close)
         service = PlacementService(nc, pool, settings, telemetry)
         await service.start()
+        # The fleet's long-lived capability structs would otherwise be re-scanned by every
+        # young-generation collection; freezing the start-up heap and collecting less often
+        # keeps decoding cheap at 10,000 nodes.
+        gc.freeze()
+        gc.set_threshold(50_000, 20, 100)
         stack.push_async_callback(service.close)
         done = asyncio.create_task(service.stop.wait())
         signalled = asyncio.create_task(stop.wait())

@@ -97,7 +97,14 @@ class Fleet:
         """Store a node's capabilities. True when the node is new or its capabilities changed."""
         old = self.get(caps.node_id)
         self.last_seen[caps.node_id] = time.monotonic()
-        if old is not None and old.capabilities == caps and old.online == online:
+        if (
+            old is not None
+            and old.online == online
+            and old.capabilities
+            == msgspec.structs.replace(caps, detected_at=old.capabilities.detected_at)
+        ):
+            # Nothing but the detection time moved: keep the old object, whose derived facts
+            # the matcher has cached by identity.
             return False
         holds = self._holds.get(caps.node_id)
         self._set(

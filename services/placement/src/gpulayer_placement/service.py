@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 import msgspec
@@ -68,6 +68,9 @@ from gpulayer_placement.matcher import NoPlacement, Placement, match
 from gpulayer_placement.store import Store, migrate
 from gpulayer_runtime.telemetry import DISABLED, Telemetry, extract, inject
 
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
 log = logging.getLogger(__name__)
 
 NOTIFY_CHANNEL = "gpulayer_allocations"
@@ -80,6 +83,7 @@ class Settings:
     resend_after_s: float = 30.0
     batch_size: int = 256
     page_size: int = 1000
+    publish_timeout_s: float = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,20 +266,39 @@ class PlacementService:
 
     # --- publishing ----------------------------------------------------------------------
 
-    async def _publish_events(self, events: list[JobEvent]) -> None:
-        if events:
-            await asyncio.gather(*(self._publish_event(e) for e in events))
+    async def _publish(self, items: list[tuple[str, bytes, dict[str, str]]]) -> bool:
+        """Pipelined JetStream publishes: every message is sent, then every ack awaited, instead
+        of one round trip each. False (logged) when an ack didn't come: grants are re-sent by the
+        ``resend`` loop; a lost event is only a gap in a job's history."""
+        if not items:
+            return True
+        try:
+            futures = [
+                await self.js.publish_async(subj, data, headers=h) for subj, data, h in items
+            ]
+            await asyncio.wait_for(asyncio.gather(*futures), self.settings.publish_timeout_s)
+        except Exception as err:
+            log.warning("publishing %d messages failed: %r", len(items), err)
+            return False
+        return True
 
-    async def _publish_event(self, event: JobEvent) -> None:
+    @staticmethod
+    def _event_item(event: JobEvent) -> tuple[str, bytes, dict[str, str]]:
         tag = type(event).__struct_config__.tag
         headers = {MSG_ID_HEADER: f"{event.job_id}:{tag}:{event.at.timestamp()}"}
-        await self.js.publish(job_events(event.job_id), encode(event), headers=headers)
+        return job_events(event.job_id), encode(event), headers
 
-    async def _publish_grant(self, grant: Grant, headers: dict[str, str] | None = None) -> None:
+    @staticmethod
+    def _grant_item(
+        grant: Grant, headers: dict[str, str] | None = None
+    ) -> tuple[str, bytes, dict[str, str]]:
         h = {MSG_ID_HEADER: grant.grant_id}
         if headers:
             h.update(headers)
-        await self.js.publish(node_grants(grant.node_id), encode(grant), headers=h)
+        return node_grants(grant.node_id), encode(grant), h
+
+    async def _publish_events(self, events: list[JobEvent]) -> None:
+        await self._publish([self._event_item(e) for e in events])
 
     # --- ingest --------------------------------------------------------------------------
 
@@ -515,21 +538,27 @@ class PlacementService:
             for j, d in outcome.waiting
         ]
         # Events first: a user watching the job sees "placed" before the executor's "running".
-        await self._publish_events(events)
-        if self.tel.enabled:
-            pairs = zip(outcome.placements, grants, strict=True)
-            await asyncio.gather(
-                *(self._publish_traced(pl, g, outcome.commit_ns) for pl, g in pairs)
-            )
+        items = [self._event_item(e) for e in events]
+        if not self.tel.enabled:
+            await self._publish(items + [self._grant_item(g) for g in grants])
         else:
-            await asyncio.gather(*(self._publish_grant(g) for g in grants))
+            spans = [
+                self._job_span(pl, g, outcome.commit_ns)
+                for pl, g in zip(outcome.placements, grants, strict=True)
+            ]
+            items += [
+                self._grant_item(g, inject({}, span)) for g, span in zip(grants, spans, strict=True)
+            ]
+            sent_ns = time.time_ns()
+            await self._publish(items)
+            self._end_job_spans(spans, outcome, grants, sent_ns)
         self.placed_total += len(grants)
 
-    async def _publish_traced(self, pl: _Placed, grant: Grant, commit_ns: tuple[int, int]) -> None:
-        """Publish a grant under the job's trace: the submitter's trace id when it sent one.
+    def _job_span(self, pl: _Placed, grant: Grant, commit_ns: tuple[int, int]) -> Span:
+        """The job's placement span, under the submitter's trace when it sent one.
 
-        The batch's steps happened before the job's span could be opened, so its child spans
-        are recorded afterwards with their measured start and end times."""
+        The batch's steps happened before the span could be opened, so it and its children are
+        recorded with their measured start and end times."""
         from opentelemetry import trace
         from opentelemetry.trace import SpanKind
 
@@ -557,15 +586,26 @@ class PlacementService:
         tracer.start_span("placement commit", context=ctx, start_time=commit_ns[0]).end(
             end_time=commit_ns[1]
         )
-        with tracer.start_as_current_span(
-            "placement publish grant", context=ctx, kind=SpanKind.PRODUCER
-        ):
-            await self._publish_grant(grant, inject({}))
-        self.tel.record(
-            "gpulayer.placement.submit_to_grant.duration", max(time.time() - pl.submitted, 0.0)
-        )
-        self.tel.count("gpulayer.placement.placed", 1, {"accelerator": grant.accelerator})
-        root.end()
+        return root
+
+    def _end_job_spans(
+        self, spans: list[Span], outcome: _Outcome, grants: list[Grant], sent_ns: int
+    ) -> None:
+        from opentelemetry import trace
+        from opentelemetry.trace import SpanKind
+
+        acked_ns = time.time_ns()
+        now = time.time()
+        for root, pl, grant in zip(spans, outcome.placements, grants, strict=True):
+            ctx = trace.set_span_in_context(root)
+            self.tel.tracer.start_span(
+                "placement publish grant", context=ctx, kind=SpanKind.PRODUCER, start_time=sent_ns
+            ).end(end_time=acked_ns)
+            root.end(end_time=acked_ns)
+            self.tel.record(
+                "gpulayer.placement.submit_to_grant.duration", max(now - pl.submitted, 0.0)
+            )
+            self.tel.count("gpulayer.placement.placed", 1, {"accelerator": grant.accelerator})
 
     # --- metrics -------------------------------------------------------------------------
 
@@ -767,8 +807,12 @@ class PlacementService:
                 "re-sending grant %s of job %s to %s", r["grant_id"], r["job_id"], r["node_id"]
             )
             grant = _grant(job, r["node_id"], r["grant_id"], r["accelerator"], list(r["devices"]))
-            await self._publish_grant(
-                grant, {"traceparent": r["traceparent"]} if r["traceparent"] else None
+            await self._publish(
+                [
+                    self._grant_item(
+                        grant, {"traceparent": r["traceparent"]} if r["traceparent"] else None
+                    )
+                ]
             )
 
     # --- other replicas ------------------------------------------------------------------
