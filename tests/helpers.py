@@ -19,8 +19,16 @@ def bin_path(name: str) -> str:
 
 
 class Services:
+    """Service processes of one test; ``async with`` stops them however the test ends."""
+
     def __init__(self) -> None:
         self.procs: dict[str, asyncio.subprocess.Process] = {}
+
+    async def __aenter__(self) -> Services:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
 
     async def start(
         self, name: str, env: dict[str, str], log: Path, key: str | None = None

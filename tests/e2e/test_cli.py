@@ -48,17 +48,16 @@ async def stack(
         GPULAYER_HEARTBEAT_S="1",
         GPULAYER_KILL_GRACE_S="0.5",
     )
-    services = Services()
-    for name in ("gpulayer-placement", "gpulayer-executor", "gpulayer-probe"):
-        await services.start(name, env, tmp_path / f"{name}.log")
-    async with asyncio.timeout(30):
-        while True:  # until placement answers and knows this node
-            code, out, _ = await gpulayer("nodes", "--json", env=env)
-            if code == 0 and any(n["node_id"] == "cli-node" for n in json.loads(out)):
-                break
-            await asyncio.sleep(0.1)
-    yield env
-    await services.stop()
+    async with Services() as services:
+        for name in ("gpulayer-placement", "gpulayer-executor", "gpulayer-probe"):
+            await services.start(name, env, tmp_path / f"{name}.log")
+        async with asyncio.timeout(30):
+            while True:  # until placement answers and knows this node
+                code, out, _ = await gpulayer("nodes", "--json", env=env)
+                if code == 0 and any(n["node_id"] == "cli-node" for n in json.loads(out)):
+                    break
+                await asyncio.sleep(0.1)
+        yield env
 
 
 def write_job(path: Path, job: dict[str, object]) -> str:

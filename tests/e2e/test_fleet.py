@@ -58,38 +58,37 @@ async def fleet(
     base.update(
         GPULAYER_NATS_URL=nats_url, GPULAYER_DATABASE_URL=database_url, GPULAYER_HEARTBEAT_S="1"
     )
-    services = Services()
-    await services.start("gpulayer-placement", base, tmp_path / "placement.log")
-    nodes = {"h100-node": "h100-dgx-8x", "t4-node": "t4-2x", "cpu-node": None}
-    for node, recording in nodes.items():
-        env = dict(base, GPULAYER_NODE_ID=node, GPULAYER_EXECUTOR_WORKDIR=str(tmp_path / node))
-        if recording:
-            tools = tmp_path / f"{node}-bin"
-            tools.mkdir()
-            shutil.copy(FIXTURES / "nvidia-smi" / "fake-nvidia-smi", tools / "nvidia-smi")
-            (tools / "nvidia-smi").chmod(0o755)
-            env["PATH"] = f"{tools}{os.pathsep}{env['PATH']}"
-            env["FAKE_NVIDIA_SMI_DIR"] = str(FIXTURES / "nvidia-smi" / recording)
-        await services.start(
-            "gpulayer-probe", env, tmp_path / f"{node}-probe.log", key=f"probe-{node}"
-        )
-        await services.start(
-            "gpulayer-executor", env, tmp_path / f"{node}-executor.log", key=f"executor-{node}"
-        )
-    js = nc.jetstream()
-    await js.publish(node_capabilities("apple-m2"), encode(apple_caps()))
-    await nc.publish(node_heartbeat("apple-m2"), b"{}")
-    async with asyncio.timeout(30):
-        while True:  # placement knows all four nodes (an API answer, not an event)
-            try:
-                known = {n["node_id"] for n in await api(nc, API_NODES, timeout=1)}
-            except Exception:
-                known = set()
-            if known >= {*nodes, "apple-m2"}:
-                break
-            await asyncio.sleep(0.1)
-    yield base
-    await services.stop()
+    async with Services() as services:
+        await services.start("gpulayer-placement", base, tmp_path / "placement.log")
+        nodes = {"h100-node": "h100-dgx-8x", "t4-node": "t4-2x", "cpu-node": None}
+        for node, recording in nodes.items():
+            env = dict(base, GPULAYER_NODE_ID=node, GPULAYER_EXECUTOR_WORKDIR=str(tmp_path / node))
+            if recording:
+                tools = tmp_path / f"{node}-bin"
+                tools.mkdir()
+                shutil.copy(FIXTURES / "nvidia-smi" / "fake-nvidia-smi", tools / "nvidia-smi")
+                (tools / "nvidia-smi").chmod(0o755)
+                env["PATH"] = f"{tools}{os.pathsep}{env['PATH']}"
+                env["FAKE_NVIDIA_SMI_DIR"] = str(FIXTURES / "nvidia-smi" / recording)
+            await services.start(
+                "gpulayer-probe", env, tmp_path / f"{node}-probe.log", key=f"probe-{node}"
+            )
+            await services.start(
+                "gpulayer-executor", env, tmp_path / f"{node}-executor.log", key=f"executor-{node}"
+            )
+        js = nc.jetstream()
+        await js.publish(node_capabilities("apple-m2"), encode(apple_caps()))
+        await nc.publish(node_heartbeat("apple-m2"), b"{}")
+        async with asyncio.timeout(30):
+            while True:  # placement knows all four nodes (an API answer, not an event)
+                try:
+                    known = {n["node_id"] for n in await api(nc, API_NODES, timeout=1)}
+                except Exception:
+                    known = set()
+                if known >= {*nodes, "apple-m2"}:
+                    break
+                await asyncio.sleep(0.1)
+        yield base
 
 
 def job(job_id: str, out: Path | None = None, **fields: object) -> bytes:

@@ -41,11 +41,10 @@ async def stack(
         GPULAYER_EXECUTOR_WORKDIR=str(tmp_path / "work"),
         GPULAYER_HEARTBEAT_S="1",
     )
-    services = Services()
-    for name in ("gpulayer-placement", "gpulayer-executor", "gpulayer-probe"):
-        await services.start(name, env, tmp_path / f"{name}.log")
-    yield env
-    await services.stop()
+    async with Services() as services:
+        for name in ("gpulayer-placement", "gpulayer-executor", "gpulayer-probe"):
+            await services.start(name, env, tmp_path / f"{name}.log")
+        yield env
     for name, proc in services.procs.items():
         # A clean shutdown on SIGTERM, not a crash.
         assert proc.returncode == 0, (
