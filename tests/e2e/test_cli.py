@@ -134,8 +134,15 @@ async def test_jobs_explain_and_cancel(stack: dict[str, str], tmp_path: Path) ->
     code, out, _ = await follow
     assert code == 1
     assert json.loads(out.strip().splitlines()[-1])["type"] == "cancelled"
-    code, out, _ = await gpulayer("cancel", "cli-sleep", env=stack)
+    async with asyncio.timeout(20):
+        while True:  # placement records the executor's report
+            code, out, _ = await gpulayer("jobs", "--json", "--state", "cancelled", env=stack)
+            if code == 0 and any(j["job_id"] == "cli-sleep" for j in json.loads(out)):
+                break
+            await asyncio.sleep(0.1)
+    code, out, err = await gpulayer("cancel", "cli-sleep", env=stack)
     assert code == 1  # already finished: a clear refusal
+    assert "already cancelled" in err
 
 
 async def test_unreachable_nats_exits_3(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import os
 import pwd
 import signal
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from gpulayer_executor.env import RunAs, base_environment
@@ -77,6 +78,9 @@ async def _amain() -> None:
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    # Durable state writes (fsync) run in threads and mostly wait on the disk: enough threads
+    # for every concurrent job, so one job's fsync never queues behind another's.
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=min(config.max_jobs, 64) + 4))
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     telemetry = setup_telemetry("gpulayer-executor", env)

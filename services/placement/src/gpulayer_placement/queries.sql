@@ -64,17 +64,26 @@ WHERE state = 'pending' AND job_id = ANY($1::text[])
 ORDER BY submitted_at, job_id
 FOR UPDATE SKIP LOCKED;
 
--- name: insert_allocations
-INSERT INTO allocations (job_id, node_id, device_index, mode)
-SELECT * FROM unnest($1::text[], $2::text[], $3::int[], $4::text[]);
-
--- name: mark_placed
-UPDATE jobs SET state = 'placed', node_id = p.node_id, grant_id = p.grant_id,
-    accelerator = p.accelerator, devices = p.devices::int[], attempt = jobs.attempt + 1,
-    reason = NULL, unsatisfiable = false, updated_at = now()
-FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[])
-     AS p(job_id, node_id, grant_id, accelerator, devices)
-WHERE jobs.job_id = p.job_id;
+-- name: place_jobs
+-- Notifications on 'gpulayer_allocations' carry '<replica>|<node>,<node>' (service.NOTIFY_CHANNEL).
+-- One statement for a batch: hold the devices, mark the jobs placed, tell other replicas which
+-- nodes changed. The exclusion constraint fails the whole statement on a double booking.
+WITH held AS (
+    INSERT INTO allocations (job_id, node_id, device_index, mode)
+    SELECT * FROM unnest($6::text[], $7::text[], $8::int[], $9::text[])
+    RETURNING node_id
+), placed AS (
+    UPDATE jobs SET state = 'placed', node_id = p.node_id, grant_id = p.grant_id,
+        accelerator = p.accelerator, devices = p.devices::int[], attempt = jobs.attempt + 1,
+        reason = NULL, unsatisfiable = false, updated_at = now()
+    FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[])
+         AS p(job_id, node_id, grant_id, accelerator, devices)
+    WHERE jobs.job_id = p.job_id
+    RETURNING jobs.job_id
+)
+SELECT (SELECT count(*) FROM placed) AS placed,
+       (SELECT pg_notify('gpulayer_allocations', $10 || '|' || string_agg(DISTINCT node_id, ','))
+        FROM held HAVING count(*) > 0) AS notified;
 
 -- name: mark_waiting
 UPDATE jobs SET reason = w.reason, unsatisfiable = w.unsatisfiable, updated_at = now()
@@ -82,18 +91,28 @@ FROM unnest($1::text[], $2::text[], $3::bool[]) AS w(job_id, reason, unsatisfiab
 WHERE jobs.job_id = w.job_id;
 
 -- name: apply_status
--- An executor's report. Only the current grant counts, and a finished job stays finished, so a
--- redelivered or stale report changes nothing.
-UPDATE jobs SET state = s.state, exit_code = s.exit_code, reason = s.reason, updated_at = now()
-FROM unnest($1::text[], $2::text[], $3::text[], $4::int[], $5::text[])
-     AS s(job_id, grant_id, state, exit_code, reason)
-WHERE jobs.job_id = s.job_id AND jobs.grant_id = s.grant_id
-  AND jobs.state IN ('placed', 'running')
-  AND NOT (s.state = 'running' AND jobs.state = 'running')
-RETURNING jobs.job_id, jobs.node_id, jobs.state;
-
--- name: release_jobs
-DELETE FROM allocations WHERE job_id = ANY($1::text[]) RETURNING node_id, device_index, mode;
+-- Executors' reports, in one statement: job rows updated, devices of finished jobs released,
+-- other replicas told. Only the current grant on the node that holds it counts, and a finished
+-- job stays finished, so a redelivered, stale or forged report changes nothing.
+WITH s AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int[], $6::text[])
+         AS s(job_id, grant_id, node_id, state, exit_code, reason)
+), changed AS (
+    UPDATE jobs SET state = s.state, exit_code = s.exit_code, reason = s.reason, updated_at = now()
+    FROM s
+    WHERE jobs.job_id = s.job_id AND jobs.grant_id = s.grant_id AND jobs.node_id = s.node_id
+      AND jobs.state IN ('placed', 'running')
+      AND NOT (s.state = 'running' AND jobs.state = 'running')
+    RETURNING jobs.job_id, jobs.node_id, jobs.state
+), released AS (
+    DELETE FROM allocations a USING changed c
+    WHERE a.job_id = c.job_id AND c.state <> 'running'
+    RETURNING a.job_id, a.node_id, a.device_index, a.mode
+)
+SELECT c.job_id, c.node_id, c.state, r.device_index, r.mode,
+       (SELECT pg_notify('gpulayer_allocations', $7 || '|' || string_agg(DISTINCT node_id, ','))
+        FROM released HAVING count(*) > 0) AS notified
+FROM changed c LEFT JOIN released r ON r.job_id = c.job_id;
 
 -- name: stale_placed
 -- Placed jobs whose executor never said "running": re-send the grant (executors start a grant

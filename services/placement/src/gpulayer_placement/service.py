@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -130,6 +131,8 @@ class PlacementService:
     ) -> None:
         self.nc = nc
         self.tel = telemetry
+        # Tags this replica's allocation NOTIFYs, so it skips its own.
+        self.replica_id = uuid.uuid4().hex[:12]
         self.js: JetStreamContext = nc.jetstream()
         self.pool = pool
         self.store = Store(pool)
@@ -411,21 +414,23 @@ class PlacementService:
         after: tuple[datetime, str] = (_EPOCH, "")
         failed: dict[bytes, NoPlacement] = {}
         while not self.stop.is_set():
-            last = await self._schedule_batch(
+            page = await self._schedule_batch(
                 "take_pending", (self.settings.page_size, *after), failed
             )
-            if last is None:
+            if page is None:
                 return
-            after = last
+            after, taken = page
+            if taken < self.settings.page_size:
+                return  # a short page was the last one: no extra round trip to learn that
 
     async def _schedule_ids(self, ids: list[str]) -> None:
         await self._schedule_batch("take_jobs", (ids,), {})
 
     async def _schedule_batch(
         self, query: str, args: tuple[Any, ...], failed: dict[bytes, NoPlacement]
-    ) -> tuple[datetime, str] | None:
+    ) -> tuple[tuple[datetime, str], int] | None:
         """Lock a batch of waiting jobs, match them, commit the outcome in one transaction, then
-        publish grants and events. Returns the batch's last (submitted_at, job_id)."""
+        publish grants and events. Returns the batch's last (submitted_at, job_id) and size."""
         outcome = _Outcome()
         try:
             async with self.pool.acquire() as conn, conn.transaction():
@@ -442,7 +447,7 @@ class PlacementService:
                 self.fleet.release(pl.placement.node_id, pl.placement.devices, _mode(pl.placement))
             raise
         await self._publish_outcome(outcome)
-        return rows[-1]["submitted_at"], rows[-1]["job_id"]
+        return (rows[-1]["submitted_at"], rows[-1]["job_id"]), len(rows)
 
     def _match_rows(
         self, rows: list[asyncpg.Record], failed: dict[bytes, NoPlacement], outcome: _Outcome
@@ -492,21 +497,18 @@ class PlacementService:
                     alloc[1].append(pl.placement.node_id)
                     alloc[2].append(d)
                     alloc[3].append(_mode(pl.placement))
-            if alloc[0]:
-                await Store.execute(conn, "insert_allocations", *alloc)
             ps = outcome.placements
             await Store.execute(
                 conn,
-                "mark_placed",
+                "place_jobs",
                 [pl.job.job_id for pl in ps],
                 [pl.placement.node_id for pl in ps],
                 [pl.grant_id for pl in ps],
                 [pl.placement.accelerator for pl in ps],
                 ["{" + ",".join(map(str, pl.placement.devices)) + "}" for pl in ps],
+                *alloc,
+                self.replica_id,
             )
-            nodes = sorted({pl.placement.node_id for pl in ps if pl.placement.devices})
-            if nodes:
-                await conn.execute("SELECT pg_notify($1, $2)", NOTIFY_CHANNEL, ",".join(nodes))
         if outcome.waiting:
             await Store.execute(
                 conn,
@@ -660,7 +662,7 @@ class PlacementService:
     # --- status --------------------------------------------------------------------------
 
     async def _apply_status(self, msgs: list[Msg]) -> None:
-        latest: dict[tuple[str, str], tuple[str, str, str, int | None, str | None]] = {}
+        latest: dict[tuple[str, str], tuple[str, str, str, str, int | None, str | None]] = {}
         for msg in msgs:
             if self.tel.enabled and (msg.metadata.num_delivered or 0) > 1:
                 self.tel.count(
@@ -686,23 +688,24 @@ class PlacementService:
             latest[key] = (
                 status.job_id,
                 status.grant_id,
+                node,  # identity from the subject: a node can only report its own jobs
                 status.state,
                 status.exit_code,
                 status.reason,
             )
         if latest:
             rows = list(latest.values())
-            async with self.pool.acquire() as conn, conn.transaction():
+            async with self.pool.acquire() as conn:
                 changed = await Store.fetch(
-                    conn, "apply_status", *[list(col) for col in zip(*rows, strict=True)]
+                    conn,
+                    "apply_status",
+                    *[list(col) for col in zip(*rows, strict=True)],
+                    self.replica_id,
                 )
-                finished = [r["job_id"] for r in changed if r["state"] != "running"]
-                released = await Store.fetch(conn, "release_jobs", finished) if finished else []
-                nodes = sorted({r["node_id"] for r in released})
-                if nodes:
-                    await conn.execute("SELECT pg_notify($1, $2)", NOTIFY_CHANNEL, ",".join(nodes))
-            for r in released:
-                self.fleet.release(r["node_id"], [r["device_index"]], r["mode"])
+            finished = sorted({r["job_id"] for r in changed if r["state"] != "running"})
+            for r in changed:
+                if r["device_index"] is not None:
+                    self.fleet.release(r["node_id"], [r["device_index"]], r["mode"])
             for job_id in finished:
                 self._jobs.pop(job_id, None)
             if finished:
@@ -785,7 +788,11 @@ class PlacementService:
             await Store.fetch(conn, "set_offline", stale)
             lost = await Store.fetch(conn, "lose_node_jobs", stale, reason)
             if lost:
-                await conn.execute("SELECT pg_notify($1, $2)", NOTIFY_CHANNEL, ",".join(stale))
+                await conn.execute(
+                    "SELECT pg_notify($1, $2)",
+                    NOTIFY_CHANNEL,
+                    f"{self.replica_id}|{','.join(stale)}",
+                )
         for node in stale:
             self.fleet.set_online(node, False)
             log.warning("node %s is offline: %s", node, reason)
@@ -818,9 +825,10 @@ class PlacementService:
     # --- other replicas ------------------------------------------------------------------
 
     def _on_notify(self, conn: object, pid: int, channel: str, payload: object) -> None:
-        if self._listen_conn is not None and pid == self._listen_conn.get_server_pid():
-            return
-        self._notified.update(n for n in str(payload).split(",") if n)
+        replica, _, nodes = str(payload).partition("|")
+        if replica == self.replica_id:
+            return  # this replica's own change, already applied in memory
+        self._notified.update(n for n in nodes.split(",") if n)
         asyncio.get_running_loop().create_task(self._apply_notified())
 
     async def _apply_notified(self) -> None:
