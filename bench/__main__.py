@@ -29,6 +29,7 @@ from bench.figures import (
     probe_figures,
     raw_jetstream,
     submit_to_grant_latency,
+    telemetry_noop_cost,
 )
 from bench.figures import capability_ingest as ingest_figure
 from bench.fleet import FleetShape, encoded, fleet, gpu_jobs_for, job_mix
@@ -213,6 +214,7 @@ def judge_all(run: Run) -> None:
     goal("probe_no_torch", "<=", GOAL_PROBE_MS)
     goal("probe_no_torch_8gpu_recorded", "<=", GOAL_PROBE_MS)
     goal("placement_rss_peak", "<=", GOAL_RSS_MB)
+    goal("telemetry_noop_share_of_placement", "<=", 5.0)
     p1k = run.get("placement_1k_nodes")
     p10k = run.get("placement_10k_nodes")
     if p1k and p10k:
@@ -284,6 +286,9 @@ async def amain(args: argparse.Namespace) -> list[Figure]:
                 t0 = time.perf_counter()
                 await group()
                 print(f"# {name} took {time.perf_counter() - t0:.1f}s", flush=True)
+        if only is None or "telemetry" in only:
+            for f in telemetry_noop_cost(run.get("placement_1k_nodes")):
+                run.add(f)
         print(f"# measured in {time.perf_counter() - started:.1f}s", flush=True)
         return run.figures
     finally:
@@ -300,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         help="PostgreSQL with fsync and synchronous_commit off (default: durable, as in production)",
     )
     p.add_argument(
-        "--only", help="comma-separated groups: probe,limits,placement1k,latency,placement10k,loop"
+        "--only",
+        help="comma-separated groups: probe,limits,placement1k,latency,placement10k,loop,telemetry",
     )
     p.add_argument("--profile", metavar="DIR", help="attach py-spy to placement; raw stacks in DIR")
     args = p.parse_args(argv)

@@ -613,3 +613,47 @@ async def full_loop(s: Scenario, burst: int, paced: int, time_limit: float) -> F
     finally:
         await sub.unsubscribe()
         executor.stop()
+
+
+# Telemetry touch points on the placement hot path with no OTLP endpoint: per job, at most the
+# `tel.enabled` checks in _ingest (per batch), _match_rows (one read, two branches),
+# _publish_outcome (per batch) and _apply_status (two reports per job). Counted from
+# services/placement/src/gpulayer_placement/service.py; update it when that changes.
+TELEMETRY_CHECKS_PER_JOB = 5
+
+
+def telemetry_noop_cost(placement_jobs_per_s: float | None, loops: int = 2_000_000) -> list[Figure]:
+    """What the disabled telemetry costs placement: the measured price of one disabled check
+    (and one disabled metric call, for scale) times the checks per job, as a share of the time
+    placement spends per job in this run."""
+    import timeit
+
+    from gpulayer_runtime.telemetry import DISABLED
+
+    tel = DISABLED
+    check_ns = min(timeit.repeat(lambda: tel.enabled, number=loops, repeat=3)) / loops * 1e9
+    call_ns = (
+        min(
+            timeit.repeat(
+                lambda: tel.count("gpulayer.placement.placed", 1), number=loops // 4, repeat=3
+            )
+        )
+        / (loops // 4)
+        * 1e9
+    )
+    figs = [
+        Figure("telemetry_disabled_check", check_ns, "ns"),
+        Figure("telemetry_disabled_metric_call", call_ns, "ns"),
+    ]
+    if placement_jobs_per_s:
+        per_job_ns = 1e9 / placement_jobs_per_s
+        share = TELEMETRY_CHECKS_PER_JOB * check_ns / per_job_ns * 100
+        figs.append(
+            Figure(
+                "telemetry_noop_share_of_placement",
+                share,
+                "%",
+                note=f"{TELEMETRY_CHECKS_PER_JOB} checks x {check_ns:.0f} ns per {per_job_ns / 1000:.0f} us job",
+            )
+        )
+    return figs
