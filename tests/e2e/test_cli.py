@@ -80,6 +80,17 @@ async def test_submit_wait_follows_the_job(stack: dict[str, str], tmp_path: Path
     code, out, _ = await gpulayer("logs", "cli-ok", env=stack)
     assert code == 0
     assert "hi" in out
+    code, out, _ = await gpulayer("job", "cli-bad", "--json", env=stack)
+    assert code == 0
+    record = json.loads(out)
+    assert record["job"]["state"] in ("running", "failed")  # placement may not have the report yet
+    types = [e["type"] for e in record["events"]]
+    assert types[0] == "accepted"
+    assert types[-1] == "failed"
+    assert "placed" in types
+    code, _, err = await gpulayer("job", "no-such-job", env=stack)
+    assert code == 1
+    assert "no job 'no-such-job'" in err
 
 
 async def test_invalid_job_file_exits_2_naming_the_field(

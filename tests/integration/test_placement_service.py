@@ -8,10 +8,12 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 import asyncpg
+import msgspec
 import pytest
 from nats.aio.client import Client
 
 from gpulayer_contracts import (
+    AcceleratorDevice,
     Grant,
     HostInfo,
     JobStatus,
@@ -182,3 +184,38 @@ async def test_status_finishes_job_and_releases(
         await asyncio.wait_for(finished(), 10)
     finally:
         await conn.close()
+
+
+async def test_unsatisfiable_job_is_placed_when_a_fitting_node_joins(
+    nc: Client, placement: PlacementService, events: Events
+) -> None:
+    js = nc.jetstream()
+    await js.publish(node_capabilities("cpu-only"), encode(caps("cpu-only")))
+    async with asyncio.timeout(10):
+        # Absorbed into placement's memory: no event announces that, so look.
+        while placement.fleet.get("cpu-only") is None:  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+    job = {
+        "job_id": "needs-gpu",
+        "command": ["true"],
+        "requirements": {"accelerator": "cuda", "gpu_count": 1},
+    }
+    await js.publish(JOBS_SUBMIT, json.dumps(job).encode())
+    await events.wait_for("needs-gpu", "pending")
+    pending = [e for e in events.by_job["needs-gpu"] if type(e).__name__ == "Pending"][-1]
+    assert pending.unsatisfiable  # type: ignore[attr-defined]
+    assert "no cuda device" in pending.summary  # type: ignore[attr-defined]
+    gpu = msgspec.structs.replace(
+        caps("gpu-joins"),
+        accelerators=[
+            AcceleratorDevice(
+                accelerator="cuda", index=0, memory_mib=81559, compute_capability="9.0",
+                execution_supported=True,
+            )
+        ],
+    )  # fmt: skip
+    await js.publish(node_capabilities("gpu-joins"), encode(gpu))
+    await events.wait_for("needs-gpu", "placed")
+    placed = events.by_job["needs-gpu"][-1]
+    assert placed.node_id == "gpu-joins"  # type: ignore[attr-defined]
+    assert placed.devices == [0]  # type: ignore[attr-defined]

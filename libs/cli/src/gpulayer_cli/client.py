@@ -79,3 +79,32 @@ async def api(
     if not body.get("ok"):
         raise ApiFailed(body.get("error", "unknown error"))
     return body.get("data")
+
+
+async def history(nc: Client, job_id: str, timeout: float = 5.0) -> list[JobEvent]:
+    """Every event of a job stored so far (the JOB_EVENTS stream keeps them for a week)."""
+    js = nc.jetstream()
+    events: list[JobEvent] = []
+    done = asyncio.Event()
+
+    async def cb(msg: Any) -> None:
+        with contextlib.suppress(msgspec.ValidationError):
+            events.append(event_decoder.decode(msg.data))
+        if msg.metadata.num_pending == 0:
+            done.set()
+
+    # Nothing stored yet: an empty history, not a wait.
+    info = await js.stream_info("JOB_EVENTS", subjects_filter=job_events(job_id))
+    if not (info.state.subjects or {}).get(job_events(job_id)):
+        return events
+    sub = await js.subscribe(
+        job_events(job_id),
+        cb=cb,
+        ordered_consumer=True,
+        config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL),
+    )
+    try:
+        await asyncio.wait_for(done.wait(), timeout)
+    finally:
+        await sub.unsubscribe()
+    return events

@@ -157,6 +157,37 @@ def _render_jobs(console: Console, data: Any) -> None:
     console.print(jobs_table(data))
 
 
+def cmd_job(args: argparse.Namespace) -> int:
+    """A job's record and its whole event history."""
+    from gpulayer_cli.client import api, history
+    from gpulayer_cli.render import print_event
+    from gpulayer_contracts import encode
+    from gpulayer_contracts.subjects import API_JOB
+
+    async def go(nc: Any) -> int:
+        record = await api(nc, API_JOB, {"job_id": args.job_id})
+        events = await history(nc, args.job_id)
+        if args.json:
+            print(
+                json.dumps(
+                    {"job": record, "events": [json.loads(encode(e)) for e in events]},
+                    indent=2,
+                )
+            )
+            return 0
+        console = _console()
+        devices = ",".join(map(str, record.get("devices") or [])) or "-"
+        console.print(
+            f"[bold]{record['job_id']}[/bold] {record['state']} on {record.get('node_id') or '-'} "
+            f"(devices {devices}), submitted {str(record['submitted_at'])[:19]}"
+        )
+        for event in events:
+            print_event(console, event)
+        return 0
+
+    return asyncio.run(_with_nats(go))
+
+
 def _render_explain(console: Console, data: Any) -> None:
     console.print(f"[bold]{data['job_id']}[/bold] is {data['state']}")
     if "node_id" in data:
@@ -242,6 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
     j.set_defaults(
         fn=_api_command(API_JOBS, lambda a: {"state": a.state, "limit": a.limit}, _render_jobs)
     )
+
+    jb = sub.add_parser("job", help="one job: its record and every event so far")
+    jb.add_argument("job_id")
+    jb.add_argument("--json", action="store_true")
+    jb.set_defaults(fn=cmd_job)
 
     e = sub.add_parser("explain", help="why a job waits (or where it runs)")
     e.add_argument("job_id")

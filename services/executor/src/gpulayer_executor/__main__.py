@@ -7,6 +7,7 @@ import logging
 import os
 import pwd
 import signal
+import sys
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -81,6 +82,12 @@ async def _amain() -> None:
     # Durable state writes (fsync) run in threads and mostly wait on the disk: enough threads
     # for every concurrent job, so one job's fsync never queues behind another's.
     loop.set_default_executor(ThreadPoolExecutor(max_workers=min(config.max_jobs, 64) + 4))
+    if sys.version_info < (3, 12) and hasattr(os, "pidfd_open"):
+        # 3.11's default child watcher starts a thread per job to wait for it; a pidfd is
+        # watched by the event loop itself (3.12 does this by default).
+        watcher = asyncio.PidfdChildWatcher()
+        watcher.attach_loop(loop)
+        asyncio.set_child_watcher(watcher)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     telemetry = setup_telemetry("gpulayer-executor", env)

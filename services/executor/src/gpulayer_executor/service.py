@@ -285,7 +285,7 @@ class Executor:
             await msg.ack()
             return
         await msg.ack()
-        log.info("grant %s: job %s accepted", grant.grant_id, grant.job.job_id)
+        log.debug("grant %s: job %s accepted", grant.grant_id, grant.job.job_id)
         self._launch(rec)
 
     async def _on_cancel(self, msg: Msg) -> None:
@@ -388,7 +388,7 @@ class Executor:
         async def on_started(info: st.ProcessInfo) -> None:
             job.started_ns = time.time_ns()
             await self._save(job, st.running(job.rec, info), durable=False)
-            log.info("job %s running as pid %s in %s", grant.job.job_id, info.pid, cwd)
+            log.debug("job %s running as pid %s in %s", grant.job.job_id, info.pid, cwd)
             if await self._report(job.rec):
                 await self._save(job, st.running_reported(job.rec), durable=False)
 

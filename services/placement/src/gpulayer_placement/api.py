@@ -148,6 +148,7 @@ class Api:
         async with self.svc.pool.acquire() as conn:
             done = await Store.fetchrow(conn, "cancel_pending", q.job_id, q.reason)
         if done is not None:
+            self.svc.forget(q.job_id)
             await self.svc._publish_events([Cancelled(job_id=q.job_id, reason=q.reason)])
             return {"job_id": q.job_id, "state": "cancelled"}
         row = await self._job_row(q.job_id)

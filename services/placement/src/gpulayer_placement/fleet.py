@@ -166,6 +166,16 @@ class Fleet:
         for node_id in targets:
             self._refresh(node_id)
 
+    def any_free_device(self) -> bool:
+        """Whether any online node has a usable device no exclusive job holds."""
+        for v in self._views:
+            if not v.online:
+                continue
+            for d in v.capabilities.accelerators:
+                if d.execution_supported and d.index not in v.exclusive:
+                    return True
+        return False
+
     def stale(self, timeout_s: float) -> list[str]:
         """Online nodes not heard from for ``timeout_s``."""
         now = time.monotonic()

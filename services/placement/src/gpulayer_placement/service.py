@@ -63,7 +63,7 @@ from gpulayer_contracts.subjects import (
     node_from_subject,
     node_grants,
 )
-from gpulayer_contracts.validation import visibility_env
+from gpulayer_contracts.validation import requested_gpu_count, visibility_env
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.matcher import NoPlacement, Placement, match
 from gpulayer_placement.store import Store, migrate
@@ -85,6 +85,7 @@ class Settings:
     batch_size: int = 256
     page_size: int = 1000
     publish_timeout_s: float = 10.0
+    thorough_pass_s: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +111,8 @@ class _Wake:
 
     new_jobs: list[str] = field(default_factory=list)
     capacity_changed: bool = False
+    # A pass over every waiting job, without stopping early (periodic safety net).
+    thorough: bool = False
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
     def jobs(self, ids: list[str]) -> None:
@@ -144,6 +147,8 @@ class PlacementService:
         # JetStream publish time of jobs ingested here, for the submit-to-grant latency.
         self._submitted: dict[str, float] = {}
         self._gauges: dict[str, list[tuple[float, dict[str, Any]]]] = {}
+        # Waiting jobs that need no device: a pass can't stop early while any is known.
+        self._deviceless_waiting: set[str] = set()
         self._caps_queue: asyncio.Queue[Msg] = asyncio.Queue()
         self._heartbeats: dict[str, datetime] = {}
         self._notified: set[str] = set()
@@ -198,6 +203,7 @@ class PlacementService:
         self._spawn("heartbeats", self._heartbeat_loop())
         self._spawn("reaper", self._every(max(self.settings.node_timeout_s / 3, 0.2), self._reap))
         self._spawn("resend", self._every(max(self.settings.resend_after_s / 3, 0.5), self._resend))
+        self._spawn("thorough", self._every(self.settings.thorough_pass_s, self._request_thorough))
         if self.tel.enabled:
             self._register_gauges()
             self._spawn("job-gauges", self._every(5.0, self._refresh_job_gauges))
@@ -391,9 +397,10 @@ class PlacementService:
                 return
             new, self.wake.new_jobs = self.wake.new_jobs, []
             full, self.wake.capacity_changed = self.wake.capacity_changed, False
+            thorough, self.wake.thorough = self.wake.thorough, False
             try:
-                if full:
-                    await self._schedule_all()
+                if full or thorough:
+                    await self._schedule_all(early_stop=not thorough)
                 elif new:
                     for i in range(0, len(new), self.settings.batch_size):
                         await self._schedule_ids(new[i : i + self.settings.batch_size])
@@ -405,12 +412,17 @@ class PlacementService:
             except (asyncpg.PostgresError, OSError) as err:
                 log.warning("scheduling pass failed, retrying: %s", err)
                 self.wake.jobs(new)
-                if full:
+                if full or thorough:
                     self.wake.capacity()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stop.wait(), 0.5)
 
-    async def _schedule_all(self) -> None:
+    async def _schedule_all(self, *, early_stop: bool = True) -> None:
+        """Every waiting job, oldest first, a page at a time.
+
+        With ``early_stop``, paging ends once no device in the fleet is free and no waiting job
+        that needs none is known: the jobs behind can't fit, and scanning them on every release
+        would cost a page of rows each time. The periodic thorough pass never stops early."""
         after: tuple[datetime, str] = (_EPOCH, "")
         failed: dict[bytes, NoPlacement] = {}
         while not self.stop.is_set():
@@ -422,6 +434,8 @@ class PlacementService:
             after, taken = page
             if taken < self.settings.page_size:
                 return  # a short page was the last one: no extra round trip to learn that
+            if early_stop and not self._deviceless_waiting and not self.fleet.any_free_device():
+                return
 
     async def _schedule_ids(self, ids: list[str]) -> None:
         await self._schedule_batch("take_jobs", (ids,), {})
@@ -470,6 +484,7 @@ class PlacementService:
             else:
                 t1 = 0
             if isinstance(decision, Placement):
+                self._deviceless_waiting.discard(job_id)
                 submitted = self._submitted.pop(job_id, None) or row["submitted_at"].timestamp()
                 outcome.placements.append(
                     _Placed(
@@ -485,6 +500,8 @@ class PlacementService:
                 self.fleet.hold(decision.node_id, decision.devices, _mode(decision))
             else:
                 failed[key] = decision
+                if requested_gpu_count(job) == 0:
+                    self._deviceless_waiting.add(job_id)
                 if decision.summary != row["reason"]:
                     outcome.waiting.append((job_id, decision))
 
@@ -707,7 +724,7 @@ class PlacementService:
                 if r["device_index"] is not None:
                     self.fleet.release(r["node_id"], [r["device_index"]], r["mode"])
             for job_id in finished:
-                self._jobs.pop(job_id, None)
+                self.forget(job_id)
             if finished:
                 self.wake.capacity()
         await asyncio.gather(*(m.ack() for m in msgs))
@@ -802,6 +819,16 @@ class PlacementService:
         )
         if lost:
             self.wake.capacity()
+
+    def forget(self, job_id: str) -> None:
+        """Drop what this replica keeps in memory about a job that has ended."""
+        self._jobs.pop(job_id, None)
+        self._submitted.pop(job_id, None)
+        self._deviceless_waiting.discard(job_id)
+
+    async def _request_thorough(self) -> None:
+        self.wake.thorough = True
+        self.wake.event.set()
 
     async def _resend(self) -> None:
         async with self.pool.acquire() as conn:
