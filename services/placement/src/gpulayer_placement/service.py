@@ -20,7 +20,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -113,6 +113,8 @@ class _Wake:
     capacity_changed: bool = False
     # A pass over every waiting job, without stopping early (periodic safety net).
     thorough: bool = False
+    # Counts capacity changes, so work that ran beside one can tell it missed it.
+    epoch: int = 0
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
     def jobs(self, ids: list[str]) -> None:
@@ -121,6 +123,7 @@ class _Wake:
 
     def capacity(self) -> None:
         self.capacity_changed = True
+        self.epoch += 1
         self.event.set()
 
 
@@ -149,6 +152,7 @@ class PlacementService:
         self._gauges: dict[str, list[tuple[float, dict[str, Any]]]] = {}
         # Waiting jobs that need no device: a pass can't stop early while any is known.
         self._deviceless_waiting: set[str] = set()
+        self._passing = False  # the scheduler task is in a pass
         self._caps_queue: asyncio.Queue[Msg] = asyncio.Queue()
         self._heartbeats: dict[str, datetime] = {}
         self._notified: set[str] = set()
@@ -359,6 +363,9 @@ class PlacementService:
                 if tel:
                     self._submitted[job.job_id] = msg.metadata.timestamp.timestamp()
         new: set[str] = set()
+        fresh: list[str] = []
+        outcome: _Outcome | None = None
+        epoch = 0
         if rows:
             ids, bodies, states, parents = zip(*rows.values(), strict=True)
             reasons = ["; ".join(rejections[i]) if i in rejections else None for i in ids]
@@ -367,11 +374,22 @@ class PlacementService:
                 b if s != "rejected" or _is_json(b) else encode(b).decode()
                 for b, s in zip(bodies, states, strict=True)
             )
-            async with self.pool.acquire() as conn:
-                inserted = await Store.fetch(
-                    conn, "insert_jobs", ids, bodies, states, reasons, parents
-                )
-            new = {r["job_id"] for r in inserted}
+            try:
+                async with self.pool.acquire() as conn, conn.transaction():
+                    inserted = await Store.fetch(
+                        conn, "insert_jobs", ids, bodies, states, reasons, parents
+                    )
+                    new = {r["job_id"] for r in inserted}
+                    fresh = [j for j in accepted if j in new]
+                    for job_id in fresh:
+                        self._jobs[job_id] = accepted[job_id]
+                    if fresh and self._scheduler_idle():
+                        epoch = self.wake.epoch
+                        outcome = await self._place_inline(conn, fresh)
+            except BaseException:
+                if outcome is not None:  # placed in memory, but nothing was committed
+                    self._release(outcome)
+                raise
         events: list[JobEvent] = []
         for job_id in rows:
             if job_id not in new:
@@ -380,12 +398,51 @@ class PlacementService:
                 events.append(Rejected(job_id=job_id, reasons=rejections[job_id]))
             else:
                 events.append(Accepted(job_id=job_id, warnings=warnings[job_id]))
-                self._jobs[job_id] = accepted[job_id]
-        await self._publish_events(events)
+        if outcome is not None:
+            await self._publish_outcome(outcome, before=events)
+        else:
+            await self._publish_events(events)
         await asyncio.gather(*(m.ack() for m in msgs))
-        fresh = [j for j in accepted if j in new]
-        if fresh:
+        if fresh and outcome is None:
             self.wake.jobs(fresh)
+        elif outcome is not None and outcome.waiting and self.wake.epoch != epoch:
+            # Capacity changed while these rows were locked by this transaction: a pass then
+            # skipped them (SKIP LOCKED). Look again now that they are committed.
+            self.wake.capacity()
+
+    def _scheduler_idle(self) -> bool:
+        """No pass running or due: new jobs can be matched where they are ingested without
+        overtaking anything older (same rule as a pass over new jobs only)."""
+        w = self.wake
+        return not (self._passing or w.capacity_changed or w.thorough or w.new_jobs)
+
+    async def _place_inline(self, conn: Any, job_ids: list[str]) -> _Outcome | None:
+        """Match freshly inserted jobs in the ingest transaction: one commit per batch from
+        submit to grant. None when another replica took a device first (the jobs then go to
+        the scheduler as usual)."""
+        outcome = _Outcome()
+        try:
+            async with conn.transaction():  # a savepoint: a conflict undoes only this part
+                rows = await Store.fetch(conn, "take_jobs", job_ids)
+                self._match_rows(rows, {}, outcome)
+                t0 = time.time_ns()
+                await self._persist(conn, outcome)
+            outcome.commit_ns = (t0, time.time_ns())
+        except asyncpg.ExclusionViolationError:
+            self._release(outcome)
+            log.info("allocation conflict with another replica; reloading allocations")
+            await self._reload_allocations(None)
+            return None
+        except BaseException:
+            self._release(outcome)
+            raise
+        return outcome
+
+    def _release(self, outcome: _Outcome) -> None:
+        """Give back in memory what an uncommitted outcome held."""
+        for pl in outcome.placements:
+            self.fleet.release(pl.placement.node_id, pl.placement.devices, _mode(pl.placement))
+        outcome.placements.clear()
 
     # --- scheduling ----------------------------------------------------------------------
 
@@ -398,6 +455,7 @@ class PlacementService:
             new, self.wake.new_jobs = self.wake.new_jobs, []
             full, self.wake.capacity_changed = self.wake.capacity_changed, False
             thorough, self.wake.thorough = self.wake.thorough, False
+            self._passing = True
             try:
                 if full or thorough:
                     await self._schedule_all(early_stop=not thorough)
@@ -416,6 +474,8 @@ class PlacementService:
                     self.wake.capacity()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stop.wait(), 0.5)
+            finally:
+                self._passing = False
 
     async def _schedule_all(self, *, early_stop: bool = True) -> None:
         """Every waiting job, oldest first, a page at a time.
@@ -456,9 +516,7 @@ class PlacementService:
                 await self._persist(conn, outcome)
             outcome.commit_ns = (t0, time.time_ns())
         except BaseException:
-            # Nothing was committed: give back what this batch held in memory.
-            for pl in outcome.placements:
-                self.fleet.release(pl.placement.node_id, pl.placement.devices, _mode(pl.placement))
+            self._release(outcome)  # nothing was committed
             raise
         await self._publish_outcome(outcome)
         return (rows[-1]["submitted_at"], rows[-1]["job_id"]), len(rows)
@@ -535,7 +593,9 @@ class PlacementService:
                 [d.unsatisfiable for _, d in outcome.waiting],
             )
 
-    async def _publish_outcome(self, outcome: _Outcome) -> None:
+    async def _publish_outcome(self, outcome: _Outcome, before: Sequence[JobEvent] = ()) -> None:
+        """Events of ``before`` (e.g. ``accepted``), then the outcome's events, then its grants,
+        in one pipelined batch."""
         grants = [
             _grant(
                 pl.job,
@@ -546,7 +606,8 @@ class PlacementService:
             )
             for pl in outcome.placements
         ]
-        events: list[JobEvent] = [
+        events: list[JobEvent] = list(before)
+        events += [
             Placed(
                 job_id=g.job.job_id, node_id=g.node_id, accelerator=g.accelerator, devices=g.devices
             )
