@@ -9,6 +9,7 @@ import contextlib
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,7 @@ from bench.figures import capability_ingest as ingest_figure
 from bench.fleet import FleetShape, encoded, fleet, gpu_jobs_for, job_mix
 from bench.harness import BenchError, Scenario, load_fleet, scenario
 from bench.report import Figure, judge, print_summary, unavailable
+from bench.strip_telemetry import stripped_placement
 from gpulayer_runtime.servers import EmbeddedPostgres, ServerStartError
 
 T = TypeVar("T")
@@ -71,8 +73,12 @@ class Run:
         return None
 
     @contextlib.asynccontextmanager
-    async def scenario(self, name: str) -> AsyncIterator[Scenario]:
-        async with scenario(name, self.root, self.admin_url, profile_dir=self.profile) as s:
+    async def scenario(
+        self, name: str, placement_env: dict[str, str] | None = None
+    ) -> AsyncIterator[Scenario]:
+        async with scenario(
+            name, self.root, self.admin_url, profile_dir=self.profile, placement_env=placement_env
+        ) as s:
             yield s
 
 
@@ -197,6 +203,50 @@ async def limits_group(run: Run) -> None:
         run.add(f)
 
 
+# Single placement runs vary by +-30% on this machine (disk): the A/B takes the median of several.
+ROUNDS = 5
+
+
+async def telemetry_group(run: Run) -> None:
+    """Placement throughput with no OTLP endpoint against the same service with its telemetry
+    code removed (bench/strip_telemetry.py), alternating A/B/A/B so drift hits both alike."""
+    sz = run.sizes
+    shape = FleetShape.of(sz.small_nodes)
+    stripped, removed = stripped_placement(run.root / "stripped")
+    pythonpath = os.pathsep.join(p for p in (str(stripped), os.environ.get("PYTHONPATH", "")) if p)
+    variants = {"telemetry_off": None, "telemetry_removed": {"PYTHONPATH": pythonpath}}
+    rates: dict[str, list[float]] = {k: [] for k in variants}
+    names = [("placement_1k_telemetry_off", "jobs/s"), ("placement_1k_telemetry_removed", "jobs/s")]
+
+    async def work() -> None:
+        for round_ in range(ROUNDS):
+            for variant, env in variants.items():
+                async with run.scenario(f"tel{round_}{variant[10:]}", placement_env=env) as s:
+                    await load_fleet(s, fleet(f"t{round_}", sz.small_nodes), timeout=60)
+                    tp = await placement_throughput(s, f"t{round_}{variant[10:13]}", sz.jobs, shape)
+                    rates[variant].append(tp.rate)
+        off, cut = (
+            statistics.median(rates["telemetry_off"]),
+            statistics.median(rates["telemetry_removed"]),
+        )
+        run.add(
+            Figure(
+                "placement_1k_telemetry_off", off, "jobs/s", note=f"runs {rates['telemetry_off']}"
+            )
+        )
+        run.add(
+            Figure(
+                "placement_1k_telemetry_removed",
+                cut,
+                "jobs/s",
+                note=f"service.py with {removed} AST nodes of telemetry removed; runs {rates['telemetry_removed']}",
+            )
+        )
+        run.add(Figure("placement_telemetry_off_over_removed", off / cut, "x"))
+
+    await _guard(run, names, work)
+
+
 def judge_all(run: Run) -> None:
     """Goals and ratios, appended after the measured figures."""
     by = {f.name: f for f in run.figures}
@@ -215,6 +265,7 @@ def judge_all(run: Run) -> None:
     goal("probe_no_torch_8gpu_recorded", "<=", GOAL_PROBE_MS)
     goal("placement_rss_peak", "<=", GOAL_RSS_MB)
     goal("telemetry_noop_share_of_placement", "<=", 5.0)
+    goal("placement_telemetry_off_over_removed", ">=", 0.95, ">= 0.95 x (within 5%)")
     p1k = run.get("placement_1k_nodes")
     p10k = run.get("placement_10k_nodes")
     if p1k and p10k:
@@ -287,8 +338,11 @@ async def amain(args: argparse.Namespace) -> list[Figure]:
                 await group()
                 print(f"# {name} took {time.perf_counter() - t0:.1f}s", flush=True)
         if only is None or "telemetry" in only:
+            t0 = time.perf_counter()
+            await telemetry_group(run)
             for f in telemetry_noop_cost(run.get("placement_1k_nodes")):
                 run.add(f)
+            print(f"# telemetry took {time.perf_counter() - t0:.1f}s", flush=True)
         print(f"# measured in {time.perf_counter() - started:.1f}s", flush=True)
         return run.figures
     finally:

@@ -281,7 +281,12 @@ class Scenario:
 
 @contextlib.asynccontextmanager
 async def scenario(
-    name: str, root: Path, admin_url: str, *, profile_dir: Path | None = None
+    name: str,
+    root: Path,
+    admin_url: str,
+    *,
+    profile_dir: Path | None = None,
+    placement_env: dict[str, str] | None = None,
 ) -> AsyncIterator[Scenario]:
     workdir = root / name
     workdir.mkdir(parents=True, exist_ok=True)
@@ -304,6 +309,7 @@ async def scenario(
                 # nor grant re-sending may act during a run.
                 "GPULAYER_NODE_TIMEOUT_S": "3600",
                 "GPULAYER_GRANT_RESEND_S": "3600",
+                **(placement_env or {}),
             },
             workdir / "placement.log",
         ).start()
