@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 from pathlib import Path
@@ -16,6 +17,39 @@ BIN = Path(sys.executable).parent
 
 def bin_path(name: str) -> str:
     return str(BIN / name)
+
+
+def service_env(
+    nats_url: str, database_url: str, workdir: Path, node_id: str, **extra: str
+) -> dict[str, str]:
+    """This process' environment plus what the three services need to form one node's stack."""
+    env = dict(os.environ)
+    env.update(
+        GPULAYER_NATS_URL=nats_url,
+        GPULAYER_DATABASE_URL=database_url,
+        GPULAYER_NODE_ID=node_id,
+        GPULAYER_EXECUTOR_WORKDIR=str(workdir),
+        GPULAYER_HEARTBEAT_S="1",
+    )
+    env.update(extra)
+    return env
+
+
+def reason(event: object) -> str | None:
+    """An event's ``reason``, checked to be a string when present."""
+    value = getattr(event, "reason", None)
+    assert value is None or isinstance(value, str)
+    return value
+
+
+def pid_alive(pid: int) -> bool:
+    """A process that exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 class Services:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from nats.aio.client import Client
-from tests.helpers import Services, bin_path
+from tests.helpers import Services, bin_path, service_env
 
 from gpulayer_runtime.nats import ensure_streams
 
@@ -39,14 +39,8 @@ async def stack(
     nats_url: str, database_url: str, tmp_path: Path, nc: Client
 ) -> AsyncIterator[dict[str, str]]:
     await ensure_streams(nc.jetstream())
-    env = dict(os.environ)
-    env.update(
-        GPULAYER_NATS_URL=nats_url,
-        GPULAYER_DATABASE_URL=database_url,
-        GPULAYER_NODE_ID="cli-node",
-        GPULAYER_EXECUTOR_WORKDIR=str(tmp_path / "work"),
-        GPULAYER_HEARTBEAT_S="1",
-        GPULAYER_KILL_GRACE_S="0.5",
+    env = service_env(
+        nats_url, database_url, tmp_path / "work", "cli-node", GPULAYER_KILL_GRACE_S="0.5"
     )
     async with Services() as services:
         for name in ("gpulayer-placement", "gpulayer-executor", "gpulayer-probe"):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from nats.aio.client import Client
-from tests.helpers import Services, events_until
+from tests.helpers import Services, bin_path, events_until, service_env
 
 from gpulayer_contracts.subjects import JOBS_SUBMIT, MSG_ID_HEADER
 from gpulayer_runtime.nats import ensure_streams
@@ -21,11 +21,6 @@ from gpulayer_runtime.nats import ensure_streams
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
-
-
-def _bin(name: str) -> str:
-    return str(BIN / name)
 
 
 @pytest.fixture
@@ -33,14 +28,7 @@ async def stack(
     nats_url: str, database_url: str, tmp_path: Path, nc: Client
 ) -> AsyncIterator[dict[str, str]]:
     await ensure_streams(nc.jetstream())
-    env = dict(os.environ)
-    env.update(
-        GPULAYER_NATS_URL=nats_url,
-        GPULAYER_DATABASE_URL=database_url,
-        GPULAYER_NODE_ID="e2e-node",
-        GPULAYER_EXECUTOR_WORKDIR=str(tmp_path / "work"),
-        GPULAYER_HEARTBEAT_S="1",
-    )
+    env = service_env(nats_url, database_url, tmp_path / "work", "e2e-node")
     async with Services() as services:
         for name in ("gpulayer-placement", "gpulayer-executor", "gpulayer-probe"):
             await services.start(name, env, tmp_path / f"{name}.log")
@@ -106,7 +94,7 @@ async def test_duplicate_id_runs_once_and_garbage_is_rejected(
 async def test_dev_up_once_runs_the_examples(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPULAYER_")}
     proc = await asyncio.create_subprocess_exec(
-        _bin("gpulayer"), "dev", "up", "--once", "--data-dir", str(tmp_path / "dev"),
+        bin_path("gpulayer"), "dev", "up", "--once", "--data-dir", str(tmp_path / "dev"),
         "--examples", str(ROOT / "examples"), "--timeout", "90",
         env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=tmp_path,
     )  # fmt: skip
@@ -127,7 +115,7 @@ async def test_readme_snippet_runs_against_dev_up(tmp_path: Path) -> None:
     (empty / "expectations.toml").write_text("[expect]\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPULAYER_")}
     dev = await asyncio.create_subprocess_exec(
-        _bin("gpulayer"), "dev", "up", "--data-dir", str(tmp_path / "dev"), "--examples", str(empty),
+        bin_path("gpulayer"), "dev", "up", "--data-dir", str(tmp_path / "dev"), "--examples", str(empty),
         env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=tmp_path,
     )  # fmt: skip
     assert dev.stdout is not None

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from nats.aio.client import Client
-from tests.helpers import Services, events_until
+from tests.helpers import Services, events_until, service_env
 from tests.otlp_receiver import OtlpReceiver, Received
 
 from gpulayer_contracts.subjects import JOBS_SUBMIT, MSG_ID_HEADER
@@ -38,13 +37,11 @@ async def test_one_trace_per_job_and_metrics(
     nats_url: str, database_url: str, tmp_path: Path, nc: Client, receiver: OtlpReceiver
 ) -> None:
     await ensure_streams(nc.jetstream())
-    env = dict(os.environ)
-    env.update(
-        GPULAYER_NATS_URL=nats_url,
-        GPULAYER_DATABASE_URL=database_url,
-        GPULAYER_NODE_ID="otel-node",
-        GPULAYER_EXECUTOR_WORKDIR=str(tmp_path / "work"),
-        GPULAYER_HEARTBEAT_S="1",
+    env = service_env(
+        nats_url,
+        database_url,
+        tmp_path / "work",
+        "otel-node",
         OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
         OTEL_BSP_SCHEDULE_DELAY="100",
         OTEL_METRIC_EXPORT_INTERVAL="300",

@@ -15,6 +15,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
+from tests.helpers import pid_alive, reason
 
 from gpulayer_contracts.codec import encode, event_decoder, status_decoder
 from gpulayer_contracts.events import AnyJobEvent, Grant, JobStatus, is_terminal
@@ -102,21 +103,6 @@ async def wait_for_file(path: Path) -> str:
             if text := read_text(path).strip():
                 return text
             await asyncio.sleep(0.02)
-
-
-def reason(event: object) -> str | None:
-    value = getattr(event, "reason", None)
-    assert value is None or isinstance(value, str)
-    return value
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 class ExecutorProcess:

@@ -16,6 +16,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
+from tests.helpers import pid_alive, reason
 
 from gpulayer_cli.logs import run_logs
 from gpulayer_contracts.codec import encode, event_decoder, status_decoder
@@ -155,21 +156,6 @@ async def grants_settled(js: JetStreamContext, stream: str, durable: str) -> Non
         return not info.num_pending and not info.num_ack_pending
 
     await eventually(settled)
-
-
-def reason(event: object) -> str | None:
-    value = getattr(event, "reason", None)
-    assert value is None or isinstance(value, str)
-    return value
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 StartExecutor = Callable[..., Awaitable[Executor]]

@@ -2,9 +2,11 @@
 
 Loops (each a named task under one monitor):
 - ``ingest``: job requests from the JOBS work queue, a batch at a time: decode once, validate,
-  insert new ids in one statement (a known id is the same job), ack after commit.
-- ``schedule``: waiting jobs oldest first, matched in memory, committed as one transaction per
-  batch (allocations + job rows), then grants and events published.
+  insert new ids in one statement (a known id is the same job) and, when no pass is due, match
+  them in the same transaction; publish, then ack after commit.
+- ``schedule``: waiting jobs oldest first when capacity may have changed, matched in memory,
+  committed as one statement per batch (allocations + job rows), then grants and events
+  published; a thorough pass every 30 s.
 - ``capabilities`` / ``heartbeats``: node state into memory and PostgreSQL, batched.
 - ``status``: executor reports: job rows updated, devices released, waiting jobs reconsidered.
 - ``reaper``: nodes silent past the timeout go offline; their jobs are lost, devices released.
@@ -227,10 +229,6 @@ class PlacementService:
             # a supervisor restarts it.
             log.error("task %s crashed: %r; stopping", task.get_name(), err, exc_info=err)
             self.stop.set()
-
-    async def run_until_stopped(self) -> None:
-        await self.stop.wait()
-        await self.close()
 
     async def close(self) -> None:
         self.stop.set()
