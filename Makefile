@@ -3,17 +3,21 @@
 SHELL := /bin/bash
 export UV_PYTHON_DOWNLOADS := never
 PYTHON ?= python3
-UV ?= $(shell command -v uv 2>/dev/null || echo $(HOME)/.local/bin/uv)
+UV ?= $(shell command -v uv 2>/dev/null)
+ifeq ($(strip $(UV)),)
+# No uv on PATH: install it from PyPI for this user and run it as a module.
+UV := $(PYTHON) -m uv
+UV_INSTALL := $(PYTHON) -m uv --version >/dev/null 2>&1 || \
+	$(PYTHON) -m pip install --user --quiet uv || \
+	$(PYTHON) -m pip install --user --quiet --break-system-packages uv
+endif
 VENV := .venv
 STAMP := $(VENV)/.synced
 
-.PHONY: run test test-unit test-integration test-e2e lint fmt bench sync clean
+.PHONY: run test test-unit lint fmt bench sync clean
 
-$(UV):
-	@echo "uv not found: installing it from PyPI"
-	$(PYTHON) -m pip install --user --quiet uv || $(PYTHON) -m pip install --user --quiet --break-system-packages uv
-
-$(STAMP): $(UV) uv.lock pyproject.toml $(wildcard libs/*/pyproject.toml services/*/pyproject.toml)
+$(STAMP): uv.lock pyproject.toml $(wildcard libs/*/pyproject.toml services/*/pyproject.toml)
+	$(UV_INSTALL)
 	$(UV) sync --locked --all-groups --python $(PYTHON)
 	@touch $(STAMP)
 
