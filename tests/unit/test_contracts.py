@@ -45,6 +45,11 @@ def test_negative_gpu_count_rejected() -> None:
         decode_job_json(job(requirements={"gpu_count": -1}))
 
 
+def test_timeout_must_be_positive() -> None:
+    with pytest.raises(InvalidInput, match=r"^\$\.timeout_s: Expected `float` > 0"):
+        decode_job_json(job(timeout_s=0))
+
+
 def test_unknown_accelerator_rejected() -> None:
     with pytest.raises(InvalidInput, match=r"accelerator: Invalid enum value 'tpu'"):
         decode_job_json(job(requirements={"accelerator": "tpu"}))
@@ -88,12 +93,33 @@ def test_best_effort_job_id() -> None:
         ),
         ({"requirements": {"accelerator": "rocm"}}, "rocm is detection-only"),
         ({"requirements": {"accelerator": "cpu", "gpu_count": 1}}, "$.requirements.gpu_count"),
+        (
+            {"requirements": {"accelerator": "cpu", "gpu_memory_gb": 8}},
+            "$.requirements.gpu_memory_gb",
+        ),
+        (
+            {
+                "requirements": {"accelerator": "cpu"},
+                "gpu": {"use": "shared", "apis_any": ["vulkan"]},
+            },
+            "$.gpu.apis_any: a cpu job",
+        ),
+        (
+            {"requirements": {"gpu_count": 2}, "gpu": {"use": "none"}},
+            '$.gpu.use: "none" contradicts',
+        ),
     ],
 )
 def test_validation_rejects_with_the_field_named(fields: dict[str, object], error: str) -> None:
     result = validate_job(decode_job_json(job(**fields)))
     assert not result.ok
     assert any(e.startswith(error) or error in e for e in result.errors), result.errors
+
+
+def test_per_device_requirement_without_devices_warns() -> None:
+    result = validate_job(decode_job_json(job(requirements={"gpu_memory_gb": 40})))
+    assert result.ok
+    assert "gpu_memory_gb apply per device" in result.warnings[0]
 
 
 def test_unknown_api_is_a_warning_not_an_error() -> None:

@@ -23,6 +23,11 @@ JOB_ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
 JobId = Annotated[str, msgspec.Meta(pattern=JOB_ID_PATTERN, description="Client-chosen job id")]
 
 
+# The constraint sits on the number, the description on the optional field around it (msgspec
+# allows no numeric constraint on an optional type, and drops a description inside a union).
+Positive = Annotated[float, msgspec.Meta(gt=0)]
+
+
 def _doc(text: str) -> msgspec.Meta:
     return msgspec.Meta(description=text)
 
@@ -41,15 +46,9 @@ class Requirements(Input, frozen=True):
             "A GPU accelerator named without a count means one",
         ),
     ] = 0
-    gpu_memory_gb: (
-        Annotated[
-            float,
-            msgspec.Meta(
-                gt=0, description="Memory per device, in GB of 10^9 bytes (80 fits an 80GB card)"
-            ),
-        ]
-        | None
-    ) = None
+    gpu_memory_gb: Annotated[
+        Positive | None, _doc("Memory per device, in GB of 10^9 bytes (80 fits an 80GB card)")
+    ] = None
     gpu_memory_kind: Annotated[MemoryKind | None, _doc("dedicated (VRAM) or unified (Apple)")] = (
         None
     )
@@ -127,13 +126,9 @@ class JobRequest(Input, frozen=True):
             "Extra environment; variables gpulayer sets (CUDA_VISIBLE_DEVICES, LD_PRELOAD, GPULAYER_*) are refused"
         ),
     ] = {}
-    timeout_s: (
-        Annotated[
-            float,
-            msgspec.Meta(gt=0, description="Killed (with its children) after this many seconds"),
-        ]
-        | None
-    ) = None
+    timeout_s: Annotated[
+        Positive | None, _doc("Killed (with its children) after this many seconds")
+    ] = None
     requirements: Requirements = Requirements()
     gpu: GpuUsage | None = None
     variants: Annotated[

@@ -106,8 +106,22 @@ def validate_job(job: JobRequest, core_version: str = __version__) -> Validation
     for name in protected_env_names(job.env):
         errors.append(f"$.env.{name}: set by gpulayer, a job may not set it")
 
-    if req.accelerator == "cpu" and req.gpu_count > 0:
-        errors.append("$.requirements.gpu_count: a cpu job cannot ask for GPU devices")
+    if req.accelerator == "cpu":
+        if req.gpu_count > 0:
+            errors.append("$.requirements.gpu_count: a cpu job cannot ask for GPU devices")
+        for field in ("gpu_memory_gb", "gpu_memory_kind"):
+            if getattr(req, field) is not None:
+                errors.append(f"$.requirements.{field}: a cpu job uses no GPU memory")
+    per_device = [
+        f
+        for f in ("gpu_memory_gb", "gpu_memory_kind", "min_cuda_compute_capability")
+        if getattr(req, f) is not None
+    ]
+    if per_device and requested_gpu_count(job) == 0 and req.accelerator != "cpu":
+        warnings.append(
+            f"$.requirements: {', '.join(per_device)} apply per device, but the job asks for no "
+            "device (set gpu_count or accelerator): they only filter nodes"
+        )
     if req.accelerator == "mps" and req.gpu_memory_kind == "dedicated":
         errors.append(
             "$.requirements.gpu_memory_kind: mps devices have unified memory, never dedicated"
@@ -148,6 +162,10 @@ def validate_job(job: JobRequest, core_version: str = __version__) -> Validation
     for path, gpu in sections:
         if gpu.apis_any and effective_use(job, gpu) == "none":
             errors.append(f'{path}.apis_any: needs gpu.use = "shared" or "exclusive"')
+        if gpu.apis_any and req.accelerator == "cpu":
+            errors.append(f"{path}.apis_any: a cpu job uses no GPU API")
+        if gpu.use == "none" and requested_gpu_count(job) > 0:
+            errors.append(f'{path}.use: "none" contradicts the GPU devices the job asks for')
         for api in gpu.apis_any:
             if api not in KNOWN_GPU_APIS:
                 warnings.append(
