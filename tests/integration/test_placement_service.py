@@ -219,3 +219,41 @@ async def test_unsatisfiable_job_is_placed_when_a_fitting_node_joins(
     placed = events.by_job["needs-gpu"][-1]
     assert placed.node_id == "gpu-joins"  # type: ignore[attr-defined]
     assert placed.devices == [0]  # type: ignore[attr-defined]
+
+
+async def test_grant_lost_between_commit_and_publish_is_resent(
+    nc: Client, database_url: str
+) -> None:
+    """Placement committed a placement and died before publishing: the grant and the job's
+    `placed` event still go out, once the job has stayed `placed` for the resend delay."""
+    await ensure_streams(nc.jetstream())
+    pool = await create_pool(database_url)
+    svc = PlacementService(nc, pool, Settings(node_timeout_s=30, resend_after_s=0.3))
+    await svc.start()  # migrates; then the "crashed" commit is written by hand
+    grants: asyncio.Queue[Grant] = asyncio.Queue()
+    placed = asyncio.Event()
+
+    async def on_grant(msg: object) -> None:
+        await grants.put(grant_decoder.decode(msg.data))  # type: ignore[attr-defined]
+
+    async def on_event(msg: object) -> None:
+        if json.loads(msg.data)["type"] == "placed":  # type: ignore[attr-defined]
+            placed.set()
+
+    try:
+        await nc.subscribe(node_grants("node-r"), cb=on_grant)
+        await nc.subscribe("gpulayer.job.orphan.events", cb=on_event)
+        request = json.dumps({"job_id": "orphan", "command": ["true"]})
+        async with pool.acquire() as conn:
+            await conn.execute(
+                "INSERT INTO jobs (job_id, request, state, node_id, grant_id, accelerator, devices)"
+                " VALUES ('orphan', $1::jsonb, 'placed', 'node-r', 'orphan-1', 'cpu', '{}')",
+                request,
+            )
+        grant = await asyncio.wait_for(grants.get(), 10)
+        assert grant.grant_id == "orphan-1"
+        assert grant.job.command == ["true"]
+        await asyncio.wait_for(placed.wait(), 10)
+    finally:
+        await svc.close()
+        await pool.close()

@@ -155,6 +155,7 @@ class PlacementService:
         # Waiting jobs that need no device: a pass can't stop early while any is known.
         self._deviceless_waiting: set[str] = set()
         self._passing = False  # the scheduler task is in a pass
+        self._resent: dict[str, str] = {}  # job id -> grant whose "placed" event was re-sent
         self._caps_queue: asyncio.Queue[Msg] = asyncio.Queue()
         self._heartbeats: dict[str, datetime] = {}
         self._notified: set[str] = set()
@@ -294,9 +295,13 @@ class PlacementService:
         return True
 
     @staticmethod
-    def _event_item(event: JobEvent) -> tuple[str, bytes, dict[str, str]]:
+    def _event_item(
+        event: JobEvent, msg_id: str | None = None
+    ) -> tuple[str, bytes, dict[str, str]]:
+        """``msg_id`` names an event that may be published again (a re-sent grant's ``placed``),
+        so JetStream keeps one copy; others are unique by their time."""
         tag = type(event).__struct_config__.tag
-        headers = {MSG_ID_HEADER: f"{event.job_id}:{tag}:{event.at.timestamp()}"}
+        headers = {MSG_ID_HEADER: msg_id or f"{event.job_id}:{tag}:{event.at.timestamp()}"}
         return job_events(event.job_id), encode(event), headers
 
     @staticmethod
@@ -307,6 +312,15 @@ class PlacementService:
         if headers:
             h.update(headers)
         return node_grants(grant.node_id), encode(grant), h
+
+    def _placed_item(self, grant: Grant) -> tuple[str, bytes, dict[str, str]]:
+        placed = Placed(
+            job_id=grant.job.job_id,
+            node_id=grant.node_id,
+            accelerator=grant.accelerator,
+            devices=grant.devices,
+        )
+        return self._event_item(placed, msg_id=f"{grant.grant_id}:placed")
 
     async def _publish_events(self, events: list[JobEvent]) -> None:
         await self._publish([self._event_item(e) for e in events])
@@ -604,19 +618,14 @@ class PlacementService:
             )
             for pl in outcome.placements
         ]
-        events: list[JobEvent] = list(before)
-        events += [
-            Placed(
-                job_id=g.job.job_id, node_id=g.node_id, accelerator=g.accelerator, devices=g.devices
-            )
-            for g in grants
-        ]
-        events += [
+        waiting: list[JobEvent] = [
             Pending(job_id=j, summary=d.summary, reasons=d.reasons, unsatisfiable=d.unsatisfiable)
             for j, d in outcome.waiting
         ]
         # Events first: a user watching the job sees "placed" before the executor's "running".
-        items = [self._event_item(e) for e in events]
+        items = [self._event_item(e) for e in before]
+        items += [self._placed_item(g) for g in grants]
+        items += [self._event_item(e) for e in waiting]
         if not self.tel.enabled:
             await self._publish(items + [self._grant_item(g) for g in grants])
         else:
@@ -881,6 +890,7 @@ class PlacementService:
 
     def forget(self, job_id: str) -> None:
         """Drop what this replica keeps in memory about a job that has ended."""
+        self._resent.pop(job_id, None)
         self._jobs.pop(job_id, None)
         self._submitted.pop(job_id, None)
         self._deviceless_waiting.discard(job_id)
@@ -900,13 +910,17 @@ class PlacementService:
                 "re-sending grant %s of job %s to %s", r["grant_id"], r["job_id"], r["node_id"]
             )
             grant = _grant(job, r["node_id"], r["grant_id"], r["accelerator"], list(r["devices"]))
-            await self._publish(
-                [
-                    self._grant_item(
-                        grant, {"traceparent": r["traceparent"]} if r["traceparent"] else None
-                    )
-                ]
-            )
+            items = [
+                self._grant_item(
+                    grant, {"traceparent": r["traceparent"]} if r["traceparent"] else None
+                )
+            ]
+            if self._resent.get(grant.job.job_id) != grant.grant_id:
+                # The "placed" event too, once: if placement died between commit and publish it
+                # never went out; a copy that did is dropped by JetStream (same message id).
+                self._resent[grant.job.job_id] = grant.grant_id
+                items.insert(0, self._placed_item(grant))
+            await self._publish(items)
 
     # --- other replicas ------------------------------------------------------------------
 
