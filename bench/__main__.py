@@ -74,10 +74,15 @@ class Run:
 
     @contextlib.asynccontextmanager
     async def scenario(
-        self, name: str, placement_env: dict[str, str] | None = None
+        self, name: str, placement_env: dict[str, str] | None = None, replicas: int = 1
     ) -> AsyncIterator[Scenario]:
         async with scenario(
-            name, self.root, self.admin_url, profile_dir=self.profile, placement_env=placement_env
+            name,
+            self.root,
+            self.admin_url,
+            profile_dir=self.profile,
+            placement_env=placement_env,
+            replicas=replicas,
         ) as s:
             yield s
 
@@ -144,6 +149,30 @@ async def placement_group(run: Run, n: int, tag: str) -> None:
             )
 
     await _guard(run, names, work)
+
+
+async def replicas_group(run: Run) -> None:
+    """The 1k throughput run with two placement replicas sharing the consumers and database."""
+    sz = run.sizes
+    shape = FleetShape.of(sz.small_nodes)
+
+    async def work() -> None:
+        async with run.scenario("r2", replicas=2) as s:
+            # Both replicas must hold the fleet before jobs arrive, or one places against a
+            # partial view; each absorbs capabilities on its own ordered consumer.
+            await load_fleet(s, fleet("r2", sz.small_nodes), timeout=60)
+            await asyncio.sleep(2.0)
+            tp = await placement_throughput(s, "r2", sz.jobs, shape)
+            run.add(
+                Figure(
+                    "placement_1k_nodes_2_replicas",
+                    tp.rate,
+                    "jobs/s",
+                    note=f"{tp.granted}/{tp.submitted} granted in {tp.seconds:.1f}s",
+                )
+            )
+
+    await _guard(run, [("placement_1k_nodes_2_replicas", "jobs/s")], work)
 
 
 async def latency_group(run: Run) -> None:
@@ -328,6 +357,7 @@ async def amain(args: argparse.Namespace) -> list[Figure]:
         groups: list[tuple[str, Callable[[], Awaitable[None]]]] = [
             ("limits", lambda: limits_group(run)),
             ("placement1k", lambda: placement_group(run, sizes.small_nodes, "1k")),
+            ("replicas", lambda: replicas_group(run)),
             ("latency", lambda: latency_group(run)),
             ("placement10k", lambda: placement_group(run, sizes.large_nodes, "10k")),
             ("loop", lambda: loop_group(run)),
@@ -360,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--only",
-        help="comma-separated groups: probe,limits,placement1k,latency,placement10k,loop,telemetry",
+        help="comma-separated groups: probe,limits,placement1k,replicas,latency,placement10k,loop,telemetry",
     )
     p.add_argument("--profile", metavar="DIR", help="attach py-spy to placement; raw stacks in DIR")
     args = p.parse_args(argv)

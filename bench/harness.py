@@ -277,6 +277,8 @@ class Scenario:
     placement: ServiceProcess
     workdir: Path
     profile_dir: Path | None = None
+    # Further placement replicas beside ``placement`` (same stream consumers, same database).
+    replicas: list[ServiceProcess] = field(default_factory=list)
 
 
 @contextlib.asynccontextmanager
@@ -287,12 +289,14 @@ async def scenario(
     *,
     profile_dir: Path | None = None,
     placement_env: dict[str, str] | None = None,
+    replicas: int = 1,
 ) -> AsyncIterator[Scenario]:
     workdir = root / name
     workdir.mkdir(parents=True, exist_ok=True)
     nats_server = EmbeddedNats(workdir / "nats").start()
     db_name = f"bench_{name}"
     placement: ServiceProcess | None = None
+    others: list[ServiceProcess] = []
     nc: Client | None = None
     db: asyncpg.Connection | None = None
     try:
@@ -300,25 +304,29 @@ async def scenario(
         nc = await connect(nats_server.url, f"bench-{name}")
         js = nc.jetstream()
         await ensure_streams(js)
-        placement = ServiceProcess(
-            "gpulayer_placement",
-            {
-                "GPULAYER_NATS_URL": nats_server.url,
-                "GPULAYER_DATABASE_URL": db_url,
-                # Simulated nodes send no heartbeats and run no executor: neither the reaper
-                # nor grant re-sending may act during a run.
-                "GPULAYER_NODE_TIMEOUT_S": "3600",
-                "GPULAYER_GRANT_RESEND_S": "3600",
-                **(placement_env or {}),
-            },
-            workdir / "placement.log",
-        ).start()
+        env = {
+            "GPULAYER_NATS_URL": nats_server.url,
+            "GPULAYER_DATABASE_URL": db_url,
+            # Simulated nodes send no heartbeats and run no executor: neither the reaper nor
+            # grant re-sending may act during a run.
+            "GPULAYER_NODE_TIMEOUT_S": "3600",
+            "GPULAYER_GRANT_RESEND_S": "3600",
+            **(placement_env or {}),
+        }
+        placement = ServiceProcess("gpulayer_placement", env, workdir / "placement.log").start()
         await wait_for_consumer(js, "JOBS", "placement-jobs", placement, timeout=60)
+        for i in range(1, replicas):
+            # Started once the first has migrated the database and created the consumers.
+            others.append(
+                ServiceProcess("gpulayer_placement", env, workdir / f"placement-{i}.log").start()
+            )
         db = await asyncpg.connect(db_url)
         if profile_dir is not None:
             placement.profile(profile_dir / f"placement-{name}.txt")
-        yield Scenario(nats_server, nc, js, db_url, db, placement, workdir, profile_dir)
+        yield Scenario(nats_server, nc, js, db_url, db, placement, workdir, profile_dir, others)
     finally:
+        for other in others:
+            other.stop()
         if placement is not None:
             placement.stop()
         if db is not None:
