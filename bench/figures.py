@@ -40,6 +40,7 @@ from bench.harness import (
     GrantWatch,
     Scenario,
     ServiceProcess,
+    Watch,
     create_database,
     drop_database,
     encode_capabilities,
@@ -492,15 +493,15 @@ async def placement_memory(s: Scenario, pending: int, after_fleet_rss: int) -> M
 # --- 5. full loop ---------------------------------------------------------------------------
 
 
-class EventWatch:
+class EventWatch(Watch):
     """Job events from a core subscription: when each job ran (the executor's ``at``) and when
     its terminal event arrived here."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.running_at: dict[str, float] = {}
         self.finished: dict[str, tuple[float, str]] = {}
         self.expect: set[str] = set()
-        self.done = asyncio.Event()
 
     def reset(self, ids: set[str]) -> None:
         self.expect = ids
@@ -518,11 +519,6 @@ class EventWatch:
             self.finished[ev.job_id] = (now, str(type(ev).__struct_config__.tag or ""))
             if self.expect and self.expect.issubset(self.finished):
                 self.done.set()
-
-    async def wait(self, timeout: float) -> bool:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.done.wait(), timeout)
-        return self.done.is_set()
 
 
 @dataclass

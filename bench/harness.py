@@ -125,13 +125,25 @@ async def publish_capabilities(
     return sent
 
 
-class GrantWatch:
+class Watch:
+    """A subscription callback that sets ``done`` once it has seen what it waits for."""
+
+    def __init__(self) -> None:
+        self.done = asyncio.Event()
+
+    async def wait(self, timeout: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.done.wait(), timeout)
+        return self.done.is_set()
+
+
+class GrantWatch(Watch):
     """Counts grants (core NATS subscription on every node's grant subject) by job id."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.at: dict[str, float] = {}
         self.expect = 0
-        self.done = asyncio.Event()
         self.last = 0.0
 
     def reset(self, expect: int) -> None:
@@ -149,11 +161,6 @@ class GrantWatch:
             self.last = now
             if len(self.at) >= self.expect:
                 self.done.set()
-
-    async def wait(self, timeout: float) -> bool:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.done.wait(), timeout)
-        return self.done.is_set()
 
 
 # --- processes ------------------------------------------------------------------------------
