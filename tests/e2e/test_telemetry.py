@@ -29,6 +29,10 @@ def _has(r: Received, service: str, trace_id: str) -> bool:
     return any(s.service == service and s.trace_id == trace_id for s in r.spans)
 
 
+def _names(r: Received, service: str, trace_id: str) -> set[str]:
+    return {s.name for s in r.spans if s.service == service and s.trace_id == trace_id}
+
+
 def _metric(r: Received, name: str) -> list[float]:
     return [p.value for p in r.metrics if p.name == name]
 
@@ -64,21 +68,34 @@ async def test_one_trace_per_job_and_metrics(
         assert seen["otel-1"][-1] == "succeeded"
 
         r = receiver.received
+        # Spans are exported as they end, in batches: a job's child spans can arrive before its
+        # "placement place" span, which ends last. Wait for every span the test reads.
+        placement_spans = {
+            "placement place",
+            "placement match",
+            "placement commit",
+            "placement publish grant",
+        }
         got = await asyncio.to_thread(
             r.wait,
             lambda r: (
-                _has(r, "gpulayer-placement", trace_id) and _has(r, "gpulayer-executor", trace_id)
+                placement_spans <= _names(r, "gpulayer-placement", trace_id)
+                and _has(r, "gpulayer-executor", trace_id)
             ),
             20,
         )
-        services_seen = {s.service for s in r.spans if s.trace_id == trace_id}
-        assert got, f"spans under the submitter's trace from {services_seen}"
+        services_seen = {(s.service, s.name) for s in r.spans if s.trace_id == trace_id}
+        assert got, f"spans under the submitter's trace: {services_seen}"
         place = next(s for s in r.spans if s.trace_id == trace_id and s.name == "placement place")
         assert place.attributes["gpulayer.job.id"] == "otel-1"
         assert place.attributes["gpulayer.node.id"] == "otel-node"
         assert place.attributes["messaging.system"] == "nats"
-        names = {s.name for s in r.spans if s.trace_id == trace_id}
-        assert {"placement match", "placement commit", "placement publish grant"} <= names
+        children = [
+            s
+            for s in r.spans
+            if s.trace_id == trace_id and s.name in placement_spans - {place.name}
+        ]
+        assert {s.parent_span_id for s in children} == {place.span_id}
 
         # A capability update from the probe is its own trace.
         assert await asyncio.to_thread(
