@@ -81,8 +81,9 @@ async def nats_url(tmp_path: Path, _nats_container: str | None) -> AsyncIterator
     if existing:
         nc = await connect(existing, "test-cleanup")
         js = nc.jetstream()
-        for name in await js.streams_info():
-            await js.delete_stream(name.config.name)
+        for info in await js.streams_info():
+            if info.config.name:
+                await js.delete_stream(info.config.name)
         await nc.close()
         yield existing
         return

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from gpulayer_contracts.codec import event_decoder
 
@@ -93,10 +94,10 @@ async def events_until(
     done = asyncio.Event()
     terminal = {"rejected", "succeeded", "failed", "cancelled", "lost"}
 
-    async def cb(msg: object) -> None:
-        ev = event_decoder.decode(msg.data)  # type: ignore[attr-defined]
+    async def cb(msg: Msg) -> None:
+        ev = event_decoder.decode(msg.data)
         if ev.job_id in seen:
-            seen[ev.job_id].append(type(ev).__struct_config__.tag)
+            seen[ev.job_id].append(str(type(ev).__struct_config__.tag))
             if all(set(types) & terminal for types in seen.values()):
                 done.set()
 
