@@ -92,9 +92,10 @@ async def test_duplicate_id_runs_once_and_garbage_is_rejected(
 
 
 async def test_dev_up_once_runs_the_examples(tmp_path: Path) -> None:
+    """As `make run` starts it: the default, relative data folder (.gpulayer) under the cwd."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPULAYER_")}
     proc = await asyncio.create_subprocess_exec(
-        bin_path("gpulayer"), "dev", "up", "--once", "--data-dir", str(tmp_path / "dev"),
+        bin_path("gpulayer"), "dev", "up", "--once",
         "--examples", str(ROOT / "examples"), "--timeout", "90",
         env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=tmp_path,
     )  # fmt: skip
@@ -103,6 +104,7 @@ async def test_dev_up_once_runs_the_examples(tmp_path: Path) -> None:
     assert proc.returncode == 0, text
     assert re.search(r"cpu-hello-\d+ succeeded", text), text
     assert "ok cpu-hello.toml: expected succeeded, got succeeded" in text
+    assert (tmp_path / ".gpulayer" / "postgres" / "pgdata" / "PG_VERSION").exists()
 
 
 async def test_readme_snippet_runs_against_dev_up(tmp_path: Path) -> None:
@@ -152,3 +154,20 @@ async def test_readme_snippet_runs_against_dev_up(tmp_path: Path) -> None:
         dev.send_signal(signal.SIGINT)
         rest, _ = await asyncio.wait_for(dev.communicate(), 30)
     assert dev.returncode == 0, "".join(lines) + rest.decode()
+
+
+async def test_dev_up_says_why_the_stack_could_not_start(tmp_path: Path) -> None:
+    """A data folder that can't be one (here: a file) is a one-line error and exit 1, no traceback."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULAYER_")}
+    proc = await asyncio.create_subprocess_exec(
+        bin_path("gpulayer"), "dev", "up", "--once", "--data-dir", str(blocker),
+        "--examples", str(ROOT / "examples"),
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=tmp_path,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    text = out.decode()
+    assert proc.returncode == 1, text
+    assert f"could not start the stack in {blocker}" in text, text
+    assert "Traceback" not in text, text

@@ -28,7 +28,7 @@ from gpulayer_cli.client import follow_events, submit
 from gpulayer_cli.render import event_tag, print_event
 from gpulayer_contracts import InvalidInput, JobEvent, JobRequest, is_terminal, load_job_file
 from gpulayer_runtime.nats import connect, ensure_streams
-from gpulayer_runtime.servers import EmbeddedNats, EmbeddedPostgres
+from gpulayer_runtime.servers import EmbeddedNats, EmbeddedPostgres, ServerStartError
 
 SERVICES = ("gpulayer-placement", "gpulayer-executor", "gpulayer-probe")
 
@@ -94,26 +94,36 @@ async def _ensure_database(url: str) -> None:
 
 
 def start_stack(data_dir: Path, console: Console, env: dict[str, str]) -> Stack:
+    """Start the embedded servers the environment doesn't point at. If one fails to start, the
+    ones already started are stopped before ServerStartError propagates."""
     stack = Stack(data_dir=data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     (data_dir / "logs").mkdir(exist_ok=True)
-    if env.get("GPULAYER_NATS_URL"):
-        stack.nats_url = env["GPULAYER_NATS_URL"]
-    else:
-        nats = EmbeddedNats(data_dir / "nats").start()
-        stack.servers.append(nats)
-        stack.nats_url = nats.url
-    if env.get("GPULAYER_DATABASE_URL"):
-        stack.database_url = env["GPULAYER_DATABASE_URL"]
-    else:
-        pg = EmbeddedPostgres(data_dir / "postgres").start()
-        stack.servers.append(pg)
-        stack.database_url = pg.url.rsplit("/", 1)[0] + "/gpulayer"
+    try:
+        _start_servers(stack, data_dir, env)
+    except BaseException:
+        stop_stack(stack, console)
+        raise
     stack.node_id = env.get("GPULAYER_NODE_ID") or socket.gethostname()
     console.print(f"NATS        [bold]{stack.nats_url}[/bold]")
     console.print(f"PostgreSQL  [bold]{stack.database_url}[/bold]")
     console.print(f"node        [bold]{stack.node_id}[/bold]")
     return stack
+
+
+def _start_servers(stack: Stack, data_dir: Path, env: dict[str, str]) -> None:
+    if env.get("GPULAYER_NATS_URL"):
+        stack.nats_url = env["GPULAYER_NATS_URL"]
+    else:
+        nats = EmbeddedNats(data_dir / "nats")
+        stack.servers.append(nats)  # before start: a half-started server is stopped too
+        stack.nats_url = nats.start().url
+    if env.get("GPULAYER_DATABASE_URL"):
+        stack.database_url = env["GPULAYER_DATABASE_URL"]
+    else:
+        pg = EmbeddedPostgres(data_dir / "postgres")
+        stack.servers.append(pg)
+        stack.database_url = pg.start().url.rsplit("/", 1)[0] + "/gpulayer"
 
 
 def start_services(stack: Stack, console: Console, env: dict[str, str]) -> None:
@@ -171,7 +181,11 @@ def run_dev(
     except (InvalidInput, OSError, KeyError, tomllib.TOMLDecodeError) as err:
         console.print(f"[bold red]examples in {examples_dir} are invalid:[/] {err}")
         return 2
-    stack = start_stack(data_dir, console, env)
+    try:
+        stack = start_stack(data_dir, console, env)
+    except (ServerStartError, OSError) as err:
+        console.print(f"[bold red]could not start the stack in {data_dir}:[/] {err}")
+        return 1
     try:
         return asyncio.run(
             _run(stack, examples, env, once=once, timeout_s=timeout_s, console=console)

@@ -87,7 +87,9 @@ class EmbeddedNats:
     def __init__(
         self, data_dir: Path, port: int | None = None, monitor_port: int | None = None
     ) -> None:
-        self.data_dir = Path(data_dir)
+        # Absolute: the servers change their working directory (PostgreSQL into its data
+        # directory), so a relative socket or lock path would point elsewhere.
+        self.data_dir = Path(data_dir).absolute()
         self.port = port or free_port()
         self.monitor_port = monitor_port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
@@ -159,7 +161,9 @@ class EmbeddedPostgres:
     """
 
     def __init__(self, data_dir: Path, port: int | None = None, *, fast: bool = False) -> None:
-        self.data_dir = Path(data_dir)
+        # Absolute: the servers change their working directory (PostgreSQL into its data
+        # directory), so a relative socket or lock path would point elsewhere.
+        self.data_dir = Path(data_dir).absolute()
         self.port = port or free_port()
         self.fast = fast
         self.proc: subprocess.Popen[bytes] | None = None
