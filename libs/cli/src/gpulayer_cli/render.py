@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from rich.console import Console
@@ -76,18 +77,40 @@ def _gib(n: int | None) -> str:
     return "?" if n is None else f"{n / 2**30:.0f} GiB"
 
 
+def ago(iso: str | None, now: datetime | None = None) -> str:
+    """``"12s ago"``, ``"5m ago"``, ``"3h ago"``, ``"2d ago"`` for an ISO timestamp."""
+    if not iso:
+        return "-"
+    try:
+        then = datetime.fromisoformat(str(iso))
+    except ValueError:
+        return str(iso)
+    if then.tzinfo is None:
+        then = then.replace(tzinfo=UTC)
+    secs = max(((now or datetime.now(UTC)) - then).total_seconds(), 0.0)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if secs >= size:
+            return f"{int(secs // size)}{unit} ago"
+    return f"{int(secs)}s ago"
+
+
+def _id_column(t: Table, title: str, values: list[str]) -> None:
+    """Identifiers are never cut or wrapped (people copy them into the next command); the
+    free-text columns wrap instead."""
+    width = max([len(title), *(len(v) for v in values)])
+    t.add_column(title, no_wrap=True, min_width=width)
+
+
 def nodes_table(nodes: list[dict[str, Any]]) -> Table:
     t = Table(title="nodes")
-    for col in (
-        "node",
-        "platform",
-        "accelerators",
-        "host APIs",
-        "container APIs",
-        "state",
-        "last seen",
-    ):
+    _id_column(t, "node", [n["node_id"] for n in nodes])
+    _id_column(
+        t, "platform", [n["capabilities"].get("host", {}).get("platform") or "?" for n in nodes]
+    )
+    for col in ("accelerators", "host APIs", "container APIs"):
         t.add_column(col)
+    t.add_column("state", no_wrap=True)
+    t.add_column("last seen", no_wrap=True)
     for n in nodes:
         caps = n["capabilities"]
         devs = caps.get("accelerators", [])
@@ -108,23 +131,30 @@ def nodes_table(nodes: list[dict[str, Any]]) -> Table:
             ", ".join(caps.get("gpu_apis", {}).get("host", [])) or "-",
             ", ".join(caps.get("gpu_apis", {}).get("containers", [])) or "-",
             "online" if n["online"] else "offline",
-            str(n["last_seen"])[:19],
+            ago(n.get("last_seen")),
         )
     return t
 
 
 def jobs_table(jobs: list[dict[str, Any]]) -> Table:
     t = Table(title="jobs")
-    for col in ("job", "state", "node", "devices", "exit", "submitted", "reason"):
-        t.add_column(col)
-    for j in jobs:
+    _id_column(t, "job", [j["job_id"] for j in jobs])
+    t.add_column("state", no_wrap=True)
+    _id_column(t, "node", [j.get("node_id") or "-" for j in jobs])
+    devices = [",".join(map(str, j.get("devices") or [])) or "-" for j in jobs]
+    _id_column(t, "devices", devices)
+    exits = ["-" if j.get("exit_code") is None else str(j["exit_code"]) for j in jobs]
+    _id_column(t, "exit", exits)
+    t.add_column("submitted", no_wrap=True)
+    t.add_column("reason")
+    for j, devs, code in zip(jobs, devices, exits, strict=True):
         t.add_row(
             j["job_id"],
             j["state"],
             j.get("node_id") or "-",
-            ",".join(map(str, j.get("devices") or [])) or "-",
-            "-" if j.get("exit_code") is None else str(j["exit_code"]),
-            str(j["submitted_at"])[:19],
+            devs,
+            code,
+            ago(j.get("submitted_at")),
             (j.get("reason") or "")[:80],
         )
     return t

@@ -1,0 +1,61 @@
+"""The CLI's tables: identifiers survive narrow terminals; times read as ages."""
+
+from __future__ import annotations
+
+import io
+from datetime import UTC, datetime, timedelta
+
+from rich.console import Console
+
+from gpulayer_cli.render import ago, jobs_table, nodes_table
+
+NOW = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
+
+
+def _text(table: object, width: int = 80) -> str:
+    out = io.StringIO()
+    Console(width=width, file=out).print(table)
+    text = out.getvalue()
+    assert max(len(line) for line in text.splitlines()) <= width
+    return text
+
+
+def test_job_and_node_ids_are_never_cut_at_80_columns() -> None:
+    job_id = "nightly-resnet50-train-2026-11-29-shard-17"
+    jobs = [
+        {
+            "job_id": job_id,
+            "state": "pending",
+            "node_id": None,
+            "devices": [2, 5],
+            "exit_code": None,
+            "submitted_at": (NOW - timedelta(minutes=3)).isoformat(),
+            "reason": "0/12 nodes can run this job: 7 have no cuda device, 5 are offline",
+        }
+    ]
+    text = _text(jobs_table(jobs))
+    assert job_id in text
+    assert "2,5" in text
+    node = "gpu-node-h100-rack7-slot03.example"
+    nodes = [
+        {
+            "node_id": node,
+            "online": True,
+            "last_seen": NOW.isoformat(),
+            "capabilities": {"host": {"platform": "linux-x86_64"}, "accelerators": []},
+        }
+    ]
+    text = _text(nodes_table(nodes))
+    assert node in text
+    assert "linux-x86_64" in text
+
+
+def test_ago_reads_as_the_largest_whole_unit() -> None:
+    assert ago((NOW - timedelta(seconds=12)).isoformat(), NOW) == "12s ago"
+    assert ago((NOW - timedelta(minutes=5, seconds=59)).isoformat(), NOW) == "5m ago"
+    assert ago((NOW - timedelta(hours=3)).isoformat(), NOW) == "3h ago"
+    assert ago((NOW - timedelta(days=2, hours=1)).isoformat(), NOW) == "2d ago"
+    # A clock slightly ahead on the server is not "-1s ago"; naive timestamps are UTC.
+    assert ago((NOW + timedelta(seconds=2)).isoformat(), NOW) == "0s ago"
+    assert ago("2026-11-29T11:59:00", NOW) == "1m ago"
+    assert ago(None, NOW) == "-"
