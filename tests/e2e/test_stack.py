@@ -133,7 +133,23 @@ async def test_readme_snippet_runs_against_dev_up(tmp_path: Path) -> None:
                     url = m[1]
                 if line.startswith("serving"):
                     break
+            hint = (await dev.stdout.readline()).decode()
+            lines.append(hint)
         assert url is not None
+        # The hint it prints is enough for the CLI in another shell to reach the stack.
+        assert hint.startswith("in another shell:"), hint
+        cli_env = dict(env)
+        if "export GPULAYER_NATS_URL=" in hint:
+            assert f"export GPULAYER_NATS_URL={url}" in hint, hint
+            cli_env["GPULAYER_NATS_URL"] = url
+        else:
+            assert url == "nats://127.0.0.1:4222", hint
+        nodes = await asyncio.create_subprocess_exec(
+            bin_path("gpulayer"), "nodes", "--json", env=cli_env, stdout=asyncio.subprocess.PIPE
+        )
+        listed, _ = await asyncio.wait_for(nodes.communicate(), 30)
+        assert nodes.returncode == 0
+        assert isinstance(json.loads(listed), list)
         script = tmp_path / "snippet.py"
         script.write_text(snippet[1].replace("nats://127.0.0.1:4222", url))
         # Only nats-py: the snippet imports nothing of gpulayer.

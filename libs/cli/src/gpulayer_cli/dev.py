@@ -28,7 +28,13 @@ from gpulayer_cli.client import follow_events, submit
 from gpulayer_cli.render import event_tag, print_event
 from gpulayer_contracts import InvalidInput, JobEvent, JobRequest, is_terminal, load_job_file
 from gpulayer_runtime.nats import connect, ensure_streams
-from gpulayer_runtime.servers import EmbeddedNats, EmbeddedPostgres, ServerStartError
+from gpulayer_runtime.servers import (
+    EmbeddedNats,
+    EmbeddedPostgres,
+    ServerStartError,
+    preferred_port,
+)
+from gpulayer_runtime.settings import DEFAULT_NATS_URL
 
 SERVICES = ("gpulayer-placement", "gpulayer-executor", "gpulayer-probe")
 
@@ -93,6 +99,9 @@ async def _ensure_database(url: str) -> None:
         await admin.close()
 
 
+NATS_DEFAULT_PORT = 4222
+
+
 def start_stack(data_dir: Path, console: Console, env: dict[str, str]) -> Stack:
     """Start the embedded servers the environment doesn't point at. If one fails to start, the
     ones already started are stopped before ServerStartError propagates."""
@@ -115,7 +124,8 @@ def _start_servers(stack: Stack, data_dir: Path, env: dict[str, str]) -> None:
     if env.get("GPULAYER_NATS_URL"):
         stack.nats_url = env["GPULAYER_NATS_URL"]
     else:
-        nats = EmbeddedNats(data_dir / "nats")
+        # NATS on its usual port when it is free, so the CLI's default URL reaches it.
+        nats = EmbeddedNats(data_dir / "nats", port=preferred_port(NATS_DEFAULT_PORT))
         stack.servers.append(nats)  # before start: a half-started server is stopped too
         stack.nats_url = nats.start().url
     if env.get("GPULAYER_DATABASE_URL"):
@@ -215,6 +225,15 @@ async def _run(
         if once:
             return 0 if ok else 1
         console.print("serving; publish jobs to [bold]gpulayer.jobs.submit[/bold]. Ctrl-C stops.")
+        if stack.nats_url == DEFAULT_NATS_URL:
+            console.print(
+                "in another shell: [bold]gpulayer nodes[/bold], [bold]gpulayer jobs[/bold]"
+            )
+        else:
+            console.print(
+                f"in another shell: [bold]export GPULAYER_NATS_URL={stack.nats_url}[/bold], "
+                "then [bold]gpulayer nodes[/bold], [bold]gpulayer jobs[/bold]"
+            )
         await _serve(nc, stack, console)
         return 0
     finally:

@@ -32,6 +32,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def preferred_port(port: int, host: str = "127.0.0.1") -> int:
+    """``port`` when nothing listens on it yet, else a free one."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return free_port(host)
+    return port
+
+
 def _wait_for_port(
     port: int, proc: subprocess.Popen[bytes], what: str, log: Path, timeout: float
 ) -> None:
