@@ -145,10 +145,11 @@ async def test_readme_snippet_runs_against_dev_up(tmp_path: Path) -> None:
         else:
             assert url == "nats://127.0.0.1:4222", hint
         nodes = await asyncio.create_subprocess_exec(
-            bin_path("gpulayer"), "nodes", "--json", env=cli_env, stdout=asyncio.subprocess.PIPE
-        )
-        listed, _ = await asyncio.wait_for(nodes.communicate(), 30)
-        assert nodes.returncode == 0
+            bin_path("gpulayer"), "nodes", "--json", env=cli_env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        listed, problem = await asyncio.wait_for(nodes.communicate(), 30)
+        assert nodes.returncode == 0, (hint, problem.decode())
         assert isinstance(json.loads(listed), list)
         script = tmp_path / "snippet.py"
         script.write_text(snippet[1].replace("nats://127.0.0.1:4222", url))

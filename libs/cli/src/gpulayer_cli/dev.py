@@ -219,6 +219,9 @@ async def _run(
     nc = await connect(stack.nats_url, "gpulayer-dev")
     try:
         await ensure_streams(nc.jetstream())
+        # Ready means placement answers and knows this machine: before the examples, and
+        # before "serving" tells someone to use the stack.
+        await _wait_for_node(nc, stack, console)
         ok = await _run_examples(
             nc, stack, examples, once=once, timeout_s=timeout_s, console=console
         )
@@ -251,7 +254,6 @@ async def _run_examples(
 ) -> bool:
     if not examples:
         return True
-    await _wait_for_node(nc, stack, console)
     by_id = {e.job.job_id: e for e in examples}
     for e in examples:
         console.print(
@@ -301,7 +303,8 @@ async def _run_examples(
 async def _wait_for_node(
     nc: object, stack: Stack, console: Console, timeout_s: float = 30.0
 ) -> None:
-    """Wait until placement knows this machine, so the examples are matched against it."""
+    """Wait until placement answers and knows this machine (the examples are matched against
+    it; "serving" should mean usable)."""
     from gpulayer_cli.client import ApiUnavailable, api
     from gpulayer_contracts.subjects import API_NODES
 
