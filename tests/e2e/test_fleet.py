@@ -78,17 +78,30 @@ async def fleet(
             )
         js = nc.jetstream()
         await js.publish(node_capabilities("apple-m2"), encode(apple_caps()))
-        await nc.publish(node_heartbeat("apple-m2"), b"{}")
-        async with asyncio.timeout(30):
-            while True:  # placement knows all four nodes (an API answer, not an event)
-                try:
-                    known = {n["node_id"] for n in await api(nc, API_NODES, timeout=1)}
-                except Exception:
-                    known = set()
-                if known >= {*nodes, "apple-m2"}:
-                    break
-                await asyncio.sleep(0.1)
-        yield base
+
+        async def apple_heartbeats() -> None:
+            # Beat like the probes do (GPULAYER_HEARTBEAT_S=1): a single beat, sent before
+            # placement even subscribed, would let placement's reaper take the Apple node offline
+            # 15 s after it read its capabilities, and on a slow machine the fleet may take that
+            # long to come up.
+            while True:
+                await nc.publish(node_heartbeat("apple-m2"), b"{}")
+                await asyncio.sleep(1)
+
+        beating = asyncio.create_task(apple_heartbeats())
+        try:
+            async with asyncio.timeout(30):
+                while True:  # placement knows all four nodes (an API answer, not an event)
+                    try:
+                        known = {n["node_id"] for n in await api(nc, API_NODES, timeout=1)}
+                    except Exception:
+                        known = set()
+                    if known >= {*nodes, "apple-m2"}:
+                        break
+                    await asyncio.sleep(0.1)
+            yield base
+        finally:
+            beating.cancel()
 
 
 def job(job_id: str, out: Path | None = None, **fields: object) -> bytes:
@@ -102,6 +115,7 @@ async def test_heterogeneous_fleet(fleet: dict[str, str], nc: Client, tmp_path: 
     js = nc.jetstream()
     placed: dict[str, dict[str, object]] = {}
     mps_placed = asyncio.Event()
+    too_big_waiting = asyncio.Event()
 
     async def on_event(msg: object) -> None:
         ev = json.loads(msg.data)  # type: ignore[attr-defined]
@@ -109,6 +123,8 @@ async def test_heterogeneous_fleet(fleet: dict[str, str], nc: Client, tmp_path: 
             placed[ev["job_id"]] = ev
             if ev["job_id"] == "mps-job":
                 mps_placed.set()
+        if ev["type"] == "pending" and ev["job_id"] == "too-big":
+            too_big_waiting.set()
 
     await nc.subscribe("gpulayer.job.*.events", cb=on_event)
     cuda_out = tmp_path / "cuda.txt"
@@ -145,6 +161,9 @@ async def test_heterogeneous_fleet(fleet: dict[str, str], nc: Client, tmp_path: 
     # No executor on the Apple node: "placed" is its last word.
     await asyncio.wait_for(mps_placed.wait(), 20)
     assert placed["mps-job"]["node_id"] == "apple-m2"
+    # too-big was submitted last and may be ingested in a later batch than mps-job: wait until
+    # placement has stored and matched it (its "pending" event is published after the commit).
+    await asyncio.wait_for(too_big_waiting.wait(), 20)
     assert "too-big" not in placed
 
     explained = await api(nc, API_EXPLAIN, {"job_id": "too-big"})

@@ -123,6 +123,9 @@ class ExecutorProcess:
         return open(self.log, "ab")  # handed to the child, closed in start()
 
     async def start(self, js: JetStreamContext) -> None:
+        # Counted before the process exists: counted after it, a "serving" line the new process
+        # already wrote (this test may be descheduled meanwhile) would be missed until timeout.
+        served = read_text(self.log).count("serving")
         log = self._open_log()
         try:
             self.proc = await asyncio.create_subprocess_exec(
@@ -130,7 +133,6 @@ class ExecutorProcess:
             )
         finally:
             log.close()
-        served = read_text(self.log).count("serving")
         # The executor logs "serving" once reconciled and consuming: a process outside this
         # test's event loop, so its log is polled, with a deadline.
         async with asyncio.timeout(45):

@@ -148,6 +148,28 @@ async def wait_for_file(path: Path) -> str:
     return read_text(path)
 
 
+async def reported(executor: Executor, grant: Grant) -> None:
+    """Until the executor has marked the grant's final state reported: it does so once both the
+    status (STATUS stream) and the job event (JOB_EVENTS stream) were acked. The two streams are
+    separate, so seeing the event says nothing yet about the status being stored."""
+
+    async def done() -> bool:
+        rec = executor.store.load(grant.grant_id)
+        return rec is not None and rec.reported
+
+    await eventually(done)
+
+
+async def pid_gone(pid: int) -> None:
+    """Until ``pid`` has exited. The executor waits for the job's main process only: the rest of
+    its group was sent SIGKILL, and a killed process exits when the kernel next schedules it."""
+
+    async def gone() -> bool:
+        return not pid_alive(pid)
+
+    await eventually(gone)
+
+
 async def grants_settled(js: JetStreamContext, stream: str, durable: str) -> None:
     """Every message of the stream's consumer delivered and acked."""
 
@@ -288,18 +310,13 @@ async def test_job_setting_a_protected_variable_is_refused_by_name(
     assert failed.__struct_config__.tag == "failed"
     assert reason(failed) == f"env: {name} is set by gpulayer, a job may not set it"
     assert not marker.exists()
+    await reported(executor, grant)
     (status,) = await statuses(js)
     assert (status.state, status.grant_id, status.reason) == (
         "failed",
         grant.grant_id,
         reason(failed),
     )
-
-    async def reported() -> bool:  # marked just after publishing
-        rec = executor.store.load(grant.grant_id)
-        return rec is not None and rec.reported
-
-    await eventually(reported)
 
 
 async def test_arguments_arrive_literally_never_through_a_shell(
@@ -356,7 +373,7 @@ async def test_timeout_kills_the_job_and_its_grandchildren(
     assert [e.__struct_config__.tag for e in events] == ["running", "failed"]
     assert reason(events[-1]) == "timeout"
     assert getattr(events[-1], "signal", None) == 9
-    assert not pid_alive(grandchild)
+    await pid_gone(grandchild)
 
 
 async def test_cancel_stops_a_running_job_and_its_group(
@@ -372,7 +389,8 @@ async def test_cancel_stops_a_running_job_and_its_group(
     events = await job_events_until_terminal(js, grant.job.job_id)
     assert [e.__struct_config__.tag for e in events] == ["running", "cancelled"]
     assert reason(events[-1]) == "user asked"
-    assert not pid_alive(grandchild)
+    await pid_gone(grandchild)
+    await reported(executor, grant)
     assert [s.state for s in await statuses(js)] == ["running", "cancelled"]
 
 
@@ -417,7 +435,7 @@ async def test_cancel_arriving_before_its_grant_still_applies(
 async def test_a_grant_delivered_twice_runs_once(
     js: JetStreamContext, start_executor: StartExecutor, tmp_path: Path
 ) -> None:
-    await start_executor()
+    executor = await start_executor()
     starts = tmp_path / "starts"
     grant = make_grant(["sh", "-c", f'echo start >> "{starts}"'])
     await publish_grant(js, grant)
@@ -426,6 +444,7 @@ async def test_a_grant_delivered_twice_runs_once(
     # A third copy after the job finished: still recognised, still not run.
     await publish_grant(js, grant)
     await grants_settled(js, "GRANTS", f"executor-{NODE}")
+    await reported(executor, grant)
     assert starts.read_text() == "start\n"
     assert [s.state for s in await statuses(js)] == ["running", "succeeded"]
 

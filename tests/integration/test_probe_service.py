@@ -38,12 +38,14 @@ def recording(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[str]
     monkeypatch.setenv("FAKE_NVIDIA_SMI_DIR", str(folder))
 
     def use(scenario: str) -> Path:
-        # Swap the folder's content in one rename, so the tool never reads half a recording.
+        # ``folder`` is a symlink, swapped in one rename: a detection running meanwhile (the
+        # refresher may run every 0.2 s) sees the old recording or the new one, never a missing
+        # folder, as it would between removing the old folder and renaming the new one in.
         staged = tmp_path / f"staged-{scenario}"
         shutil.copytree(NVIDIA / scenario, staged)
-        if folder.exists():
-            shutil.rmtree(folder)
-        staged.rename(folder)
+        link = tmp_path / f"recording-{scenario}.link"
+        link.symlink_to(staged, target_is_directory=True)
+        link.replace(folder)
         return folder
 
     return use
