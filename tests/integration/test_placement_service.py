@@ -11,6 +11,7 @@ import asyncpg
 import msgspec
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from gpulayer_contracts import (
     AcceleratorDevice,
@@ -255,5 +256,69 @@ async def test_grant_lost_between_commit_and_publish_is_resent(
         assert grant.job.command == ["true"]
         await asyncio.wait_for(placed.wait(), 10)
     finally:
+        await svc.close()
+        await pool.close()
+
+
+@pytest.mark.parametrize("failure", ["nothing stored", "stored but unacknowledged"])
+async def test_job_announced_once_when_publishing_its_events_failed(
+    nc: Client, database_url: str, failure: str
+) -> None:
+    """The job was committed but the publish of its `accepted` event (and grant) failed, or its
+    ack was lost: the submit message is redelivered and the job is announced exactly once."""
+    js = nc.jetstream()
+    await ensure_streams(js)
+    pool = await create_pool(database_url)
+    svc = PlacementService(nc, pool, Settings(node_timeout_s=30, resend_after_s=0.5))
+    real_publish = svc._publish
+    failed = asyncio.Event()
+
+    async def flaky(items: list[tuple[str, bytes, dict[str, str]]]) -> bool:
+        if not failed.is_set() and any(s == "gpulayer.job.flaky-1.events" for s, _, _ in items):
+            failed.set()
+            if failure == "stored but unacknowledged":
+                await real_publish(items)
+            return False
+        return await real_publish(items)
+
+    svc._publish = flaky  # type: ignore[method-assign]
+    await svc.start()
+    grant_sends = 0
+    resent = asyncio.Event()
+
+    async def on_grant(msg: Msg) -> None:
+        nonlocal grant_sends
+        grant_sends += 1  # a core subscriber sees every publish, duplicates included
+        if grant_sends >= 2:
+            resent.set()
+
+    sub = await nc.subscribe(node_grants("node-f"), cb=on_grant)
+    subject = "gpulayer.job.flaky-1.events"
+    try:
+        await js.publish(node_capabilities("node-f"), encode(caps("node-f")))
+        body = json.dumps({"job_id": "flaky-1", "command": ["true"]}).encode()
+        await js.publish(JOBS_SUBMIT, body, headers={MSG_ID_HEADER: "flaky-1"})
+        async with asyncio.timeout(20):
+            # The resend loop ran (it re-sends `placed` on its first pass for a job)...
+            await resent.wait()
+            # ...and the submit message was redelivered and this time acknowledged.
+            while True:
+                info = await js.consumer_info("JOBS", "placement-jobs")
+                if info.num_ack_pending == 0 and info.num_pending == 0:
+                    break
+                await asyncio.sleep(0.05)
+        assert failed.is_set()
+        # What the stream kept (core subscribers would also see the dropped duplicates).
+        psub = await js.pull_subscribe(subject, stream="JOB_EVENTS")
+        stored = [json.loads(m.data)["type"] for m in await psub.fetch(10, timeout=2)]
+        await psub.unsubscribe()
+        # (A `pending` may come between them if the job beat the node's capabilities.)
+        assert stored.count("accepted") == 1, stored
+        assert stored.count("placed") == 1, stored
+        assert stored[0] == "accepted", stored
+        info = await js.stream_info("JOB_EVENTS", subjects_filter=subject)
+        assert (info.state.subjects or {}).get(subject) == len(stored), info.state.subjects
+    finally:
+        await sub.unsubscribe()
         await svc.close()
         await pool.close()

@@ -156,6 +156,9 @@ class PlacementService:
         self._deviceless_waiting: set[str] = set()
         self._passing = False  # the scheduler task is in a pass
         self._resent: dict[str, str] = {}  # job id -> grant whose "placed" event was re-sent
+        # Jobs stored but whose accepted/rejected event failed to publish: said again first,
+        # before any later event of theirs from this replica.
+        self._unannounced: dict[str, JobEvent] = {}
         self._caps_queue: asyncio.Queue[Msg] = asyncio.Queue()
         self._heartbeats: dict[str, datetime] = {}
         self._notified: set[str] = set()
@@ -299,9 +302,15 @@ class PlacementService:
         event: JobEvent, msg_id: str | None = None
     ) -> tuple[str, bytes, dict[str, str]]:
         """``msg_id`` names an event that may be published again (a re-sent grant's ``placed``),
-        so JetStream keeps one copy; others are unique by their time."""
+        so JetStream keeps one copy. A job is accepted or rejected once, so those events are
+        named by the job; the others are unique by their time."""
         tag = type(event).__struct_config__.tag
-        headers = {MSG_ID_HEADER: msg_id or f"{event.job_id}:{tag}:{event.at.timestamp()}"}
+        if msg_id is None:
+            once = isinstance(event, Accepted | Rejected)
+            msg_id = (
+                f"{event.job_id}:{tag}" if once else f"{event.job_id}:{tag}:{event.at.timestamp()}"
+            )
+        headers = {MSG_ID_HEADER: msg_id}
         return job_events(event.job_id), encode(event), headers
 
     @staticmethod
@@ -322,8 +331,8 @@ class PlacementService:
         )
         return self._event_item(placed, msg_id=f"{grant.grant_id}:placed")
 
-    async def _publish_events(self, events: list[JobEvent]) -> None:
-        await self._publish([self._event_item(e) for e in events])
+    async def _publish_events(self, events: list[JobEvent]) -> bool:
+        return await self._publish([self._event_item(e) for e in events])
 
     # --- ingest --------------------------------------------------------------------------
 
@@ -332,6 +341,7 @@ class PlacementService:
         accepted: dict[str, JobRequest] = {}
         warnings: dict[str, list[str]] = {}
         rejections: dict[str, list[str]] = {}
+        origin: dict[str, Msg] = {}
         tel = self.tel.enabled
         for msg in msgs:
             traceparent = (msg.headers or {}).get("traceparent")
@@ -350,6 +360,7 @@ class PlacementService:
                     "gpulayer.messages.rejected", 1, {"subject": "jobs.submit", "why": "malformed"}
                 )
                 if job_id is not None and job_id not in rows:
+                    origin[job_id] = msg
                     rejections[job_id] = [str(err)]
                     rows[job_id] = (
                         job_id,
@@ -360,6 +371,7 @@ class PlacementService:
                 continue
             if job.job_id in rows:
                 continue  # the same id twice in one batch is one job
+            origin[job.job_id] = msg
             result = validate_job(job)
             body = encode(job).decode()
             if result.errors:
@@ -404,23 +416,44 @@ class PlacementService:
                 raise
         events: list[JobEvent] = []
         for job_id in rows:
-            if job_id not in new:
+            if job_id not in new and not self._redelivered(origin[job_id]):
                 log.info("job %s already known: not submitted again", job_id)
-            elif job_id in rejections:
+                continue
+            if job_id not in new:
+                # Stored by an earlier delivery whose events may never have gone out (a crash or
+                # failed publish before the ack): say it again under the same message id, which
+                # JetStream drops if the first copy did get out.
+                log.info("job %s redelivered: announcing it again", job_id)
+            if job_id in rejections:
                 events.append(Rejected(job_id=job_id, reasons=rejections[job_id]))
             else:
                 events.append(Accepted(job_id=job_id, warnings=warnings[job_id]))
         if outcome is not None:
-            await self._publish_outcome(outcome, before=events)
+            published = await self._publish_outcome(outcome, before=events)
         else:
-            await self._publish_events(events)
-        await asyncio.gather(*(m.ack() for m in msgs))
+            published = await self._publish_events(events)
+        if published:
+            for e in events:
+                self._unannounced.pop(e.job_id, None)
+            await asyncio.gather(*(m.ack() for m in msgs))
+        else:
+            # Stored, not announced: the redelivery announces it (grants: the resend loop), and
+            # until then this replica puts the announcement before the job's next event.
+            self._unannounced.update((e.job_id, e) for e in events)
+            await asyncio.gather(*(m.nak(delay=1.0) for m in msgs), return_exceptions=True)
         if fresh and outcome is None:
             self.wake.jobs(fresh)
         elif outcome is not None and outcome.waiting and self.wake.epoch != epoch:
             # Capacity changed while these rows were locked by this transaction: a pass then
             # skipped them (SKIP LOCKED). Look again now that they are committed.
             self.wake.capacity()
+
+    @staticmethod
+    def _redelivered(msg: Msg) -> bool:
+        try:
+            return (msg.metadata.num_delivered or 1) > 1
+        except Exception:  # not a JetStream message (no metadata): delivered once
+            return False
 
     def _scheduler_idle(self) -> bool:
         """No pass running or due: new jobs can be matched where they are ingested without
@@ -605,9 +638,9 @@ class PlacementService:
                 [d.unsatisfiable for _, d in outcome.waiting],
             )
 
-    async def _publish_outcome(self, outcome: _Outcome, before: Sequence[JobEvent] = ()) -> None:
+    async def _publish_outcome(self, outcome: _Outcome, before: Sequence[JobEvent] = ()) -> bool:
         """Events of ``before`` (e.g. ``accepted``), then the outcome's events, then its grants,
-        in one pipelined batch."""
+        in one pipelined batch. False when some message was not stored."""
         grants = [
             _grant(
                 pl.job,
@@ -623,11 +656,19 @@ class PlacementService:
             for j, d in outcome.waiting
         ]
         # Events first: a user watching the job sees "placed" before the executor's "running".
-        items = [self._event_item(e) for e in before]
+        owed = [
+            self._unannounced[j]
+            for j in (
+                *(pl.job.job_id for pl in outcome.placements),
+                *(j for j, _ in outcome.waiting),
+            )
+            if j in self._unannounced
+        ]
+        items = [self._event_item(e) for e in (*owed, *before)]
         items += [self._placed_item(g) for g in grants]
         items += [self._event_item(e) for e in waiting]
         if not self.tel.enabled:
-            await self._publish(items + [self._grant_item(g) for g in grants])
+            published = await self._publish(items + [self._grant_item(g) for g in grants])
         else:
             spans = [
                 self._job_span(pl, g, outcome.commit_ns)
@@ -637,9 +678,13 @@ class PlacementService:
                 self._grant_item(g, inject({}, span)) for g, span in zip(grants, spans, strict=True)
             ]
             sent_ns = time.time_ns()
-            await self._publish(items)
+            published = await self._publish(items)
             self._end_job_spans(spans, outcome, grants, sent_ns)
         self.placed_total += len(grants)
+        if published:
+            for e in owed:
+                self._unannounced.pop(e.job_id, None)
+        return published
 
     def _job_span(self, pl: _Placed, grant: Grant, commit_ns: tuple[int, int]) -> Span:
         """The job's placement span, under the submitter's trace when it sent one.
@@ -891,6 +936,7 @@ class PlacementService:
     def forget(self, job_id: str) -> None:
         """Drop what this replica keeps in memory about a job that has ended."""
         self._resent.pop(job_id, None)
+        self._unannounced.pop(job_id, None)
         self._jobs.pop(job_id, None)
         self._submitted.pop(job_id, None)
         self._deviceless_waiting.discard(job_id)
@@ -916,10 +962,12 @@ class PlacementService:
                 )
             ]
             if self._resent.get(grant.job.job_id) != grant.grant_id:
-                # The "placed" event too, once: if placement died between commit and publish it
-                # never went out; a copy that did is dropped by JetStream (same message id).
+                # The "accepted" and "placed" events too, once: if placement died between commit
+                # and publish they never went out; copies that did are dropped by JetStream
+                # (same message ids).
                 self._resent[grant.job.job_id] = grant.grant_id
-                items.insert(0, self._placed_item(grant))
+                accepted = Accepted(job_id=job.job_id, warnings=validate_job(job).warnings)
+                items[:0] = [self._event_item(accepted), self._placed_item(grant)]
             await self._publish(items)
 
     # --- other replicas ------------------------------------------------------------------
