@@ -94,6 +94,29 @@ async def test_submit_wait_follows_the_job(stack: dict[str, str], tmp_path: Path
     assert "no job 'no-such-job'" in err
 
 
+async def test_a_job_id_names_one_job(stack: dict[str, str], tmp_path: Path) -> None:
+    """Submitting a known id again follows that job; a changed job under a used id is refused
+    before anything is published (placement would ignore it)."""
+    job = {"job_id": "cli-once", "command": ["echo", "first"]}
+    code, out, err = await gpulayer(
+        "submit", write_job(tmp_path / "a.json", job), "--wait", env=stack
+    )
+    assert code == 0, out + err
+    code, out, err = await gpulayer(
+        "submit", write_job(tmp_path / "b.json", job), "--wait", env=stack
+    )
+    assert code == 0, out + err
+    assert "cli-once was already submitted (succeeded); not submitting it again" in err
+    assert out.count("succeeded") == 1  # the same job's history, once
+    changed = {**job, "command": ["echo", "second"]}
+    code, out, err = await gpulayer("submit", write_job(tmp_path / "c.json", changed), env=stack)
+    assert code == 2, out + err
+    assert "job id 'cli-once' already names a different job (succeeded" in err
+    assert "choose a new job_id" in err
+    code, out, _ = await gpulayer("logs", "cli-once", env=stack)
+    assert out.strip() == "first"
+
+
 async def test_invalid_job_file_exits_2_naming_the_field(
     stack: dict[str, str], tmp_path: Path
 ) -> None:

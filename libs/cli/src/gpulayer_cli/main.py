@@ -15,9 +15,17 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from rich.console import Console
 
-from gpulayer_contracts import InvalidInput, __version__, job_schema, load_job_file, validate_job
+from gpulayer_contracts import (
+    InvalidInput,
+    JobRequest,
+    __version__,
+    job_schema,
+    load_job_file,
+    validate_job,
+)
 
 EXIT_FAILED, EXIT_INVALID, EXIT_UNREACHABLE = 1, 2, 3
 
@@ -106,7 +114,23 @@ def cmd_submit(args: argparse.Namespace) -> int:
     console = _console()
 
     async def go(nc: Any) -> int:
-        await submit(nc, job)
+        existing = await _known_job(nc, job.job_id)
+        if existing is None:
+            await submit(nc, job)
+        elif not _same_request(existing.get("request"), job):
+            print(
+                f"gpulayer: job id {job.job_id!r} already names a different job "
+                f"({existing.get('state')}, submitted {str(existing.get('submitted_at'))[:19]}); "
+                "a job id is the dedupe key, so this one would be ignored: choose a new job_id",
+                file=sys.stderr,
+            )
+            return EXIT_INVALID
+        else:
+            print(
+                f"gpulayer: job {job.job_id} was already submitted ({existing.get('state')}); "
+                "not submitting it again",
+                file=sys.stderr,
+            )
         if not args.wait:
             print(job.job_id)
             return 0
@@ -122,6 +146,26 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return 0 if last == "succeeded" else EXIT_FAILED
 
     return asyncio.run(_with_nats(go))
+
+
+async def _known_job(nc: Any, job_id: str) -> dict[str, Any] | None:
+    """The stored record of ``job_id``, or None when placement doesn't know it (or can't be
+    asked right now: the submit is then queued in JetStream like any other)."""
+    from gpulayer_cli.client import ApiFailed, ApiUnavailable, api
+    from gpulayer_contracts.subjects import API_JOB
+
+    try:
+        record = await api(nc, API_JOB, {"job_id": job_id}, timeout=2.0)
+    except (ApiFailed, ApiUnavailable):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _same_request(stored: object, job: JobRequest) -> bool:
+    try:
+        return msgspec.convert(stored, JobRequest) == job
+    except msgspec.ValidationError:
+        return False  # a rejected submission's body: not this job
 
 
 def _api_command(
