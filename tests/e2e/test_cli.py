@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -54,7 +54,7 @@ async def stack(
         yield env
 
 
-def write_job(path: Path, job: dict[str, object]) -> str:
+def write_job(path: Path, job: Mapping[str, object]) -> str:
     path.write_text(json.dumps(job))
     return str(path)
 
