@@ -6,6 +6,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
+from typing import Any
 
 import asyncpg
 import msgspec
@@ -13,9 +14,11 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from gpulayer_cli.client import api
 from gpulayer_contracts import (
     AcceleratorDevice,
     Grant,
+    Heartbeat,
     HostInfo,
     JobStatus,
     WorkerCapabilities,
@@ -24,10 +27,12 @@ from gpulayer_contracts import (
 )
 from gpulayer_contracts.codec import event_decoder, grant_decoder
 from gpulayer_contracts.subjects import (
+    API_NODES,
     JOBS_SUBMIT,
     MSG_ID_HEADER,
     node_capabilities,
     node_grants,
+    node_heartbeat,
     node_status,
 )
 from gpulayer_placement.service import PlacementService, Settings
@@ -320,5 +325,60 @@ async def test_job_announced_once_when_publishing_its_events_failed(
         assert (info.state.subjects or {}).get(subject) == len(stored), info.state.subjects
     finally:
         await sub.unsubscribe()
+        await svc.close()
+        await pool.close()
+
+
+async def test_no_grants_to_a_node_whose_executor_stopped(
+    nc: Client, database_url: str, events: Events
+) -> None:
+    """The probe still beats (the node is online), the executor doesn't: new jobs wait with the
+    reason, and are placed once the executor beats again."""
+    js = nc.jetstream()
+    await ensure_streams(js)
+    pool = await create_pool(database_url)
+    svc = PlacementService(nc, pool, Settings(node_timeout_s=0.5, resend_after_s=60))
+    await svc.start()
+    executor_alive = asyncio.Event()
+    executor_alive.set()
+
+    async def beat() -> None:
+        while True:
+            now = datetime.now(UTC)
+            probe = Heartbeat(node_id="node-e", sent_at=now)
+            await nc.publish(node_heartbeat("node-e"), encode(probe))
+            if executor_alive.is_set():
+                executor = Heartbeat(node_id="node-e", sent_at=now, source="executor")
+                await nc.publish(node_heartbeat("node-e"), encode(executor))
+            await asyncio.sleep(0.05)
+
+    async def executor_state(want: str) -> dict[str, Any]:
+        async with asyncio.timeout(10):
+            while True:
+                nodes = await api(nc, API_NODES)
+                (node,) = [n for n in nodes if n["node_id"] == "node-e"] or [None]
+                if node is not None and node["executor"] == want:
+                    return dict(node)
+                await asyncio.sleep(0.05)
+
+    beating = asyncio.create_task(beat())
+    try:
+        await js.publish(node_capabilities("node-e"), encode(caps("node-e")))
+        await executor_state("up")
+        executor_alive.clear()
+        node = await executor_state("down")
+        assert node["online"]  # the probe's heartbeats keep the node itself online
+        body = json.dumps({"job_id": "exec-1", "command": ["true"]}).encode()
+        await js.publish(JOBS_SUBMIT, body, headers={MSG_ID_HEADER: "exec-1"})
+        await events.wait_for("exec-1", "pending")
+        pending = events.by_job["exec-1"][-1]
+        assert "1 has no running executor (its heartbeats stopped)" in pending.summary  # type: ignore[attr-defined]
+        assert not pending.unsatisfiable  # type: ignore[attr-defined]
+        assert "placed" not in events.types("exec-1")
+        executor_alive.set()
+        await events.wait_for("exec-1", "placed")
+        assert (await executor_state("up"))["online"]
+    finally:
+        beating.cancel()
         await svc.close()
         await pool.close()

@@ -61,6 +61,7 @@ def node(
     *,
     platform: str = "linux-x86_64",
     online: bool = True,
+    executor_down: bool = False,
     exclusive: Iterable[int] = (),
     shared: Iterable[int] = (),
     **caps: Any,
@@ -77,6 +78,7 @@ def node(
         node_id=node_id,
         capabilities=capabilities,
         online=online,
+        executor_down=executor_down,
         exclusive=frozenset(exclusive),
         shared=frozenset(shared),
     )
@@ -574,6 +576,23 @@ def test_offline_node_is_skipped_but_counts_for_could_ever_run() -> None:
     d = refused(match(job(accelerator="cuda", gpu_memory_gb=40), fleet))
     assert not d.unsatisfiable
     assert d.reasons == ["1 has < 40 GB per GPU (best: small 16.1 GB (15360 MiB))", "1 is offline"]
+
+
+def test_node_whose_executor_stopped_gets_no_grants_and_says_so() -> None:
+    fleet = [h100("no-executor", executor_down=True), t4("busy", exclusive=range(2))]
+    d = refused(match(job(accelerator="cuda", gpu_count=1), fleet))
+    assert not d.unsatisfiable  # it may come back
+    assert d.could_run == 2
+    assert d.reasons == [
+        "1 has no running executor (its heartbeats stopped)",
+        "1 has too few free devices (need a cuda device, most free: busy 0)",
+    ]
+    assert d.ruled_out == {"executor_down": 1, "busy_exclusive": 1}
+    # Offline is said first: a node that is down has no executor either.
+    d = refused(match(job(), [node("both", online=False, executor_down=True)]))
+    assert d.reasons == ["1 is offline"]
+    p = placed(match(job(accelerator="cuda"), [*fleet, h100("fine")]))
+    assert p.node_id == "fine"
 
 
 def test_redetected_node_gets_a_fresh_verdict() -> None:

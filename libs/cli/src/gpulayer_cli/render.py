@@ -101,6 +101,14 @@ def _id_column(t: Table, title: str, values: list[str]) -> None:
     t.add_column(title, no_wrap=True, min_width=width)
 
 
+def _node_state(node: dict[str, Any]) -> str:
+    if not node["online"]:
+        return "offline"
+    if node.get("executor") == "down":
+        return "online, executor down"
+    return "online"
+
+
 def nodes_table(nodes: list[dict[str, Any]]) -> Table:
     t = Table(title="nodes")
     _id_column(t, "node", [n["node_id"] for n in nodes])
@@ -109,7 +117,7 @@ def nodes_table(nodes: list[dict[str, Any]]) -> Table:
     )
     for col in ("accelerators", "host APIs", "container APIs"):
         t.add_column(col)
-    t.add_column("state", no_wrap=True)
+    t.add_column("state")
     t.add_column("last seen", no_wrap=True)
     for n in nodes:
         caps = n["capabilities"]
@@ -130,7 +138,7 @@ def nodes_table(nodes: list[dict[str, Any]]) -> Table:
             "\n".join(parts) or "cpu only",
             ", ".join(caps.get("gpu_apis", {}).get("host", [])) or "-",
             ", ".join(caps.get("gpu_apis", {}).get("containers", [])) or "-",
-            "online" if n["online"] else "offline",
+            _node_state(n),
             ago(n.get("last_seen")),
         )
     return t

@@ -58,6 +58,7 @@ def settings(env: Mapping[str, str]) -> ExecutorConfig:
         kill_grace_s=env_float(env, "GPULAYER_KILL_GRACE_S", 5.0),
         max_jobs=env_int(env, "GPULAYER_EXECUTOR_MAX_JOBS", 64),
         drain_s=_seconds_or_zero(env, "GPULAYER_EXECUTOR_DRAIN_S"),
+        heartbeat_s=env_float(env, "GPULAYER_HEARTBEAT_S", 5.0),
     )
 
 

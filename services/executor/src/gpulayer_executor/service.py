@@ -20,6 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from gpulayer_contracts import Heartbeat, __version__
 from gpulayer_contracts.codec import cancel_decoder, encode, grant_decoder
 from gpulayer_contracts.events import (
     Cancelled,
@@ -45,6 +47,7 @@ from gpulayer_contracts.subjects import (
     job_events,
     node_control,
     node_grants,
+    node_heartbeat,
     node_status,
 )
 from gpulayer_executor import procs
@@ -75,6 +78,9 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
     retain_s: float = 7 * 24 * 3600.0
     fetch_timeout_s: float = 1.0
     publish_timeout_s: float = 5.0
+    # Beats on the node's heartbeat subject (source "executor"): placement stops granting to a
+    # node whose executor went silent, instead of queueing grants nobody runs.
+    heartbeat_s: float = 5.0
 
 
 class _Job:
@@ -170,6 +176,7 @@ class Executor:
             asyncio.create_task(self._consume(grants, self._on_grant), name="grants"),
             asyncio.create_task(self._consume(control, self._on_cancel), name="control"),
             asyncio.create_task(self._janitor(), name="janitor"),
+            asyncio.create_task(self._heartbeat(), name="heartbeat"),
         ]
         log.info("executor for node %s serving (max_jobs=%s)", self.node_id, self.config.max_jobs)
         self.ready.set()
@@ -242,6 +249,22 @@ class Executor:
             # Not acked: JetStream redelivers it after ack_wait, and the local record (if it got
             # that far) makes the retry harmless.
             log.exception("handling %s failed", msg.subject)
+
+    async def _heartbeat(self) -> None:
+        subject = node_heartbeat(self.node_id)
+        while not self._stopping.is_set():
+            beat = Heartbeat(
+                node_id=self.node_id,
+                sent_at=datetime.now(UTC),
+                source="executor",
+                agent_version=__version__,
+            )
+            try:
+                await self.nc.publish(subject, encode(beat))
+            except (nats.errors.Error, OSError) as err:
+                log.warning("heartbeat failed: %s", err)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self.config.heartbeat_s)
 
     async def _janitor(self) -> None:
         while True:

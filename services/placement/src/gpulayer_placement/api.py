@@ -25,6 +25,7 @@ from gpulayer_contracts.subjects import (
     node_control,
 )
 from gpulayer_placement import matcher
+from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.store import Store
 
 if TYPE_CHECKING:
@@ -55,6 +56,14 @@ class _CancelQuery(msgspec.Struct, frozen=True):
 
 def _iso(value: Any) -> Any:
     return value.isoformat() if hasattr(value, "isoformat") else value
+
+
+def _executor_state(fleet: Fleet, node_id: str) -> str:
+    """``up`` (heartbeats coming), ``down`` (they stopped) or ``unknown`` (none heard yet)."""
+    view = fleet.get(node_id)
+    if view is not None and view.executor_down:
+        return "down"
+    return "up" if node_id in fleet.executor_seen else "unknown"
 
 
 class Api:
@@ -100,6 +109,7 @@ class Api:
                     "node_id": r["node_id"],
                     "online": r["online"],
                     "last_seen": _iso(r["last_seen"]),
+                    "executor": _executor_state(self.svc.fleet, r["node_id"]),
                     "active_jobs": r["active_jobs"],
                     "busy_devices": sorted(view.exclusive | view.shared) if view else [],
                     "capabilities": msgspec.to_builtins(caps),

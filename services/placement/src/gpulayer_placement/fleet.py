@@ -58,6 +58,7 @@ class Fleet:
         self._pos: dict[str, int] = {}
         self._holds: dict[str, _Holds] = {}
         self.last_seen: dict[str, float] = {}
+        self.executor_seen: dict[str, float] = {}
         self._cursor = 0
 
     def __len__(self) -> int:
@@ -112,6 +113,7 @@ class Fleet:
                 node_id=caps.node_id,
                 capabilities=caps,
                 online=online,
+                executor_down=old.executor_down if old is not None else False,
                 exclusive=frozenset(holds.exclusive) if holds else frozenset(),
                 shared=frozenset(holds.shared) if holds else frozenset(),
             )
@@ -127,6 +129,30 @@ class Fleet:
             return False
         self._set(msgspec.structs.replace(view, online=online))
         return True
+
+    def executor_beat(self, node_id: str) -> bool:
+        """The node's executor is alive. True when it had been marked down."""
+        self.executor_seen[node_id] = time.monotonic()
+        view = self.get(node_id)
+        if view is None or not view.executor_down:
+            return False
+        self._set(msgspec.structs.replace(view, executor_down=False))
+        return True
+
+    def stale_executors(self, timeout_s: float) -> list[str]:
+        """Nodes whose executor was heard from, not marked down yet, and silent ``timeout_s``."""
+        now = time.monotonic()
+        stale = []
+        for node_id, seen in self.executor_seen.items():
+            view = self.get(node_id)
+            if view is not None and not view.executor_down and now - seen > timeout_s:
+                stale.append(node_id)
+        return stale
+
+    def set_executor_down(self, node_id: str) -> None:
+        view = self.get(node_id)
+        if view is not None and not view.executor_down:
+            self._set(msgspec.structs.replace(view, executor_down=True))
 
     def hold(self, node_id: str, devices: Iterable[int], mode: str) -> None:
         holds = self._holds.setdefault(node_id, _Holds())
@@ -169,7 +195,7 @@ class Fleet:
     def any_free_device(self) -> bool:
         """Whether any online node has a usable device no exclusive job holds."""
         for v in self._views:
-            if not v.online:
+            if not v.online or v.executor_down:
                 continue
             for d in v.capabilities.accelerators:
                 if d.execution_supported and d.index not in v.exclusive:

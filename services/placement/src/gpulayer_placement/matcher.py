@@ -65,6 +65,10 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     node_id: str
     capabilities: WorkerCapabilities
     online: bool = True
+    # The node's executor sent heartbeats and then stopped: grants would only queue there.
+    # (A node whose executor was never heard from, e.g. one placement just started, counts
+    # as having one.)
+    executor_down: bool = False
     # Device indices held by an exclusive allocation, and those used by shared jobs.
     exclusive: frozenset[int] = frozenset()
     shared: frozenset[int] = frozenset()
@@ -110,7 +114,7 @@ def match(job: JobRequest, nodes: Sequence[NodeView]) -> Decision:
     if plan.failure is None:
         key = plan.key
         for view in nodes:
-            if not view.online:
+            if not view.online or view.executor_down:
                 continue
             caps = view.capabilities
             facts = _FACTS.get(id(caps))
@@ -348,6 +352,7 @@ _R_FWCAP = 20_000  # + i
 _R_BACKEND = 30_000
 _R_LAUNCHER = 30_001
 _R_OFFLINE = 40_000
+_R_EXECUTOR = 40_001
 _R_BUSY = 40_100
 _R_OK = 1 << 30
 
@@ -718,6 +723,9 @@ def _explain(plan: _Plan, nodes: Sequence[NodeView]) -> NoPlacement:
         if not view.online:
             _count(tallies, _R_OFFLINE, "offline", view.node_id, None)
             continue
+        if view.executor_down:
+            _count(tallies, _R_EXECUTOR, "executor_down", view.node_id, None)
+            continue
         placed = _place(plan, cap, view)
         if isinstance(placed, Placement):
             fit += 1
@@ -856,6 +864,8 @@ def _message(plan: _Plan, rule: str, t: _Tally) -> tuple[str, str]:
         return "lack", f"the {plan.launcher} launcher"
     if rule == "offline":
         return "are", "offline"
+    if rule == "executor_down":
+        return "have", "no running executor (its heartbeats stopped)"
     if rule == "busy_exclusive":
         return "have", f"too few free devices (need {gpus}, most free: {t.best_node} {t.best})"
     if rule == "busy_shared":

@@ -52,6 +52,7 @@ from gpulayer_contracts.codec import (
     best_effort_job_id,
     capabilities_decoder,
     decode_job_json,
+    heartbeat_decoder,
     job_request_decoder,
     status_decoder,
 )
@@ -890,10 +891,25 @@ class PlacementService:
             node = node_from_subject(msg.subject)
         except ValueError:
             return
+        if b"executor" in msg.data and self._executor_beat(msg.data):
+            if self.fleet.executor_beat(node):
+                log.info("the executor on node %s is back", node)
+                self.wake.capacity()
+            return
         self._heartbeats[node] = datetime.now(UTC)
         if self.fleet.set_online(node, True):
             log.info("node %s is back online", node)
             self.wake.capacity()
+
+    def _executor_beat(self, data: bytes) -> bool:
+        try:
+            return heartbeat_decoder.decode(data).source == "executor"
+        except (msgspec.DecodeError, msgspec.ValidationError) as err:
+            self.tel.count(
+                "gpulayer.messages.rejected", 1, {"subject": "node.heartbeat", "why": "malformed"}
+            )
+            log.debug("malformed heartbeat counted as the node's: %s", err)
+            return False
 
     async def _heartbeat_loop(self) -> None:
         """Writes last-seen times once a second: one statement for all heartbeats."""
@@ -910,6 +926,15 @@ class PlacementService:
                 log.warning("storing heartbeats failed: %s", err)
 
     async def _reap(self) -> None:
+        for node in self.fleet.stale_executors(self.settings.node_timeout_s):
+            # Nothing is lost: its grants wait in JetStream for the executor to come back. New
+            # jobs go elsewhere meanwhile.
+            self.fleet.set_executor_down(node)
+            log.warning(
+                "the executor on node %s stopped sending heartbeats for %gs; no new grants there",
+                node,
+                self.settings.node_timeout_s,
+            )
         stale = self.fleet.stale(self.settings.node_timeout_s)
         if not stale:
             return
