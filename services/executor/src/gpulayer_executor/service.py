@@ -416,8 +416,9 @@ class Executor:
             job.started_ns = time.time_ns()
             await self._save(job, st.running(job.rec, info), durable=False)
             log.debug("job %s running as pid %s in %s", grant.job.job_id, info.pid, cwd)
-            if await self._report(job.rec):
-                await self._save(job, st.running_reported(job.rec), durable=False)
+            # Whether "running" got out is not recorded: after a restart a job that was running
+            # is reported lost either way, and the terminal report supersedes it.
+            await self._report(job.rec)
 
         job.spawn_ns = time.time_ns()
         try:

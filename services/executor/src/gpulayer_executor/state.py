@@ -68,7 +68,6 @@ class GrantRecord(msgspec.Struct, frozen=True, kw_only=True):
     phase: Phase
     received_at: datetime = msgspec.field(default_factory=utcnow)
     process: ProcessInfo | None = None
-    running_reported: bool = False
     outcome: Outcome | None = None
     reported: bool = False
     # W3C traceparent the grant arrived with: the job's run joins the submitter's trace.
@@ -97,12 +96,6 @@ def running(rec: GrantRecord, process: ProcessInfo) -> GrantRecord:
     if rec.phase != "starting":
         raise InvalidTransition(f"grant {rec.grant_id}: {rec.phase} → running")
     return msgspec.structs.replace(rec, phase="running", process=process)
-
-
-def running_reported(rec: GrantRecord) -> GrantRecord:
-    if rec.phase not in ("running", "finished"):
-        raise InvalidTransition(f"grant {rec.grant_id}: running reported while {rec.phase}")
-    return msgspec.structs.replace(rec, running_reported=True)
 
 
 def finished(rec: GrantRecord, outcome: Outcome) -> GrantRecord:
