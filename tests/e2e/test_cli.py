@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -119,6 +120,27 @@ async def test_a_job_id_names_one_job(stack: dict[str, str], tmp_path: Path) -> 
     assert "choose a new job_id" in err
     code, out, _ = await gpulayer("logs", "cli-once", env=stack)
     assert out.strip() == "first"
+
+
+async def test_ctrl_c_stops_following_not_the_job(stack: dict[str, str], tmp_path: Path) -> None:
+    job = write_job(tmp_path / "long.json", {"job_id": "cli-long", "command": ["sleep", "60"]})
+    proc = await asyncio.create_subprocess_exec(
+        bin_path("gpulayer"), "submit", job, "--wait", env=stack,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    async with asyncio.timeout(30):
+        while "cli-long running" not in (line := (await proc.stdout.readline()).decode()):
+            assert line, "submit --wait ended before the job ran"
+    proc.send_signal(signal.SIGINT)
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 130
+    assert "stopped following cli-long; the job itself goes on" in err.decode()
+    assert "Traceback" not in err.decode()
+    code, out, _ = await gpulayer("job", "cli-long", "--json", env=stack)
+    assert json.loads(out)["job"]["state"] in ("placed", "running")
+    code, _, _ = await gpulayer("cancel", "cli-long", env=stack)
+    assert code == 0
 
 
 async def test_invalid_job_file_exits_2_naming_the_field(

@@ -145,7 +145,16 @@ def cmd_submit(args: argparse.Namespace) -> int:
             last = event_tag(event)
         return 0 if last == "succeeded" else EXIT_FAILED
 
-    return asyncio.run(_with_nats(go))
+    try:
+        return asyncio.run(_with_nats(go))
+    except KeyboardInterrupt:
+        if args.wait:
+            print(
+                f"\ngpulayer: stopped following {job.job_id}; the job itself goes on "
+                f"(gpulayer job {job.job_id} / gpulayer cancel {job.job_id})",
+                file=sys.stderr,
+            )
+        return 130
 
 
 async def _known_job(nc: Any, job_id: str) -> dict[str, Any] | None:
@@ -220,10 +229,15 @@ def cmd_job(args: argparse.Namespace) -> int:
             )
             return 0
         console = _console()
-        devices = ",".join(map(str, record.get("devices") or [])) or "-"
+        devices = ",".join(map(str, record.get("devices") or [])) or "none"
+        where = (
+            f"on {record['node_id']} (devices {devices})"
+            if record.get("node_id")
+            else "(never placed)"
+        )
         console.print(
-            f"[bold]{record['job_id']}[/bold] {record['state']} on {record.get('node_id') or '-'} "
-            f"(devices {devices}), submitted {str(record['submitted_at'])[:19]}"
+            f"[bold]{record['job_id']}[/bold] {record['state']} {where}, "
+            f"submitted {str(record['submitted_at'])[:19]}"
         )
         for event in events:
             print_event(console, event)
