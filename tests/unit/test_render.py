@@ -59,3 +59,12 @@ def test_ago_reads_as_the_largest_whole_unit() -> None:
     assert ago((NOW + timedelta(seconds=2)).isoformat(), NOW) == "0s ago"
     assert ago("2026-11-29T11:59:00", NOW) == "1m ago"
     assert ago(None, NOW) == "-"
+
+
+def test_a_long_reason_is_cut_at_a_word_with_an_ellipsis() -> None:
+    reason = "spawn: could not start 'no-such-binary': [Errno 2] No such file or directory " * 4
+    jobs = [{"job_id": "j", "state": "failed", "submitted_at": NOW.isoformat(), "reason": reason}]
+    text = " ".join(_text(jobs_table(jobs), width=400).split())
+    cut = " ".join(reason[:160].split()[:-1])  # the last, partial word goes
+    assert f"{cut} … │" in text
+    assert len(cut) <= 160

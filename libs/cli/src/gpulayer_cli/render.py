@@ -94,6 +94,13 @@ def ago(iso: str | None, now: datetime | None = None) -> str:
     return f"{int(secs)}s ago"
 
 
+def _shorten(text: str, limit: int) -> str:
+    """At most ``limit`` characters, cut at a word and marked with an ellipsis."""
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0] + " …"
+
+
 def _id_column(t: Table, title: str, values: list[str]) -> None:
     """Identifiers are never cut or wrapped (people copy them into the next command); the
     free-text columns wrap instead."""
@@ -163,7 +170,7 @@ def jobs_table(jobs: list[dict[str, Any]]) -> Table:
             devs,
             code,
             ago(j.get("submitted_at")),
-            (j.get("reason") or "")[:80],
+            _shorten(j.get("reason") or "", 160),
         )
     return t
 
