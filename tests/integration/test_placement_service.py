@@ -260,6 +260,17 @@ async def test_grant_lost_between_commit_and_publish_is_resent(
         assert grant.grant_id == "orphan-1"
         assert grant.job.command == ["true"]
         await asyncio.wait_for(placed.wait(), 10)
+        # Once stored, the resend is not repeated: two more passes over the still-placed job
+        # (each touches its row) send nothing more.
+        async with pool.acquire() as conn:
+            sql = "SELECT updated_at FROM jobs WHERE job_id = 'orphan'"
+            seen = {await conn.fetchval(sql)}
+            async with asyncio.timeout(10):
+                while len(seen) < 3:
+                    await asyncio.sleep(0.1)
+                    seen.add(await conn.fetchval(sql))
+        await nc.flush()
+        assert grants.empty()
     finally:
         await svc.close()
         await pool.close()

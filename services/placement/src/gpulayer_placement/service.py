@@ -156,7 +156,7 @@ class PlacementService:
         # Waiting jobs that need no device: a pass can't stop early while any is known.
         self._deviceless_waiting: set[str] = set()
         self._passing = False  # the scheduler task is in a pass
-        self._resent: dict[str, str] = {}  # job id -> grant whose "placed" event was re-sent
+        self._resent: dict[str, str] = {}  # job id -> grant this replica re-sent (stored)
         # Jobs stored but whose accepted/rejected event failed to publish: said again first,
         # before any later event of theirs from this replica.
         self._unannounced: dict[str, JobEvent] = {}
@@ -971,29 +971,34 @@ class PlacementService:
         self.wake.event.set()
 
     async def _resend(self) -> None:
+        """Grants of jobs still ``placed`` after the resend delay go out once more, with the
+        job's ``accepted`` and ``placed`` events: if placement died between commit and publish
+        they never went out; copies that did are dropped by JetStream (same message ids) or
+        recognised by the executor. Once one resend is stored, this replica doesn't repeat it:
+        GRANTS keeps it until the executor takes it (a job may wait there for a free slot, or
+        for its executor to come back), and repeating would only pile up copies."""
         async with self.pool.acquire() as conn:
             rows = await Store.fetch(conn, "stale_placed", self.settings.resend_after_s)
             if rows:
                 await Store.execute(conn, "touch_jobs", [r["job_id"] for r in rows])
         for r in rows:
+            if self._resent.get(r["job_id"]) == r["grant_id"]:
+                continue
             job = job_request_decoder.decode(r["request"])
             log.info(
                 "re-sending grant %s of job %s to %s", r["grant_id"], r["job_id"], r["node_id"]
             )
             grant = _grant(job, r["node_id"], r["grant_id"], r["accelerator"], list(r["devices"]))
+            accepted = Accepted(job_id=job.job_id, warnings=validate_job(job).warnings)
             items = [
+                self._event_item(accepted),
+                self._placed_item(grant),
                 self._grant_item(
                     grant, {"traceparent": r["traceparent"]} if r["traceparent"] else None
-                )
+                ),
             ]
-            if self._resent.get(grant.job.job_id) != grant.grant_id:
-                # The "accepted" and "placed" events too, once: if placement died between commit
-                # and publish they never went out; copies that did are dropped by JetStream
-                # (same message ids).
+            if await self._publish(items):
                 self._resent[grant.job.job_id] = grant.grant_id
-                accepted = Accepted(job_id=job.job_id, warnings=validate_job(job).warnings)
-                items[:0] = [self._event_item(accepted), self._placed_item(grant)]
-            await self._publish(items)
 
     # --- other replicas ------------------------------------------------------------------
 
