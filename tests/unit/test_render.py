@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 from rich.console import Console
 
-from gpulayer_cli.render import ago, jobs_table, nodes_table
+from gpulayer_cli.render import ago, device_groups, jobs_table, nodes_table
 
 NOW = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 
@@ -68,3 +68,28 @@ def test_a_long_reason_is_cut_at_a_word_with_an_ellipsis() -> None:
     cut = " ".join(reason[:160].split()[:-1])  # the last, partial word goes
     assert f"{cut} … │" in text
     assert len(cut) <= 160
+
+
+def test_identical_devices_read_as_one_line_with_their_index_ranges() -> None:
+    def dev(i: int, name: str, mib: int, cc: str) -> dict[str, object]:
+        return {
+            "accelerator": "cuda",
+            "index": i,
+            "name": name,
+            "memory_mib": mib,
+            "memory_kind": "dedicated",
+            "compute_capability": cc,
+            "execution_supported": True,
+        }
+
+    devices = [dev(i, "NVIDIA H100 80GB HBM3", 81559, "9.0") for i in (0, 1, 2, 3, 6, 7)]
+    devices.insert(4, dev(4, "NVIDIA A100-SXM4-40GB", 40960, "8.0"))
+    devices.append({"accelerator": "rocm", "index": 0, "name": "AMD Instinct MI300X"})
+    assert device_groups(devices) == [
+        "cuda:0-3,6-7 NVIDIA H100 80GB HBM3, 85.5 GB, cc 9.0",  # GB of 10^9: 81559 MiB
+        "cuda:4 NVIDIA A100-SXM4-40GB, 42.9 GB, cc 8.0",
+        "rocm:0 AMD Instinct MI300X, memory unknown, detection only",
+    ]
+    apple = {"accelerator": "mps", "index": 0, "name": "Apple M2 Max", "memory_mib": 65536}
+    apple |= {"memory_kind": "unified", "execution_supported": True}
+    assert device_groups([apple]) == ["mps:0 Apple M2 Max, 68.7 GB unified"]

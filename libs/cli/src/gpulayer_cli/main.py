@@ -37,7 +37,9 @@ def _nats_url() -> str:
 
 
 def _console() -> Console:
-    return Console(highlight=False, soft_wrap=True)
+    # Piped or redirected output (grep, a log file) is not cut to a guessed 80 columns.
+    width = None if sys.stdout.isatty() else 200
+    return Console(highlight=False, soft_wrap=True, width=width)
 
 
 def cmd_schema(args: argparse.Namespace) -> int:

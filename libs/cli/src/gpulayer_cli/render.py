@@ -116,33 +116,60 @@ def _node_state(node: dict[str, Any]) -> str:
     return "online"
 
 
+def _index_ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 3, 5]`` → ``"0-3,5"``."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def device_groups(devices: list[dict[str, Any]]) -> list[str]:
+    """One line per group of identical devices: ``cuda:0-7 NVIDIA H100 80GB HBM3, 85.5 GB,
+    cc 9.0``. Memory in GB of 10^9 bytes, the unit of ``gpu_memory_gb``."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for d in devices:
+        key = (
+            d.get("accelerator"),
+            d.get("name") or "?",
+            d.get("memory_mib"),
+            d.get("memory_kind"),
+            d.get("compute_capability"),
+            bool(d.get("execution_supported")),
+        )
+        groups.setdefault(key, []).append(int(d.get("index", 0)))
+    lines = []
+    for (acc, name, mib, kind, cc, usable), indices in groups.items():
+        memory = "memory unknown" if mib is None else f"{mib * 2**20 / 1e9:.1f} GB"
+        if kind == "unified":
+            memory += " unified"
+        facts = [memory] + ([f"cc {cc}"] if cc else [])
+        if not usable:
+            facts.append("detection only")
+        lines.append(f"{acc}:{_index_ranges(indices)} {name}, {', '.join(facts)}")
+    return lines
+
+
 def nodes_table(nodes: list[dict[str, Any]]) -> Table:
     t = Table(title="nodes")
     _id_column(t, "node", [n["node_id"] for n in nodes])
     _id_column(
         t, "platform", [n["capabilities"].get("host", {}).get("platform") or "?" for n in nodes]
     )
-    for col in ("accelerators", "host APIs", "container APIs"):
+    t.add_column("accelerators", min_width=20)
+    for col in ("host APIs", "container APIs"):
         t.add_column(col)
-    t.add_column("state")
+    t.add_column("state", min_width=8)
     t.add_column("last seen", no_wrap=True)
     for n in nodes:
         caps = n["capabilities"]
-        devs = caps.get("accelerators", [])
-        parts = []
-        for d in devs:
-            mem = d.get("memory_mib")
-            mem_s = (
-                "memory unknown"
-                if mem is None
-                else f"{mem} MiB {d.get('memory_kind') or ''}".strip()
-            )
-            usable = "" if d.get("execution_supported") else " (detection only)"
-            parts.append(f"{d['accelerator']}:{d['index']} {d.get('name') or '?'} {mem_s}{usable}")
         t.add_row(
             n["node_id"],
             caps.get("host", {}).get("platform") or "?",
-            "\n".join(parts) or "cpu only",
+            "\n".join(device_groups(caps.get("accelerators", []))) or "cpu only",
             ", ".join(caps.get("gpu_apis", {}).get("host", [])) or "-",
             ", ".join(caps.get("gpu_apis", {}).get("containers", [])) or "-",
             _node_state(n),
