@@ -49,6 +49,7 @@ async def test_one_trace_per_job_and_metrics(
         OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
         OTEL_BSP_SCHEDULE_DELAY="100",
         OTEL_METRIC_EXPORT_INTERVAL="300",
+        GPULAYER_LOG_FORMAT="json",
     )
     services = Services()
     for name in ("gpulayer-placement", "gpulayer-executor", "gpulayer-probe"):
@@ -127,5 +128,16 @@ async def test_one_trace_per_job_and_metrics(
         assert any(
             p.attributes.get("outcome") == "succeeded" and 0 < p.total < 10 for p in durations
         )
+        # JSON log lines about the job carry its id, the node and the submitter's trace id.
+        executor_log = [
+            json.loads(line)
+            for line in (tmp_path / "gpulayer-executor.log").read_text().splitlines()
+            if line.startswith("{")
+        ]
+        finished = [e for e in executor_log if e.get("job_id") == "otel-1"]
+        assert finished, executor_log[-5:]
+        assert finished[-1]["msg"].startswith("job otel-1 (grant ")
+        assert finished[-1]["node_id"] == "otel-node"
+        assert finished[-1]["trace_id"] == trace_id
     finally:
         await services.stop()

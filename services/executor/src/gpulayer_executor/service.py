@@ -55,6 +55,7 @@ from gpulayer_executor import state as st
 from gpulayer_executor.env import EnvRefused, RunAs, device_env, job_environment
 from gpulayer_executor.output import LogSink
 from gpulayer_executor.runner import SpawnError, StopRequest, run_process
+from gpulayer_runtime.logs import job_context
 from gpulayer_runtime.telemetry import DISABLED, Telemetry, extract
 
 log = logging.getLogger(__name__)
@@ -288,7 +289,13 @@ class Executor:
             reason = (
                 f"grant for node {grant.node_id!r} was delivered to node {self.node_id!r}; refused"
             )
-            log.error("grant %s for job %s: %s", grant.grant_id, grant.job.job_id, reason)
+            log.error(
+                "grant %s for job %s: %s",
+                grant.grant_id,
+                grant.job.job_id,
+                reason,
+                extra=job_context(grant.job.job_id, self.node_id),
+            )
             rec = st.finished(st.received(grant), st.Outcome(state="failed", reason=reason))
             if await asyncio.to_thread(self.store.create, rec):
                 await msg.ack()
@@ -303,7 +310,10 @@ class Executor:
         )
         if not await asyncio.to_thread(self.store.create, rec):
             log.warning(
-                "grant %s for job %s delivered again; ignored", grant.grant_id, grant.job.job_id
+                "grant %s for job %s delivered again; ignored",
+                grant.grant_id,
+                grant.job.job_id,
+                extra=self._ctx(rec),
             )
             await msg.ack()
             return
@@ -331,6 +341,10 @@ class Executor:
 
     # --- one job's life ---------------------------------------------------------------------
 
+    def _ctx(self, rec: st.GrantRecord) -> dict[str, str]:
+        """Log ``extra`` naming the job, this node and the job's trace (JSON log lines)."""
+        return job_context(rec.job_id, self.node_id, rec.traceparent)
+
     def _launch(self, rec: st.GrantRecord) -> None:
         job = _Job(rec)
         self._jobs[rec.grant_id] = job
@@ -350,7 +364,12 @@ class Executor:
             if outcome is not None:
                 await self._finish(job, outcome)
         except Exception:
-            log.exception("job %s (grant %s): executor error", job.rec.job_id, job.rec.grant_id)
+            log.exception(
+                "job %s (grant %s): executor error",
+                job.rec.job_id,
+                job.rec.grant_id,
+                extra=self._ctx(job.rec),
+            )
             if job.rec.phase != "finished":
                 with contextlib.suppress(Exception):
                     await self._finish(job, st.Outcome(state="lost", reason="executor error"))
@@ -395,7 +414,7 @@ class Executor:
         try:
             env = job_environment(grant, self.config.base_env)
         except EnvRefused as err:
-            log.warning("job %s refused: %s", grant.job.job_id, err)
+            log.warning("job %s refused: %s", grant.job.job_id, err, extra=self._ctx(job.rec))
             return st.Outcome(state="failed", reason=str(err))
         if grant.visible_env and grant.visible_env != device_env(grant):
             log.warning(
@@ -435,12 +454,17 @@ class Executor:
                 on_started=on_started,
             )
         except SpawnError as err:
-            log.warning("job %s: %s", grant.job.job_id, err)
+            log.warning("job %s: %s", grant.job.job_id, err, extra=self._ctx(job.rec))
             return st.Outcome(state="failed", reason=f"spawn: {err}")
         finally:
             await sink.close()
             if sink.dropped_total:
-                log.warning("job %s: %d output lines dropped", grant.job.job_id, sink.dropped_total)
+                log.warning(
+                    "job %s: %d output lines dropped",
+                    grant.job.job_id,
+                    sink.dropped_total,
+                    extra=self._ctx(job.rec),
+                )
 
     def _prepare_dir(self, cwd: Path) -> None:
         cwd.mkdir(parents=True, exist_ok=True)
@@ -458,6 +482,7 @@ class Executor:
             job.rec.grant_id,
             outcome.state,
             f": {outcome.reason}" if outcome.reason else "",
+            extra=self._ctx(job.rec),
         )
         await self._report_finished(job.rec)
 
@@ -577,7 +602,11 @@ class Executor:
         proc = rec.process
         if proc is not None and procs.owns_group(proc.pgid, proc.start_ticks, proc.boot_id):
             log.warning(
-                "job %s (grant %s): killing orphaned group %s", rec.job_id, rec.grant_id, proc.pgid
+                "job %s (grant %s): killing orphaned group %s",
+                rec.job_id,
+                rec.grant_id,
+                proc.pgid,
+                extra=self._ctx(rec),
             )
             await procs.terminate_group(proc.pgid, self.config.kill_grace_s)
         elif proc is None:
@@ -586,7 +615,9 @@ class Executor:
             pids = await asyncio.to_thread(procs.find_by_env, "GPULAYER_GRANT_ID", rec.grant_id)
             groups = {g for g in map(procs.pgid_of, pids) if g is not None and g > 1}
             for pgid in groups:
-                log.warning("job %s: killing unrecorded group %s", rec.job_id, pgid)
+                log.warning(
+                    "job %s: killing unrecorded group %s", rec.job_id, pgid, extra=self._ctx(rec)
+                )
             await asyncio.gather(
                 *(procs.terminate_group(g, self.config.kill_grace_s) for g in groups)
             )
@@ -595,6 +626,7 @@ class Executor:
                 "job %s (grant %s): process gone while the executor was down",
                 rec.job_id,
                 rec.grant_id,
+                extra=self._ctx(rec),
             )
         job = _Job(rec)
         await self._finish(job, st.Outcome(state="lost", reason=RESTARTED))
