@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from tests.helpers import Services, bin_path, service_env
 
+from gpulayer_contracts.subjects import node_grants
 from gpulayer_runtime.nats import ensure_streams
 
 pytestmark = pytest.mark.e2e
@@ -141,6 +143,29 @@ async def test_ctrl_c_stops_following_not_the_job(stack: dict[str, str], tmp_pat
     assert json.loads(out)["job"]["state"] in ("placed", "running")
     code, _, _ = await gpulayer("cancel", "cli-long", env=stack)
     assert code == 0
+
+
+async def test_submit_carries_the_callers_trace(
+    stack: dict[str, str], nc: Client, tmp_path: Path
+) -> None:
+    """With TRACEPARENT set (CI systems, otel-cli), the job's grant travels under that trace."""
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    granted: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def on_grant(msg: Msg) -> None:
+        if b'"cli-traced"' in msg.data and not granted.done():
+            granted.set_result((msg.headers or {}).get("traceparent", ""))
+
+    sub = await nc.subscribe(node_grants("cli-node"), cb=on_grant)
+    try:
+        job = write_job(tmp_path / "t.json", {"job_id": "cli-traced", "command": ["true"]})
+        env = {**stack, "TRACEPARENT": f"00-{trace_id}-00f067aa0ba902b7-01"}
+        code, out, err = await gpulayer("submit", job, "--wait", env=env)
+        assert code == 0, out + err
+        traceparent = await asyncio.wait_for(granted, 10)
+    finally:
+        await sub.unsubscribe()
+    assert traceparent.split("-")[1] == trace_id
 
 
 async def test_invalid_job_file_exits_2_naming_the_field(

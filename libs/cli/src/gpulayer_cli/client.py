@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -26,9 +27,23 @@ class ApiFailed(RuntimeError):
     pass
 
 
-async def submit(nc: Client, job: JobRequest) -> None:
-    """Publish a job. The job id is the message id, so a retried publish is deduplicated."""
-    await nc.jetstream().publish(JOBS_SUBMIT, encode(job), headers={MSG_ID_HEADER: job.job_id})
+def _traceparent(parent: str | None) -> str:
+    """A W3C ``traceparent`` for the submit: under ``parent`` (the ``TRACEPARENT`` convention of
+    CI systems and otel-cli) when it is well formed, else a new trace, so that the job's spans in
+    placement and executor share one trace id."""
+    parts = (parent or "").strip().split("-")
+    if len(parts) == 4 and len(parts[1]) == 32 and len(parts[2]) == 16 and parts[1] != "0" * 32:
+        return f"00-{parts[1]}-{secrets.token_hex(8)}-{parts[3]}"
+    return f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
+
+
+async def submit(nc: Client, job: JobRequest, parent: str | None = None) -> str:
+    """Publish a job; returns its trace id. The job id is the message id, so a retried publish
+    is deduplicated."""
+    traceparent = _traceparent(parent)
+    headers = {MSG_ID_HEADER: job.job_id, "traceparent": traceparent}
+    await nc.jetstream().publish(JOBS_SUBMIT, encode(job), headers=headers)
+    return traceparent.split("-")[1]
 
 
 async def follow_events(

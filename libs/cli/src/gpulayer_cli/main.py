@@ -118,7 +118,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     async def go(nc: Any) -> int:
         existing = await _known_job(nc, job.job_id)
         if existing is None:
-            await submit(nc, job)
+            await submit(nc, job, os.environ.get("TRACEPARENT"))
         elif not _same_request(existing.get("request"), job):
             print(
                 f"gpulayer: job id {job.job_id!r} already names a different job "

@@ -669,7 +669,12 @@ class PlacementService:
         items += [self._placed_item(g) for g in grants]
         items += [self._event_item(e) for e in waiting]
         if not self.tel.enabled:
-            published = await self._publish(items + [self._grant_item(g) for g in grants])
+            # No spans here, but the submitter's context still travels on to the executor.
+            items += [
+                self._grant_item(g, {"traceparent": pl.traceparent} if pl.traceparent else None)
+                for pl, g in zip(outcome.placements, grants, strict=True)
+            ]
+            published = await self._publish(items)
         else:
             spans = [
                 self._job_span(pl, g, outcome.commit_ns)
