@@ -70,6 +70,7 @@ from gpulayer_contracts.validation import requested_gpu_count, visibility_env
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.matcher import NoPlacement, Placement, match
 from gpulayer_placement.store import Store, migrate
+from gpulayer_runtime.logs import job_context
 from gpulayer_runtime.telemetry import DISABLED, Telemetry, extract, inject
 
 if TYPE_CHECKING:
@@ -356,7 +357,13 @@ class PlacementService:
                 job = decode_job_json(msg.data)
             except InvalidInput as err:
                 job_id = best_effort_job_id(msg.data)
-                log.warning("rejected message on %s (job %s): %s", msg.subject, job_id, err)
+                log.warning(
+                    "rejected message on %s (job %s): %s",
+                    msg.subject,
+                    job_id,
+                    err,
+                    extra=job_context(job_id, traceparent=traceparent),
+                )
                 self.tel.count(
                     "gpulayer.messages.rejected", 1, {"subject": "jobs.submit", "why": "malformed"}
                 )
@@ -418,13 +425,21 @@ class PlacementService:
         events: list[JobEvent] = []
         for job_id in rows:
             if job_id not in new and not self._redelivered(origin[job_id]):
-                log.info("job %s already known: not submitted again", job_id)
+                log.info(
+                    "job %s already known: not submitted again",
+                    job_id,
+                    extra=job_context(job_id, traceparent=rows[job_id][3]),
+                )
                 continue
             if job_id not in new:
                 # Stored by an earlier delivery whose events may never have gone out (a crash or
                 # failed publish before the ack): say it again under the same message id, which
                 # JetStream drops if the first copy did get out.
-                log.info("job %s redelivered: announcing it again", job_id)
+                log.info(
+                    "job %s redelivered: announcing it again",
+                    job_id,
+                    extra=job_context(job_id, traceparent=rows[job_id][3]),
+                )
             if job_id in rejections:
                 events.append(Rejected(job_id=job_id, reasons=rejections[job_id]))
             else:
@@ -898,12 +913,12 @@ class PlacementService:
             return
         if b"executor" in msg.data and self._executor_beat(msg.data):
             if self.fleet.executor_beat(node):
-                log.info("the executor on node %s is back", node)
+                log.info("the executor on node %s is back", node, extra=job_context(node_id=node))
                 self.wake.capacity()
             return
         self._heartbeats[node] = datetime.now(UTC)
         if self.fleet.set_online(node, True):
-            log.info("node %s is back online", node)
+            log.info("node %s is back online", node, extra=job_context(node_id=node))
             self.wake.capacity()
 
     def _executor_beat(self, data: bytes) -> bool:
@@ -939,6 +954,7 @@ class PlacementService:
                 "the executor on node %s stopped sending heartbeats for %gs; no new grants there",
                 node,
                 self.settings.node_timeout_s,
+                extra=job_context(node_id=node),
             )
         stale = self.fleet.stale(self.settings.node_timeout_s)
         if not stale:
@@ -955,7 +971,7 @@ class PlacementService:
                 )
         for node in stale:
             self.fleet.set_online(node, False)
-            log.warning("node %s is offline: %s", node, reason)
+            log.warning("node %s is offline: %s", node, reason, extra=job_context(node_id=node))
         await self._reload_allocations(stale)
         await self._publish_events(
             [Lost(job_id=r["job_id"], node_id=r["node_id"], reason=reason) for r in lost]
@@ -991,7 +1007,11 @@ class PlacementService:
                 continue
             job = job_request_decoder.decode(r["request"])
             log.info(
-                "re-sending grant %s of job %s to %s", r["grant_id"], r["job_id"], r["node_id"]
+                "re-sending grant %s of job %s to %s",
+                r["grant_id"],
+                r["job_id"],
+                r["node_id"],
+                extra=job_context(r["job_id"], r["node_id"], r["traceparent"]),
             )
             grant = _grant(job, r["node_id"], r["grant_id"], r["accelerator"], list(r["devices"]))
             accepted = Accepted(job_id=job.job_id, warnings=validate_job(job).warnings)
