@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,7 +33,7 @@ from gpulayer_runtime.servers import (
     ServerStartError,
     preferred_port,
 )
-from gpulayer_runtime.settings import DEFAULT_NATS_URL
+from gpulayer_runtime.settings import DEFAULT_NATS_URL, default_node_id
 
 SERVICES = ("gpulayer-placement", "gpulayer-executor", "gpulayer-probe")
 
@@ -113,7 +112,7 @@ def start_stack(data_dir: Path, console: Console, env: dict[str, str]) -> Stack:
     except BaseException:
         stop_stack(stack, console)
         raise
-    stack.node_id = env.get("GPULAYER_NODE_ID") or socket.gethostname()
+    stack.node_id = env.get("GPULAYER_NODE_ID") or default_node_id()
     console.print(f"NATS        [bold]{stack.nats_url}[/bold]")
     console.print(f"PostgreSQL  [bold]{stack.database_url}[/bold]")
     console.print(f"node        [bold]{stack.node_id}[/bold]")

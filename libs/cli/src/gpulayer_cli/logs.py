@@ -83,7 +83,7 @@ async def run_logs(
         )
     except (nats.errors.Error, OSError) as e:
         err.write(f"gpulayer logs: cannot reach NATS at {nats_url}: {e}\n")
-        return 1
+        return 3  # as every other command that can't reach the stack
     try:
         js = nc.jetstream()
         printer = _Printer(out)

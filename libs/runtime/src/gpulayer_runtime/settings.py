@@ -55,8 +55,14 @@ def database_url(env: Mapping[str, str] | None = None) -> str:
     )
 
 
+def default_node_id() -> str:
+    """The host name up to its first dot (``gpu-01.example.com`` → ``gpu-01``), as Slurm names
+    nodes: a node id is a NATS subject token and may not hold dots."""
+    return socket.gethostname().split(".", 1)[0]
+
+
 def node_id(env: Mapping[str, str] | None = None) -> str:
-    value = env_str(os.environ if env is None else env, "GPULAYER_NODE_ID", socket.gethostname())
+    value = env_str(os.environ if env is None else env, "GPULAYER_NODE_ID", default_node_id())
     # Node ids are NATS subject tokens.
     if any(c in value for c in ".*> \t"):
         raise ConfigError(f"GPULAYER_NODE_ID={value!r}: may not contain '.', '*', '>' or spaces")

@@ -29,7 +29,7 @@ _propagator = TraceContextTextMapPropagator()
 # Every metric gpulayer emits: name -> (instrument kind, unit, description). Dashboards and docs
 # are checked against this table.
 METRICS: dict[str, tuple[str, str, str]] = {
-    "gpulayer.placement.decision.duration": ("histogram", "s", "Time to match one batch of jobs"),
+    "gpulayer.placement.decision.duration": ("histogram", "s", "Time to match one job"),
     "gpulayer.placement.submit_to_grant.duration": (
         "histogram", "s", "From a job's publish to its grant's publish",
     ),

@@ -11,7 +11,14 @@ from contextlib import AsyncExitStack
 
 from gpulayer_runtime.logs import setup_logging
 from gpulayer_runtime.nats import connect, ensure_streams
-from gpulayer_runtime.settings import database_url, env_float, env_int, env_str, nats_url
+from gpulayer_runtime.settings import (
+    ConfigError,
+    database_url,
+    env_float,
+    env_int,
+    env_str,
+    nats_url,
+)
 from gpulayer_runtime.telemetry import setup_telemetry
 
 log = logging.getLogger("gpulayer_placement")
@@ -69,7 +76,11 @@ def _redact(url: str) -> str:
 
 def main() -> None:
     setup_logging("gpulayer-placement", env_str(os.environ, "GPULAYER_LOG_FORMAT", "text"))
-    asyncio.run(_amain())
+    try:
+        asyncio.run(_amain())
+    except ConfigError as err:
+        log.error("%s", err)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ the same two steps, so a placement and its explanation can never disagree.
 
 1. ``_capability``: does the node, idle and online, offer what the job needs? (What it offers
    is fixed until the node re-detects, so the answer is cached per capabilities object and job
-   shape.) A node that fails says which rule failed first, in ``_RANK`` order, and its value for
+   shape.) A node that fails says which rule failed first, in ``_R_*`` rank order, and its value for
    the nearest miss.
 2. ``_place``: given that, which free devices does the job get now?
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import sys
 from typing import Any
 
@@ -16,6 +15,7 @@ import msgspec
 
 from gpulayer_contracts import encode
 from gpulayer_contracts.capabilities import WorkerCapabilities
+from gpulayer_runtime.settings import default_node_id
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
         return 2
     from gpulayer_probe.registry import detect_capabilities
 
-    node = os.environ.get("GPULAYER_NODE_ID", "").strip() or socket.gethostname()
+    node = os.environ.get("GPULAYER_NODE_ID", "").strip() or default_node_id()
     caps = asyncio.run(
         detect_capabilities(
             node,
