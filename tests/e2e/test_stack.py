@@ -188,3 +188,19 @@ async def test_dev_up_says_why_the_stack_could_not_start(tmp_path: Path) -> None
     assert proc.returncode == 1, text
     assert f"could not start the stack in {blocker}" in text, text
     assert "Traceback" not in text, text
+
+
+@pytest.mark.parametrize("service", ["gpulayer-placement", "gpulayer-executor", "gpulayer-probe"])
+async def test_a_bad_setting_is_one_line_and_exit_2(service: str, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULAYER_")}
+    env |= {"GPULAYER_NODE_ID": "n1", "GPULAYER_HEARTBEAT_S": "often"}
+    env |= {"GPULAYER_NODE_TIMEOUT_S": "soon", "GPULAYER_EXECUTOR_WORKDIR": str(tmp_path / "w")}
+    proc = await asyncio.create_subprocess_exec(
+        bin_path(service), env=env, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT, cwd=tmp_path,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    text = out.decode()
+    assert proc.returncode == 2, text
+    assert "Traceback" not in text, text
+    assert re.search(r"GPULAYER_(HEARTBEAT|NODE_TIMEOUT)_S", text), text

@@ -57,3 +57,12 @@ def test_bad_settings_are_config_errors(env: dict[str, str], match: str) -> None
 def test_root_is_not_an_unprivileged_user() -> None:
     with pytest.raises(ConfigError, match="unprivileged"):
         settings({"GPULAYER_NODE_ID": "n1", "GPULAYER_EXECUTOR_USER": "root"})
+
+
+def test_the_default_node_id_is_the_host_name_up_to_its_first_dot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("socket.gethostname", lambda: "gpu-01.rack7.example.com")
+    assert settings({"PATH": "/bin", "HOME": "/home/x"}).node_id == "gpu-01"
+    with pytest.raises(ConfigError, match="may not contain '.'"):
+        settings({"GPULAYER_NODE_ID": "gpu-01.example", "PATH": "/bin", "HOME": "/home/x"})
