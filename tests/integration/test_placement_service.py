@@ -27,6 +27,7 @@ from gpulayer_contracts import (
 )
 from gpulayer_contracts.codec import event_decoder, grant_decoder
 from gpulayer_contracts.subjects import (
+    API_EXPLAIN,
     API_NODES,
     JOBS_SUBMIT,
     MSG_ID_HEADER,
@@ -376,9 +377,19 @@ async def test_no_grants_to_a_node_whose_executor_stopped(
     try:
         await js.publish(node_capabilities("node-e"), encode(caps("node-e")))
         await executor_state("up")
+        first = json.dumps({"job_id": "exec-0", "command": ["true"]}).encode()
+        await js.publish(JOBS_SUBMIT, first, headers={MSG_ID_HEADER: "exec-0"})
+        await events.wait_for("exec-0", "placed")
         executor_alive.clear()
         node = await executor_state("down")
         assert node["online"]  # the probe's heartbeats keep the node itself online
+        # A job placed before is not lost, and explain says what it waits for.
+        explained = await api(nc, API_EXPLAIN, {"job_id": "exec-0"})
+        assert explained["state"] == "placed"
+        assert explained["note"] == (
+            "node node-e has no running executor (its heartbeats stopped): the grant waits there "
+            "until it is back"
+        )
         body = json.dumps({"job_id": "exec-1", "command": ["true"]}).encode()
         await js.publish(JOBS_SUBMIT, body, headers={MSG_ID_HEADER: "exec-1"})
         await events.wait_for("exec-1", "pending")

@@ -252,6 +252,8 @@ def _render_explain(console: Console, data: Any) -> None:
     console.print(f"[bold]{data['job_id']}[/bold] is {data['state']}")
     if "node_id" in data:
         console.print(f"placed on {data['node_id']} devices {data.get('devices')}")
+    if data.get("note"):
+        console.print(f"[yellow]{data['note']}[/]")
     console.print(data.get("summary", ""))
     for reason in data.get("reasons", []):
         console.print(f"  - {reason}")

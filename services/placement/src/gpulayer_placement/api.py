@@ -151,6 +151,12 @@ class Api:
         if row["state"] in ("placed", "running"):
             out["node_id"] = row["node_id"]
             out["devices"] = list(row["devices"])
+        view = self.svc.fleet.get(row["node_id"]) if row["state"] == "placed" else None
+        if view is not None and view.executor_down:
+            out["note"] = (
+                f"node {row['node_id']} has no running executor (its heartbeats stopped): the "
+                "grant waits there until it is back"
+            )
         return out
 
     async def cancel(self, data: bytes) -> Any:
