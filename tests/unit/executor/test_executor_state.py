@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import sqlite3
+import stat
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from gpulayer_contracts.events import Grant
@@ -81,31 +84,65 @@ def test_save_replaces_and_all_lists_records(tmp_path: Path) -> None:
     store.create(st.received(grant("g2", "j2")))
     store.save(st.starting(rec))
     assert {(r.grant_id, r.phase) for r in store.all()} == {("g1", "starting"), ("g2", "received")}
-    assert not list(store.grants_dir.glob(".*.tmp"))
+
+
+def test_unsettled_leaves_out_only_finished_and_reported(tmp_path: Path) -> None:
+    store = st.StateStore(tmp_path)
+    done = st.finished(st.received(grant("done")), st.Outcome(state="succeeded"))
+    store.create(done)
+    store.create(st.received(grant("queued", "j2")))
+    assert {r.grant_id for r in store.unsettled()} == {"done", "queued"}  # done: unreported
+    store.save(st.reported(done), durable=False)
+    assert {r.grant_id for r in store.unsettled()} == {"queued"}
+    assert {r.grant_id for r in store.all()} == {"done", "queued"}
 
 
 def test_unreadable_records_are_skipped(tmp_path: Path) -> None:
     store = st.StateStore(tmp_path)
     store.create(st.received(grant()))
-    (store.grants_dir / "broken.json").write_text("{")
+    store.create(st.received(grant("g2", "j2")))
+    with sqlite3.connect(store.db_path) as db:
+        db.execute("UPDATE grants SET record = '{' WHERE grant_id = 'g2'")
     assert [r.grant_id for r in store.all()] == ["g1"]
+    assert [r.grant_id for r in store.unsettled()] == ["g1"]
 
 
 def test_records_survive_a_new_store_and_round_trip_exactly(tmp_path: Path) -> None:
     rec = st.running(st.starting(st.received(grant())), PROC)
-    st.StateStore(tmp_path).create(rec)
-    assert st.StateStore(tmp_path).load("g1") == rec
+    first = st.StateStore(tmp_path)
+    first.create(rec)
+    done = st.finished(rec, st.Outcome(state="failed", exit_code=3))
+    first.save(done, durable=False)
+    first.close()
+    again = st.StateStore(tmp_path)
+    assert again.load("g1") == done
+    assert not again.create(rec)  # still recognised
 
 
-def test_records_written_by_an_older_executor_still_load(tmp_path: Path) -> None:
-    """Records of an executor before an upgrade: a field since dropped (running_reported) is
-    ignored, not an unreadable record."""
-    rec = st.running(st.starting(st.received(grant())), PROC)
+def test_the_state_database_is_readable_by_the_executor_only(tmp_path: Path) -> None:
     store = st.StateStore(tmp_path)
-    store.create(rec)
-    path = store.grants_dir / "g1.json"
-    path.write_text(path.read_text()[:-1] + ', "running_reported": true}')
-    assert st.StateStore(tmp_path).load("g1") == rec
+    store.create(st.received(grant()))
+    assert stat.S_IMODE(store.db_path.stat().st_mode) == 0o600
+
+
+def test_files_of_an_older_executor_move_into_the_database(tmp_path: Path) -> None:
+    """An earlier executor kept a JSON file per grant (with a field since dropped) and per
+    cancel: they are imported once and removed; an unreadable one stays for a person to see."""
+    rec = st.running(st.starting(st.received(grant())), PROC)
+    (tmp_path / "grants").mkdir()
+    (tmp_path / "cancels").mkdir()
+    legacy = msgspec.json.encode(rec)[:-1] + b', "running_reported": true}'
+    (tmp_path / "grants" / "g1.json").write_bytes(legacy)
+    (tmp_path / "grants" / "broken.json").write_text("{")
+    mark = st.CancelMark(job_id="j9", reason="user asked")
+    (tmp_path / "cancels" / "j9.json").write_bytes(msgspec.json.encode(mark))
+    store = st.StateStore(tmp_path)
+    assert store.load("g1") == rec
+    cancel = store.cancel_mark("j9")
+    assert cancel is not None
+    assert cancel.reason == "user asked"
+    assert sorted(p.name for p in (tmp_path / "grants").iterdir()) == ["broken.json"]
+    assert not (tmp_path / "cancels").exists()
 
 
 def test_cancel_marks(tmp_path: Path) -> None:

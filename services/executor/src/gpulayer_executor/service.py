@@ -213,6 +213,7 @@ class Executor:
         tasks = [j.task for j in self._jobs.values() if j.task]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        self.store.close()
         log.info("executor for node %s stopped", self.node_id)
 
     async def _subscribe(
@@ -584,7 +585,7 @@ class Executor:
           its exit status, so kill its group if it is still ours and report ``lost``. Never
           started again.
         """
-        records = await asyncio.to_thread(self.store.all)
+        records = await asyncio.to_thread(self.store.unsettled)
         settle = []
         for rec in records:
             if rec.phase == "finished":

@@ -1,4 +1,4 @@
-"""The executor's local durable memory: one small JSON file per grant, written atomically.
+"""The executor's local durable memory: one SQLite database (WAL) with a record per grant.
 
 A grant's record moves ``received → starting → running → finished`` and then gets
 ``reported``. ``received`` is written (and fsynced) before the grant is acked, so a redelivered
@@ -7,6 +7,12 @@ is spawned, so after a crash the executor knows a process may exist; ``running``
 needed to find (and kill) the process group after a restart.
 
 Transitions are pure functions on frozen records; ``StateStore`` only reads and writes them.
+
+Why SQLite and not a file per grant and phase: a durable write is one fsynced WAL commit
+(about 0.26 ms here) instead of a file write, rename and directory fsync (0.85 ms), and a
+non-durable one is an UPDATE (20 µs of CPU) instead of a file create and rename (0.22 ms) done
+on the event loop; nothing else in a job's life costs that much. Records of settled grants stay
+on disk, not in memory, for as long as a late duplicate grant must still be recognised.
 """
 
 from __future__ import annotations
@@ -14,11 +20,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import os
 import re
 import shutil
+import sqlite3
+import threading
 import time
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Literal
 
@@ -129,120 +136,187 @@ _record_decoder = msgspec.json.Decoder(GrantRecord)
 _cancel_decoder = msgspec.json.Decoder(CancelMark)
 _encoder = msgspec.json.Encoder()
 
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS grants (
+    grant_id    TEXT PRIMARY KEY,
+    record      BLOB NOT NULL,              -- GrantRecord as JSON
+    settled     INTEGER NOT NULL DEFAULT 0, -- finished and reported: nothing left to do
+    received_at REAL NOT NULL               -- unix seconds, for pruning
+);
+CREATE INDEX IF NOT EXISTS grants_unsettled ON grants (grant_id) WHERE settled = 0;
+CREATE TABLE IF NOT EXISTS cancels (
+    job_id TEXT PRIMARY KEY,
+    record BLOB NOT NULL,                   -- CancelMark as JSON
+    at     REAL NOT NULL
+);
+"""
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
-
-def _write_tmp(directory: Path, name: str, data: bytes, *, durable: bool = True) -> Path:
-    tmp = directory / f".{name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    return tmp
+def _settled(rec: GrantRecord) -> int:
+    return int(rec.phase == "finished" and rec.reported)
 
 
 class StateStore:
-    """Grant records under ``root/grants``, cancel marks under ``root/cancels``.
+    """Grant records and cancel marks in ``root/state.db``; job folders under ``root/jobs``.
 
-    Synchronous and small: callers in the event loop run it in a thread.
+    Thread-safe: one connection behind a lock (callers run durable writes in a thread, so the
+    event loop doesn't wait for an fsync). Durable writes commit with ``synchronous=FULL``: on
+    disk before the call returns, even across a power loss. Non-durable ones commit with
+    ``synchronous=OFF``: they survive a crash of the executor (the OS has them), and a power
+    loss can only lose what came after the last durable commit.
     """
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
-        self.grants_dir = self.root / "grants"
-        self.cancels_dir = self.root / "cancels"
         self.jobs_dir = self.root / "jobs"
-        for d in (self.root, self.grants_dir, self.cancels_dir, self.jobs_dir):
+        for d in (self.root, self.jobs_dir):
             d.mkdir(parents=True, exist_ok=True)
-        # Grants hold the jobs' env, which may carry secrets: only the executor reads them.
-        self.grants_dir.chmod(0o700)
-        self.cancels_dir.chmod(0o700)
+        self.db_path = self.root / "state.db"
+        # Grants hold the jobs' env, which may carry secrets: only the executor reads them (the
+        # WAL and shared-memory files SQLite creates next to it get the same mode).
+        self.db_path.touch(mode=0o600, exist_ok=True)
+        self.db_path.chmod(0o600)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(
+            self.db_path, isolation_level=None, check_same_thread=False, timeout=30.0
+        )
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+        self._import_legacy_files()
 
-    def _path(self, grant_id: str) -> Path:
-        return self.grants_dir / f"{grant_key(grant_id)}.json"
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _write(self, sql: str, args: tuple[object, ...], *, durable: bool) -> int:
+        """Run one statement as its own transaction; the number of rows it changed."""
+        with self._lock:
+            if durable:
+                return self._db.execute(sql, args).rowcount
+            self._db.execute("PRAGMA synchronous=OFF")
+            try:
+                return self._db.execute(sql, args).rowcount
+            finally:
+                self._db.execute("PRAGMA synchronous=FULL")
 
     def job_dir(self, grant_id: str) -> Path:
         return self.jobs_dir / grant_key(grant_id)
 
     def create(self, rec: GrantRecord) -> bool:
-        """Write a new record; False (and nothing written) if the grant is already known."""
-        path = self._path(rec.grant_id)
-        tmp = _write_tmp(self.grants_dir, path.name, _encoder.encode(rec))
-        try:
-            # link() fails when the target exists: create-if-absent in one atomic step.
-            os.link(tmp, path)
-        except FileExistsError:
-            return False
-        finally:
-            tmp.unlink()
-        _fsync_dir(self.grants_dir)
-        return True
+        """Write a new record durably; False (and nothing written) if the grant is known."""
+        inserted = self._write(
+            "INSERT OR IGNORE INTO grants (grant_id, record, settled, received_at)"
+            " VALUES (?, ?, ?, ?)",
+            (rec.grant_id, _encoder.encode(rec), _settled(rec), rec.received_at.timestamp()),
+            durable=True,
+        )
+        return inserted == 1
 
     def save(self, rec: GrantRecord, *, durable: bool = True) -> None:
-        """Replace a record atomically. ``durable=False`` skips the fsyncs, for phases whose loss
-        in a crash is harmless: the pid of a running job (the restart finds its processes by
-        GPULAYER_GRANT_ID) and the "reported" flags (a repeated report is deduplicated)."""
-        path = self._path(rec.grant_id)
-        tmp = _write_tmp(self.grants_dir, path.name, _encoder.encode(rec), durable=durable)
-        os.replace(tmp, path)
-        if durable:
-            _fsync_dir(self.grants_dir)
+        """Replace a record. ``durable=False`` for phases whose loss in a power failure is
+        harmless: the pid of a running job (the restart finds its processes by
+        GPULAYER_GRANT_ID) and the "reported" flag (a repeated report is deduplicated)."""
+        self._write(
+            "UPDATE grants SET record = ?, settled = ? WHERE grant_id = ?",
+            (_encoder.encode(rec), _settled(rec), rec.grant_id),
+            durable=durable,
+        )
 
     def load(self, grant_id: str) -> GrantRecord | None:
-        try:
-            return _record_decoder.decode(self._path(grant_id).read_bytes())
-        except FileNotFoundError:
-            return None
+        with self._lock:
+            row = self._db.execute(
+                "SELECT record FROM grants WHERE grant_id = ?", (grant_id,)
+            ).fetchone()
+        return None if row is None else _record_decoder.decode(row[0])
 
-    def all(self) -> list[GrantRecord]:
-        """Every readable record. An unreadable one is logged and skipped, never fatal."""
+    def _decoded(self, rows: list[tuple[str, bytes]]) -> list[GrantRecord]:
         out = []
-        for path in sorted(self.grants_dir.glob("*.json")):
+        for grant_id, blob in rows:
             try:
-                out.append(_record_decoder.decode(path.read_bytes()))
-            except (OSError, msgspec.DecodeError, msgspec.ValidationError) as err:
-                log.error("state file %s is unreadable, skipped: %s", path, err)
+                out.append(_record_decoder.decode(blob))
+            except (msgspec.DecodeError, msgspec.ValidationError) as err:
+                log.error("state record of grant %s is unreadable, skipped: %s", grant_id, err)
         return out
 
+    def all(self) -> list[GrantRecord]:
+        """Every readable record, by grant id. An unreadable one is logged and skipped."""
+        with self._lock:
+            rows = self._db.execute("SELECT grant_id, record FROM grants ORDER BY grant_id")
+            return self._decoded(rows.fetchall())
+
+    def unsettled(self) -> list[GrantRecord]:
+        """Records with something left to do: not finished, or finished but not reported."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT grant_id, record FROM grants WHERE settled = 0 ORDER BY grant_id"
+            )
+            return self._decoded(rows.fetchall())
+
     def mark_cancel(self, job_id: str, reason: str) -> None:
-        """Remember a cancel so that a grant for the job arriving later is never started."""
+        """Remember a cancel (durably) so that a grant for the job arriving later never starts."""
         if not re.fullmatch(JOB_ID_PATTERN, job_id):
             return
-        path = self.cancels_dir / f"{job_id}.json"
-        data = _encoder.encode(CancelMark(job_id=job_id, reason=reason))
-        os.replace(_write_tmp(self.cancels_dir, path.name, data), path)
-        _fsync_dir(self.cancels_dir)
+        mark = CancelMark(job_id=job_id, reason=reason)
+        self._write(
+            "INSERT OR REPLACE INTO cancels (job_id, record, at) VALUES (?, ?, ?)",
+            (job_id, _encoder.encode(mark), mark.at.timestamp()),
+            durable=True,
+        )
 
     def cancel_mark(self, job_id: str) -> CancelMark | None:
-        if not re.fullmatch(JOB_ID_PATTERN, job_id):
+        with self._lock:
+            row = self._db.execute(
+                "SELECT record FROM cancels WHERE job_id = ?", (job_id,)
+            ).fetchone()
+        if row is None:
             return None
         try:
-            return _cancel_decoder.decode((self.cancels_dir / f"{job_id}.json").read_bytes())
-        except (FileNotFoundError, msgspec.DecodeError, msgspec.ValidationError):
+            return _cancel_decoder.decode(row[0])
+        except (msgspec.DecodeError, msgspec.ValidationError):
             return None
 
     def prune(self, older_than_s: float) -> int:
-        """Forget reported records, their job folders and cancel marks older than the limit.
-
+        """Forget settled records, their job folders and cancel marks older than the limit.
         Records are kept that long so that a grant redelivered late is still recognised.
         """
-        cutoff = datetime.now(UTC).timestamp() - older_than_s
-        pruned = 0
-        for rec in self.all():
-            if rec.phase == "finished" and rec.reported and rec.received_at.timestamp() < cutoff:
-                shutil.rmtree(self.job_dir(rec.grant_id), ignore_errors=True)
-                with contextlib.suppress(FileNotFoundError):
-                    self._path(rec.grant_id).unlink()
-                pruned += 1
-        for path in self.cancels_dir.glob("*.json"):
-            with contextlib.suppress(FileNotFoundError):
-                if path.stat().st_mtime < cutoff:
-                    path.unlink()
-        return pruned
+        cutoff = time.time() - older_than_s
+        with self._lock:
+            gone = [
+                r[0]
+                for r in self._db.execute(
+                    "DELETE FROM grants WHERE settled = 1 AND received_at < ? RETURNING grant_id",
+                    (cutoff,),
+                ).fetchall()
+            ]
+            self._db.execute("DELETE FROM cancels WHERE at < ?", (cutoff,))
+        for grant_id in gone:
+            shutil.rmtree(self.job_dir(grant_id), ignore_errors=True)
+        return len(gone)
+
+    def _import_legacy_files(self) -> None:
+        """Records and cancel marks an earlier executor kept as one JSON file each, under
+        ``grants/`` and ``cancels/``: moved into the database once, then the files removed."""
+        for folder, table in ((self.root / "grants", "grants"), (self.root / "cancels", "cancels")):
+            if not folder.is_dir():
+                continue
+            imported = 0
+            for path in sorted(folder.glob("*.json")):
+                try:
+                    if table == "grants":
+                        rec = _record_decoder.decode(path.read_bytes())
+                        self.create(rec)
+                    else:
+                        mark = _cancel_decoder.decode(path.read_bytes())
+                        self.mark_cancel(mark.job_id, mark.reason)
+                except (OSError, msgspec.DecodeError, msgspec.ValidationError) as err:
+                    log.error("legacy state file %s is unreadable, left in place: %s", path, err)
+                    continue
+                path.unlink()
+                imported += 1
+            for tmp in folder.glob(".*.tmp"):
+                tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only when empty: unreadable files stay for a person to see
+            if imported:
+                log.info("moved %d legacy %s files into %s", imported, table, self.db_path)
