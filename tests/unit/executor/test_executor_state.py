@@ -167,3 +167,18 @@ def test_prune_forgets_only_old_reported_records(tmp_path: Path) -> None:
     assert store.load("old") is None
     assert not store.job_dir("old").exists()
     assert store.load("queued") is not None
+
+
+def test_the_write_ahead_log_is_checkpointed_and_stays_small(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Auto-checkpoints are off (they would run without fsync in non-durable commits); the
+    store checkpoints every so many durable writes instead, so the WAL file is reused."""
+    monkeypatch.setattr(st, "_CHECKPOINT_EVERY", 50)
+    store = st.StateStore(tmp_path)
+    for i in range(400):
+        job = JobRequest(job_id=f"j{i}", command=["true"], env={"PAYLOAD": "x" * 1000})
+        store.create(st.received(Grant(grant_id=f"g{i}", node_id="n", job=job, accelerator="cpu")))
+    wal = store.db_path.with_name("state.db-wal").stat().st_size
+    assert wal < 1_500_000, wal  # without checkpoints: about 6.6 MB
+    assert len(store.all()) == 400

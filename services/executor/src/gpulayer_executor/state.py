@@ -152,6 +152,10 @@ CREATE TABLE IF NOT EXISTS cancels (
 """
 
 
+# A checkpoint every this many durable writes keeps the WAL file small (a few MB).
+_CHECKPOINT_EVERY = 500
+
+
 def _settled(rec: GrantRecord) -> int:
     return int(rec.phase == "finished" and rec.reported)
 
@@ -182,6 +186,11 @@ class StateStore:
         )
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
+        # Checkpoints (WAL into the database file) only from durable writes, where they fsync:
+        # one run by a synchronous=OFF commit could leave the file behind a reset WAL after a
+        # power loss.
+        self._db.execute("PRAGMA wal_autocheckpoint=0")
+        self._durable_writes = 0
         self._db.executescript(_SCHEMA)
         self._import_legacy_files()
 
@@ -193,7 +202,11 @@ class StateStore:
         """Run one statement as its own transaction; the number of rows it changed."""
         with self._lock:
             if durable:
-                return self._db.execute(sql, args).rowcount
+                changed = self._db.execute(sql, args).rowcount
+                self._durable_writes += 1
+                if self._durable_writes % _CHECKPOINT_EVERY == 0:
+                    self._db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                return changed
             self._db.execute("PRAGMA synchronous=OFF")
             try:
                 return self._db.execute(sql, args).rowcount
@@ -281,15 +294,18 @@ class StateStore:
         Records are kept that long so that a grant redelivered late is still recognised.
         """
         cutoff = time.time() - older_than_s
+        old = "FROM grants WHERE settled = 1 AND received_at < ?"
         with self._lock:
-            gone = [
-                r[0]
-                for r in self._db.execute(
-                    "DELETE FROM grants WHERE settled = 1 AND received_at < ? RETURNING grant_id",
-                    (cutoff,),
-                ).fetchall()
-            ]
-            self._db.execute("DELETE FROM cancels WHERE at < ?", (cutoff,))
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                gone = [r[0] for r in self._db.execute(f"SELECT grant_id {old}", (cutoff,))]
+                self._db.execute(f"DELETE {old}", (cutoff,))
+                self._db.execute("DELETE FROM cancels WHERE at < ?", (cutoff,))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         for grant_id in gone:
             shutil.rmtree(self.job_dir(grant_id), ignore_errors=True)
         return len(gone)
