@@ -1,0 +1,113 @@
+"""NATS or PostgreSQL restarting under running services: nothing is lost, work goes on.
+
+Each test owns its server (started here, on its own port and data folder), so that it can stop
+and start it without touching what other tests use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+from nats.aio.client import Client
+from tests.helpers import Services, events_until, service_env
+
+from gpulayer_contracts.subjects import JOBS_SUBMIT, MSG_ID_HEADER
+from gpulayer_runtime.nats import connect, ensure_streams
+from gpulayer_runtime.servers import EmbeddedNats, EmbeddedPostgres
+
+pytestmark = pytest.mark.e2e
+
+SERVICES = ("gpulayer-placement", "gpulayer-executor", "gpulayer-probe")
+
+
+async def submit(nc: Client, job_id: str, timeout: float = 30.0) -> dict[str, list[str]]:
+    """Publish a `true` job (retrying while NATS comes back) and wait for its terminal event."""
+    waiter = asyncio.create_task(events_until(nc, {job_id}, timeout))
+    await asyncio.sleep(0)
+    body = json.dumps({"job_id": job_id, "command": ["true"]}).encode()
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                await nc.jetstream().publish(
+                    JOBS_SUBMIT, body, headers={MSG_ID_HEADER: job_id}, timeout=2
+                )
+                break
+            except Exception:  # not reconnected yet: the same message id makes a retry safe
+                await asyncio.sleep(0.2)
+    return await waiter
+
+
+@pytest.fixture
+async def own_nats(tmp_path: Path) -> AsyncIterator[EmbeddedNats]:
+    server = EmbeddedNats(tmp_path / "nats").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+async def test_services_ride_out_a_nats_restart(
+    own_nats: EmbeddedNats, database_url: str, tmp_path: Path
+) -> None:
+    nc = await connect(own_nats.url, "test-nats-restart")
+    try:
+        await ensure_streams(nc.jetstream())
+        env = service_env(own_nats.url, database_url, tmp_path / "work", "nr-node")
+        async with Services() as services:
+            for name in SERVICES:
+                await services.start(name, env, tmp_path / f"{name}.log")
+            assert (await submit(nc, "before-restart"))["before-restart"][-1] == "succeeded"
+
+            own_nats.stop()
+            own_nats.start()  # same port, same JetStream folder
+
+            seen = await submit(nc, "after-restart")
+            assert seen["after-restart"][-1] == "succeeded", seen
+            assert seen["after-restart"].count("running") == 1
+            for name, proc in services.procs.items():
+                assert proc.returncode is None, f"{name} exited with {proc.returncode}"
+    finally:
+        await nc.close()
+
+
+async def test_services_ride_out_a_postgres_restart(
+    nats_url: str, nc: Client, tmp_path: Path
+) -> None:
+    pg = EmbeddedPostgres(tmp_path / "pg", fast=True).start()
+    try:
+        admin = await asyncpg.connect(pg.url)
+        await admin.execute("CREATE DATABASE gpulayer")
+        await admin.close()
+        database_url = pg.url.rsplit("/", 1)[0] + "/gpulayer"
+        await ensure_streams(nc.jetstream())
+        env = service_env(nats_url, database_url, tmp_path / "work", "pr-node")
+        async with Services() as services:
+            for name in SERVICES:
+                await services.start(name, env, tmp_path / f"{name}.log")
+            assert (await submit(nc, "before-pg-restart"))["before-pg-restart"][-1] == "succeeded"
+
+            pg.stop()
+            pg.start()  # same port, same data: every pooled connection is now dead
+
+            seen = await submit(nc, "after-pg-restart")
+            assert seen["after-pg-restart"][-1] == "succeeded", seen
+            for name, proc in services.procs.items():
+                assert proc.returncode is None, f"{name} exited with {proc.returncode}"
+            # Placement's own records are whole again: the executor's report is applied once
+            # placement consumes it, so poll the row until it says so.
+            conn = await asyncpg.connect(database_url)
+            try:
+                async with asyncio.timeout(20):
+                    sql = "SELECT state FROM jobs WHERE job_id = 'after-pg-restart'"
+                    while (state := await conn.fetchval(sql)) != "succeeded":
+                        assert state in ("placed", "running"), state
+                        await asyncio.sleep(0.1)
+            finally:
+                await conn.close()
+    finally:
+        pg.stop()
