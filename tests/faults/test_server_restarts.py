@@ -7,6 +7,7 @@ and start it without touching what other tests use.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from tests.helpers import Services, events_until, service_env
 
 from gpulayer_contracts.subjects import JOBS_SUBMIT, MSG_ID_HEADER
@@ -63,12 +65,45 @@ async def test_services_ride_out_a_nats_restart(
                 await services.start(name, env, tmp_path / f"{name}.log")
             assert (await submit(nc, "before-restart"))["before-restart"][-1] == "succeeded"
 
+            # A job that ends while NATS is down: its report waits for NATS, and arrives once.
+            go = tmp_path / "go"
+            running = asyncio.Event()
+            through: list[str] = []
+
+            async def on_event(msg: Msg) -> None:
+                through.append(json.loads(msg.data)["type"])
+                if through[-1] == "running":
+                    running.set()
+
+            job = {
+                "job_id": "across",
+                "command": ["sh", "-c", f'while [ ! -e "{go}" ]; do sleep 0.05; done'],
+            }
+            sub = await nc.subscribe("gpulayer.job.across.events", cb=on_event)
+            await nc.jetstream().publish(
+                JOBS_SUBMIT, json.dumps(job).encode(), headers={MSG_ID_HEADER: "across"}
+            )
+            await asyncio.wait_for(running.wait(), 30)
+
             own_nats.stop()
+            go.touch()
             own_nats.start()  # same port, same JetStream folder
 
             seen = await submit(nc, "after-restart")
             assert seen["after-restart"][-1] == "succeeded", seen
             assert seen["after-restart"].count("running") == 1
+            # What the stream kept for the job that ended during the outage.
+            stored = await nc.jetstream().pull_subscribe(
+                "gpulayer.job.across.events", stream="JOB_EVENTS"
+            )
+            kept: list[str] = []
+            async with asyncio.timeout(30):
+                while "succeeded" not in kept:
+                    with contextlib.suppress(TimeoutError):
+                        kept += [json.loads(m.data)["type"] for m in await stored.fetch(10, 1)]
+            await stored.unsubscribe()
+            await sub.unsubscribe()
+            assert kept == ["accepted", "placed", "running", "succeeded"], kept
             for name, proc in services.procs.items():
                 assert proc.returncode is None, f"{name} exited with {proc.returncode}"
     finally:
