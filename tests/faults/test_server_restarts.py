@@ -133,6 +133,13 @@ async def test_services_ride_out_a_postgres_restart(
             assert seen["after-pg-restart"][-1] == "succeeded", seen
             for name, proc in services.procs.items():
                 assert proc.returncode is None, f"{name} exited with {proc.returncode}"
+            # Other replicas' allocation changes reach it again: it listens on a new connection.
+            log = tmp_path / "gpulayer-placement.log"
+            async with asyncio.timeout(20):  # a process outside this loop: poll its log
+                while True:
+                    if "listening for other replicas' changes again" in log.read_text():
+                        break
+                    await asyncio.sleep(0.1)
             # Placement's own records are whole again: the executor's report is applied once
             # placement consumes it, so poll the row until it says so.
             conn = await asyncpg.connect(database_url)

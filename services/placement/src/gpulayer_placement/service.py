@@ -69,7 +69,7 @@ from gpulayer_contracts.subjects import (
 from gpulayer_contracts.validation import requested_gpu_count, visibility_env
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.matcher import NoPlacement, Placement, match
-from gpulayer_placement.store import Store, migrate
+from gpulayer_placement.store import DB_ERRORS, Store, migrate
 from gpulayer_runtime.logs import job_context
 from gpulayer_runtime.telemetry import DISABLED, Telemetry, extract, inject
 
@@ -165,6 +165,7 @@ class PlacementService:
         self._heartbeats: dict[str, datetime] = {}
         self._notified: set[str] = set()
         self._listen_conn: Any = None
+        self._relisten_task: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._subs: list[Any] = []
         self.placed_total = 0
@@ -179,8 +180,7 @@ class PlacementService:
                 self.fleet.upsert(caps, online=row["online"])
             rows = await Store.fetch(conn, "load_allocations")
             self.fleet.replace_holds((r["node_id"], r["device_index"], r["mode"]) for r in rows)
-        self._listen_conn = await self.pool.acquire()
-        await self._listen_conn.add_listener(NOTIFY_CHANNEL, self._on_notify)
+        await self._listen()
         self._subs.append(
             await self.js.subscribe(
                 NODE_WILDCARD_CAPABILITIES,
@@ -248,10 +248,13 @@ class PlacementService:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         if self._listen_conn is not None:
+            conn, self._listen_conn = self._listen_conn, None
             with contextlib.suppress(Exception):
-                await self._listen_conn.remove_listener(NOTIFY_CHANNEL, self._on_notify)
-            await self.pool.release(self._listen_conn)
-            self._listen_conn = None
+                await conn.remove_listener(NOTIFY_CHANNEL, self._on_notify)
+            with contextlib.suppress(Exception):
+                await self.pool.release(conn)
+        if self._relisten_task is not None:
+            self._relisten_task.cancel()
 
     async def _every(self, period: float, fn: Callable[[], Awaitable[None]]) -> None:
         while not self.stop.is_set():
@@ -261,7 +264,7 @@ class PlacementService:
                 return
             try:
                 await fn()
-            except (TimeoutError, asyncpg.PostgresError, OSError) as err:
+            except DB_ERRORS as err:
                 log.warning("%s failed, will retry: %s", getattr(fn, "__name__", fn), err)
 
     async def _consume(
@@ -274,7 +277,7 @@ class PlacementService:
                 continue
             try:
                 await handle(msgs)
-            except (asyncpg.PostgresError, OSError) as err:
+            except DB_ERRORS as err:
                 # Not acked: JetStream redelivers after ack_wait; the handlers are idempotent.
                 log.warning("batch of %d failed, will be redelivered: %s", len(msgs), err)
                 for m in msgs:
@@ -528,7 +531,7 @@ class PlacementService:
                 log.info("allocation conflict with another replica; reloading allocations")
                 await self._reload_allocations(None)
                 self.wake.capacity()
-            except (asyncpg.PostgresError, OSError) as err:
+            except DB_ERRORS as err:
                 log.warning("scheduling pass failed, retrying: %s", err)
                 self.wake.jobs(new)
                 if full or thorough:
@@ -900,7 +903,7 @@ class PlacementService:
                         [c.agent_version for c in caps_list],
                         [c.detected_at for c in caps_list],
                     )
-            except (asyncpg.PostgresError, OSError) as err:
+            except DB_ERRORS as err:
                 log.warning("storing %d capability events failed: %s", len(caps_list), err)
             changed = [self.fleet.upsert(c) for c in caps_list]
             if any(changed):
@@ -942,7 +945,7 @@ class PlacementService:
             try:
                 async with self.pool.acquire() as conn:
                     await Store.execute(conn, "touch_nodes", list(beats), list(beats.values()))
-            except (asyncpg.PostgresError, OSError) as err:
+            except DB_ERRORS as err:
                 log.warning("storing heartbeats failed: %s", err)
 
     async def _reap(self) -> None:
@@ -1026,6 +1029,45 @@ class PlacementService:
                 self._resent[grant.job.job_id] = grant.grant_id
 
     # --- other replicas ------------------------------------------------------------------
+
+    async def _listen(self) -> None:
+        conn = await self.pool.acquire()
+        try:
+            await conn.add_listener(NOTIFY_CHANNEL, self._on_notify)
+        except BaseException:
+            await self.pool.release(conn)
+            raise
+        conn.add_termination_listener(self._on_listen_lost)
+        self._listen_conn = conn
+
+    def _on_listen_lost(self, conn: object) -> None:
+        """The LISTEN connection died (a database restart): listen again on a new one."""
+        if conn is not self._listen_conn or self.stop.is_set():
+            return
+        self._listen_conn = None
+        log.warning("lost the connection listening for other replicas' changes; listening again")
+        self._relisten_task = asyncio.get_running_loop().create_task(self._relisten(conn))
+
+    async def _relisten(self, dead: Any) -> None:
+        with contextlib.suppress(Exception):
+            await self.pool.release(dead)
+        delay = 0.2
+        listening = False
+        while not self.stop.is_set():
+            try:
+                if not listening:
+                    await self._listen()
+                    listening = True
+                # What other replicas announced meanwhile was missed: reload and look again.
+                await self._reload_allocations(None)
+                log.info("listening for other replicas' changes again")
+                await self._request_thorough()
+                return
+            except DB_ERRORS as err:
+                log.warning("listening again failed, retrying: %s", err)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), delay)
+                delay = min(delay * 2, 5.0)
 
     def _on_notify(self, conn: object, pid: int, channel: str, payload: object) -> None:
         replica, _, nodes = str(payload).partition("|")

@@ -9,6 +9,18 @@ from typing import Any
 
 import asyncpg
 
+# What a lost or restarting database raises, besides the server's own errors: the connection
+# closed under a query (InterfaceError), the protocol left mid-operation (InternalClientError),
+# a refused or reset socket (OSError), a query that timed out. Handlers catch these, retry or
+# get their messages redelivered, and go on.
+DB_ERRORS: tuple[type[BaseException], ...] = (
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    OSError,
+    TimeoutError,
+)
+
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
