@@ -228,11 +228,14 @@ async def test_unsatisfiable_job_is_placed_when_a_fitting_node_joins(
     assert placed.devices == [0]  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("submitted_ago_s", [0, 600])
 async def test_grant_lost_between_commit_and_publish_is_resent(
-    nc: Client, database_url: str
+    nc: Client, database_url: str, submitted_ago_s: int
 ) -> None:
     """Placement committed a placement and died before publishing: the grant and the job's
-    `placed` event still go out, once the job has stayed `placed` for the resend delay."""
+    `placed` event still go out, once the job has stayed `placed` for the resend delay. Its
+    `accepted` goes out again only when the job is young enough for JetStream to drop the copy
+    (placed where it was ingested); a job that waited long was announced long ago."""
     await ensure_streams(nc.jetstream())
     pool = await create_pool(database_url)
     svc = PlacementService(nc, pool, Settings(node_timeout_s=30, resend_after_s=0.3))
@@ -243,8 +246,11 @@ async def test_grant_lost_between_commit_and_publish_is_resent(
     async def on_grant(msg: object) -> None:
         await grants.put(grant_decoder.decode(msg.data))  # type: ignore[attr-defined]
 
+    types: list[str] = []
+
     async def on_event(msg: object) -> None:
-        if json.loads(msg.data)["type"] == "placed":  # type: ignore[attr-defined]
+        types.append(json.loads(msg.data)["type"])  # type: ignore[attr-defined]
+        if types[-1] == "placed":
             placed.set()
 
     try:
@@ -253,9 +259,11 @@ async def test_grant_lost_between_commit_and_publish_is_resent(
         request = json.dumps({"job_id": "orphan", "command": ["true"]})
         async with pool.acquire() as conn:
             await conn.execute(
-                "INSERT INTO jobs (job_id, request, state, node_id, grant_id, accelerator, devices)"
-                " VALUES ('orphan', $1::jsonb, 'placed', 'node-r', 'orphan-1', 'cpu', '{}')",
+                "INSERT INTO jobs (job_id, request, state, node_id, grant_id, accelerator, devices,"
+                " submitted_at) VALUES ('orphan', $1::jsonb, 'placed', 'node-r', 'orphan-1', 'cpu',"
+                " '{}', now() - make_interval(secs => $2))",
                 request,
+                submitted_ago_s,
             )
         grant = await asyncio.wait_for(grants.get(), 10)
         assert grant.grant_id == "orphan-1"
@@ -272,6 +280,7 @@ async def test_grant_lost_between_commit_and_publish_is_resent(
                     seen.add(await conn.fetchval(sql))
         await nc.flush()
         assert grants.empty()
+        assert types == (["accepted", "placed"] if submitted_ago_s == 0 else ["placed"])
     finally:
         await svc.close()
         await pool.close()

@@ -117,7 +117,8 @@ FROM changed c LEFT JOIN released r ON r.job_id = c.job_id;
 -- name: stale_placed
 -- Placed jobs whose executor never said "running": re-send the grant (executors start a grant
 -- at most once, so this is safe).
-SELECT job_id, request::text AS request, node_id, grant_id, accelerator, devices, traceparent
+SELECT job_id, request::text AS request, node_id, grant_id, accelerator, devices, traceparent,
+       extract(epoch FROM now() - submitted_at)::float8 AS age_s
 FROM jobs
 WHERE state = 'placed' AND updated_at < now() - make_interval(secs => $1);
 

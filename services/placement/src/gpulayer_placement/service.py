@@ -62,6 +62,7 @@ from gpulayer_contracts.subjects import (
     NODE_WILDCARD_CAPABILITIES,
     NODE_WILDCARD_HEARTBEAT,
     NODE_WILDCARD_STATUS,
+    STREAMS,
     job_events,
     node_from_subject,
     node_grants,
@@ -79,6 +80,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NOTIFY_CHANNEL = "gpulayer_allocations"
+# An event published again under its first message id is dropped by JetStream only within the
+# stream's duplicate window; half of it leaves room for clock skew and slow passes.
+_ANNOUNCE_AGAIN_WITHIN_S = next(s for s in STREAMS if s.name == "JOB_EVENTS").duplicate_window_s / 2
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
@@ -1017,14 +1021,17 @@ class PlacementService:
                 extra=job_context(r["job_id"], r["node_id"], r["traceparent"]),
             )
             grant = _grant(job, r["node_id"], r["grant_id"], r["accelerator"], list(r["devices"]))
-            accepted = Accepted(job_id=job.job_id, warnings=validate_job(job).warnings)
             items = [
-                self._event_item(accepted),
                 self._placed_item(grant),
                 self._grant_item(
                     grant, {"traceparent": r["traceparent"]} if r["traceparent"] else None
                 ),
             ]
+            if r["age_s"] < _ANNOUNCE_AGAIN_WITHIN_S:
+                # Placed where it was ingested, so its "accepted" went out (or not) with this
+                # grant; only a copy this young is sure to be dropped if it was stored before.
+                accepted = Accepted(job_id=job.job_id, warnings=validate_job(job).warnings)
+                items.insert(0, self._event_item(accepted))
             if await self._publish(items):
                 self._resent[grant.job.job_id] = grant.grant_id
 
