@@ -413,3 +413,54 @@ async def test_no_grants_to_a_node_whose_executor_stopped(
         beating.cancel()
         await svc.close()
         await pool.close()
+
+
+@pytest.mark.parametrize(("submitted_ago_s", "announced"), [(0, 1), (600, 0)])
+async def test_a_redelivered_submit_re_announces_only_a_young_job(
+    nc: Client, database_url: str, submitted_ago_s: int, announced: int
+) -> None:
+    """A known job whose submit message comes again (its first handling failed before the ack)
+    gets its `accepted` said again only while JetStream would drop the copy: a job stored long
+    ago was announced long ago, and a second `accepted` would stay in its history."""
+    js = nc.jetstream()
+    await ensure_streams(js)
+    pool = await create_pool(database_url)
+    svc = PlacementService(nc, pool, Settings(node_timeout_s=30, resend_after_s=60))
+    real_publish = svc._publish
+    calls = 0
+
+    async def first_fails(items: list[tuple[str, bytes, dict[str, str]]]) -> bool:
+        nonlocal calls
+        calls += 1
+        return False if calls == 1 else await real_publish(items)
+
+    await svc.start()
+    async with pool.acquire() as conn:
+        await conn.execute(
+            "INSERT INTO jobs (job_id, request, state, submitted_at)"
+            " VALUES ('known-1', $1::jsonb, 'pending', now() - make_interval(secs => $2))",
+            json.dumps({"job_id": "known-1", "command": ["true"]}),
+            submitted_ago_s,
+        )
+    svc._publish = first_fails  # type: ignore[method-assign]
+    try:
+        body = json.dumps({"job_id": "known-1", "command": ["true"]}).encode()
+        await js.publish(JOBS_SUBMIT, body, headers={MSG_ID_HEADER: "known-1"})
+        async with asyncio.timeout(20):  # handled twice: nak'ed, redelivered, acked
+            while True:
+                info = await js.consumer_info("JOBS", "placement-jobs")
+                if calls >= 2 and info.num_ack_pending == 0 and info.num_pending == 0:
+                    break
+                await asyncio.sleep(0.05)
+        subject = "gpulayer.job.known-1.events"
+        stored: list[str] = []
+        if ((await js.stream_info("JOB_EVENTS", subjects_filter=subject)).state.subjects or {}).get(
+            subject
+        ):
+            psub = await js.pull_subscribe(subject, stream="JOB_EVENTS")
+            stored = [json.loads(m.data)["type"] for m in await psub.fetch(10, timeout=2)]
+            await psub.unsubscribe()
+        assert stored.count("accepted") == announced, stored
+    finally:
+        await svc.close()
+        await pool.close()

@@ -122,6 +122,11 @@ SELECT job_id, request::text AS request, node_id, grant_id, accelerator, devices
 FROM jobs
 WHERE state = 'placed' AND updated_at < now() - make_interval(secs => $1);
 
+-- name: job_ages
+-- Seconds since each job was stored (a redelivered submit re-announces only young jobs).
+SELECT job_id, extract(epoch FROM now() - submitted_at)::float8 AS age_s
+FROM jobs WHERE job_id = ANY($1::text[]);
+
 -- name: touch_jobs
 UPDATE jobs SET updated_at = now() WHERE job_id = ANY($1::text[]);
 

@@ -429,9 +429,15 @@ class PlacementService:
                 if outcome is not None:  # placed in memory, but nothing was committed
                     self._release(outcome)
                 raise
+        # Known jobs whose submit message came again after a failed publish or a crash before
+        # the ack: their events may never have gone out, so they are said again under the same
+        # message ids, if young enough for JetStream to drop a copy that did get out.
+        again = await self._announce_again(
+            [j for j in rows if j not in new and self._redelivered(origin[j])]
+        )
         events: list[JobEvent] = []
         for job_id in rows:
-            if job_id not in new and not self._redelivered(origin[job_id]):
+            if job_id not in new and job_id not in again:
                 log.info(
                     "job %s already known: not submitted again",
                     job_id,
@@ -439,9 +445,6 @@ class PlacementService:
                 )
                 continue
             if job_id not in new:
-                # Stored by an earlier delivery whose events may never have gone out (a crash or
-                # failed publish before the ack): say it again under the same message id, which
-                # JetStream drops if the first copy did get out.
                 log.info(
                     "job %s redelivered: announcing it again",
                     job_id,
@@ -470,6 +473,13 @@ class PlacementService:
             # Capacity changed while these rows were locked by this transaction: a pass then
             # skipped them (SKIP LOCKED). Look again now that they are committed.
             self.wake.capacity()
+
+    async def _announce_again(self, job_ids: list[str]) -> set[str]:
+        if not job_ids:
+            return set()
+        async with self.pool.acquire() as conn:
+            rows = await Store.fetch(conn, "job_ages", job_ids)
+        return {r["job_id"] for r in rows if r["age_s"] < _ANNOUNCE_AGAIN_WITHIN_S}
 
     @staticmethod
     def _redelivered(msg: Msg) -> bool:
