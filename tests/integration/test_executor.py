@@ -449,6 +449,26 @@ async def test_a_grant_delivered_twice_runs_once(
     assert [s.state for s in await statuses(js)] == ["running", "succeeded"]
 
 
+async def test_grants_fetched_together_each_run_once_copies_included(
+    js: JetStreamContext, start_executor: StartExecutor, tmp_path: Path
+) -> None:
+    """Published before the executor starts, so its first fetch holds them all and their
+    records are created in one commit: the copies of a grant inside it still start it once."""
+    starts = tmp_path / "starts"
+    grants = [
+        make_grant(["sh", "-c", f'echo {i} >> "{starts}"'], job_id=f"batch-{i}") for i in range(5)
+    ]
+    for grant in [*grants, grants[0], grants[0]]:
+        await publish_grant(js, grant)
+    executor = await start_executor()
+    for grant in grants:
+        await job_events_until_terminal(js, grant.job.job_id)
+    await grants_settled(js, "GRANTS", f"executor-{NODE}")
+    for grant in grants:
+        await reported(executor, grant)
+    assert sorted(starts.read_text().split()) == ["0", "1", "2", "3", "4"]
+
+
 async def test_grant_for_another_node_is_refused_and_malformed_grants_are_dropped(
     js: JetStreamContext, start_executor: StartExecutor, tmp_path: Path
 ) -> None:

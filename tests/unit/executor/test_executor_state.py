@@ -77,6 +77,15 @@ def test_create_is_create_if_absent(tmp_path: Path) -> None:
     assert store.load("g1") == rec
 
 
+def test_create_many_writes_each_new_grant_once(tmp_path: Path) -> None:
+    store = st.StateStore(tmp_path)
+    store.create(st.received(grant("known", "j0")))
+    batch = [st.received(grant(g, f"j-{g}")) for g in ("a", "known", "b", "a")]
+    assert store.create_many(batch) == {"a", "b"}
+    assert {r.grant_id for r in store.all()} == {"known", "a", "b"}
+    assert store.create_many([]) == set()
+
+
 def test_save_replaces_and_all_lists_records(tmp_path: Path) -> None:
     store = st.StateStore(tmp_path)
     rec = st.received(grant())
