@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import time
@@ -144,25 +143,34 @@ def status_for(rec: st.GrantRecord, node_id: str) -> tuple[JobStatus, JobEvent]:
     return status, event
 
 
-class _CreateBatcher:
-    """Durable ``received`` records of grants handled at once share one commit.
+class _DurableWriter:
+    """Durable record writes made at about the same time share one commit.
 
-    The grants of a fetched batch are handled concurrently; each asks to create its record, and
-    the requests made before the event loop gets round to the flush are written together: one
-    fsync for the batch instead of one per grant, which the store would serialize anyway."""
+    Grants of a fetched batch are handled concurrently, and jobs start and end concurrently;
+    each asks for its record to be created or saved durably, and the requests made before the
+    event loop gets round to the flush are written together: one fsync for all of them instead
+    of one each, which the store would serialize anyway. A call returns once its write is on
+    disk."""
 
     def __init__(self, store: st.StateStore) -> None:
         self._store = store
-        self._pending: list[tuple[st.GrantRecord, asyncio.Future[bool]]] = []
+        self._pending: list[tuple[bool, st.GrantRecord, asyncio.Future[bool]]] = []
         self._flushing: set[asyncio.Task[None]] = set()
 
     async def create(self, rec: st.GrantRecord) -> bool:
+        """True when the record is new (the grant was not known)."""
+        return await self._request(True, rec)
+
+    async def save(self, rec: st.GrantRecord) -> None:
+        await self._request(False, rec)
+
+    def _request(self, create: bool, rec: st.GrantRecord) -> asyncio.Future[bool]:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[bool] = loop.create_future()
-        self._pending.append((rec, done))
+        self._pending.append((create, rec, done))
         if len(self._pending) == 1:
             loop.call_soon(self._start_flush)
-        return await done
+        return done
 
     def _start_flush(self) -> None:
         task = asyncio.get_running_loop().create_task(self._flush())
@@ -171,17 +179,20 @@ class _CreateBatcher:
 
     async def _flush(self) -> None:
         batch, self._pending = self._pending, []
+        creates = [rec for create, rec, _ in batch if create]
+        saves = [rec for create, rec, _ in batch if not create]
         try:
-            created = await asyncio.to_thread(self._store.create_many, [r for r, _ in batch])
+            created = await asyncio.to_thread(self._store.write_many, creates, saves)
         except Exception as err:
-            for _, done in batch:
+            for _, _, done in batch:
                 if not done.done():
                     done.set_exception(err)
             return
         first: set[str] = set()
-        for rec, done in batch:
-            new = rec.grant_id in created and rec.grant_id not in first
-            first.add(rec.grant_id)
+        for create, rec, done in batch:
+            new = create and rec.grant_id in created and rec.grant_id not in first
+            if create:
+                first.add(rec.grant_id)
             if not done.done():
                 done.set_result(new)
 
@@ -194,7 +205,7 @@ class Executor:
         self.config = config
         self.node_id = config.node_id
         self.store = st.StateStore(config.workdir)
-        self._creates = _CreateBatcher(self.store)
+        self._durable = _DurableWriter(self.store)
         self._slots = asyncio.Semaphore(config.max_jobs)
         self._jobs: dict[str, _Job] = {}
         self._stopping = asyncio.Event()
@@ -283,7 +294,7 @@ class Executor:
                 await asyncio.sleep(1.0)
                 continue
             # A fetched batch is handled concurrently, and the grants' durable records are
-            # written in one commit (_CreateBatcher).
+            # written in one commit (_DurableWriter).
             await asyncio.gather(*(self._handle_one(handle, msg) for msg in msgs))
 
     @staticmethod
@@ -352,7 +363,7 @@ class Executor:
         rec = msgspec.structs.replace(
             st.received(grant), traceparent=(msg.headers or {}).get("traceparent")
         )
-        if not await self._creates.create(rec):
+        if not await self._durable.create(rec):
             log.warning(
                 "grant %s for job %s delivered again; ignored",
                 grant.grant_id,
@@ -396,7 +407,7 @@ class Executor:
 
     async def _save(self, job: _Job, rec: st.GrantRecord, *, durable: bool = True) -> None:
         if durable:
-            await asyncio.to_thread(functools.partial(self.store.save, rec, durable=True))
+            await self._durable.save(rec)
         else:
             # No fsync: a small write and a rename, cheaper in place than a thread hand-off.
             self.store.save(rec, durable=False)

@@ -228,11 +228,16 @@ class StateStore:
     def create_many(self, recs: Sequence[GrantRecord]) -> set[str]:
         """Write new records durably in one commit (one fsync for a whole fetched batch); the
         ids of those written. A known grant, or one repeated in ``recs``, is written once."""
+        return self.write_many(recs, ())
+
+    def write_many(self, creates: Sequence[GrantRecord], saves: Sequence[GrantRecord]) -> set[str]:
+        """Create ``creates`` (as :meth:`create_many`) and replace ``saves``, durably, in one
+        commit; the ids created."""
         created: set[str] = set()
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                for rec in recs:
+                for rec in creates:
                     cursor = self._db.execute(
                         "INSERT OR IGNORE INTO grants (grant_id, record, settled, received_at)"
                         " VALUES (?, ?, ?, ?)",
@@ -245,6 +250,11 @@ class StateStore:
                     )
                     if cursor.rowcount == 1:
                         created.add(rec.grant_id)
+                for rec in saves:
+                    self._db.execute(
+                        "UPDATE grants SET record = ?, settled = ? WHERE grant_id = ?",
+                        (_encoder.encode(rec), _settled(rec), rec.grant_id),
+                    )
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
