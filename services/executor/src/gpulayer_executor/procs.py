@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import time
@@ -18,7 +19,9 @@ from pathlib import Path
 _PROC = Path("/proc")
 
 
+@functools.cache
 def boot_id() -> str | None:
+    """This boot's id (Linux); read once, it can't change while the process lives."""
     try:
         return (_PROC / "sys/kernel/random/boot_id").read_text().strip()
     except OSError:

@@ -144,18 +144,20 @@ def status_for(rec: st.GrantRecord, node_id: str) -> tuple[JobStatus, JobEvent]:
 
 
 class _DurableWriter:
-    """Durable record writes made at about the same time share one commit.
+    """Group commit for the executor's records: one commit in flight at a time, and every
+    write asked for meanwhile goes into the next one.
 
     Grants of a fetched batch are handled concurrently, and jobs start and end concurrently;
-    each asks for its record to be created or saved durably, and the requests made before the
-    event loop gets round to the flush are written together: one fsync for all of them instead
-    of one each, which the store would serialize anyway. A call returns once its write is on
-    disk."""
+    their durable writes then share one fsync instead of queueing for one each. ``create`` and
+    ``save`` return once their write is on disk. ``save_soon`` is for writes whose loss in a
+    power failure is harmless (the pid of a running job, the "reported" flag): it returns at
+    once and the write joins the next commit. Commits run in order, so a record's writes land
+    in the order they were asked for."""
 
     def __init__(self, store: st.StateStore) -> None:
         self._store = store
-        self._pending: list[tuple[bool, st.GrantRecord, asyncio.Future[bool]]] = []
-        self._flushing: set[asyncio.Task[None]] = set()
+        self._pending: list[tuple[bool, st.GrantRecord, asyncio.Future[bool] | None]] = []
+        self._flusher: asyncio.Task[None] | None = None
 
     async def create(self, rec: st.GrantRecord) -> bool:
         """True when the record is new (the grant was not known)."""
@@ -164,37 +166,47 @@ class _DurableWriter:
     async def save(self, rec: st.GrantRecord) -> None:
         await self._request(False, rec)
 
+    def save_soon(self, rec: st.GrantRecord) -> None:
+        self._pending.append((False, rec, None))
+        self._wake()
+
     def _request(self, create: bool, rec: st.GrantRecord) -> asyncio.Future[bool]:
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[bool] = loop.create_future()
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._pending.append((create, rec, done))
-        if len(self._pending) == 1:
-            loop.call_soon(self._start_flush)
+        self._wake()
         return done
 
-    def _start_flush(self) -> None:
-        task = asyncio.get_running_loop().create_task(self._flush())
-        self._flushing.add(task)
-        task.add_done_callback(self._flushing.discard)
+    def _wake(self) -> None:
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_all())
 
-    async def _flush(self) -> None:
-        batch, self._pending = self._pending, []
-        creates = [rec for create, rec, _ in batch if create]
-        saves = [rec for create, rec, _ in batch if not create]
-        try:
-            created = await asyncio.to_thread(self._store.write_many, creates, saves)
-        except Exception as err:
-            for _, _, done in batch:
-                if not done.done():
-                    done.set_exception(err)
-            return
-        first: set[str] = set()
-        for create, rec, done in batch:
-            new = create and rec.grant_id in created and rec.grant_id not in first
-            if create:
-                first.add(rec.grant_id)
-            if not done.done():
-                done.set_result(new)
+    async def drain(self) -> None:
+        """Until every write asked for so far is committed."""
+        while self._flusher is not None and not self._flusher.done():
+            await asyncio.shield(self._flusher)
+
+    async def _flush_all(self) -> None:
+        # Let the tasks made ready with this one ask for their writes first.
+        await asyncio.sleep(0)
+        while self._pending:
+            batch, self._pending = self._pending, []
+            creates = [rec for create, rec, _ in batch if create]
+            saves = [rec for create, rec, _ in batch if not create]
+            try:
+                created = await asyncio.to_thread(self._store.write_many, creates, saves)
+            except Exception as err:
+                log.error("writing %d state records failed: %s", len(batch), err)
+                for _, _, done in batch:
+                    if done is not None and not done.done():
+                        done.set_exception(err)
+                continue
+            first: set[str] = set()
+            for create, rec, done in batch:
+                new = create and rec.grant_id in created and rec.grant_id not in first
+                if create:
+                    first.add(rec.grant_id)
+                if done is not None and not done.done():
+                    done.set_result(new)
 
 
 class Executor:
@@ -267,6 +279,7 @@ class Executor:
         tasks = [j.task for j in self._jobs.values() if j.task]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        await self._durable.drain()
         self.store.close()
         log.info("executor for node %s stopped", self.node_id)
 
@@ -409,8 +422,7 @@ class Executor:
         if durable:
             await self._durable.save(rec)
         else:
-            # No fsync: a small write and a rename, cheaper in place than a thread hand-off.
-            self.store.save(rec, durable=False)
+            self._durable.save_soon(rec)
         job.rec = rec
 
     async def _job_life(self, job: _Job) -> None:
@@ -589,7 +601,7 @@ class Executor:
 
     async def _report_finished(self, rec: st.GrantRecord) -> None:
         if await self._report(rec):
-            self.store.save(st.reported(rec), durable=False)
+            self._durable.save_soon(st.reported(rec))
 
     # --- reporting --------------------------------------------------------------------------
 
