@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -80,6 +81,18 @@ def load_examples(folder: Path, run_tag: str) -> list[Example]:
 def _bin(name: str) -> str:
     candidate = Path(sys.executable).parent / name
     return str(candidate) if candidate.exists() else name
+
+
+def _cli_command() -> str:
+    """How to call this CLI from another shell: ``gpulayer`` when that is what PATH finds, else
+    its path (``.venv/bin/gpulayer`` after ``make run``, with no virtualenv activated)."""
+    ours = Path(_bin("gpulayer"))
+    found = shutil.which("gpulayer")
+    if found is not None and Path(found).resolve() == ours.resolve():
+        return "gpulayer"
+    with contextlib.suppress(ValueError):
+        return str(ours.relative_to(Path.cwd()))
+    return str(ours)
 
 
 async def _ensure_database(url: str) -> None:
@@ -227,14 +240,13 @@ async def _run(
         if once:
             return 0 if ok else 1
         console.print("serving; publish jobs to [bold]gpulayer.jobs.submit[/bold]. Ctrl-C stops.")
+        cli = _cli_command()
         if stack.nats_url == DEFAULT_NATS_URL:
-            console.print(
-                "in another shell: [bold]gpulayer nodes[/bold], [bold]gpulayer jobs[/bold]"
-            )
+            console.print(f"in another shell: [bold]{cli} nodes[/bold], [bold]{cli} jobs[/bold]")
         else:
             console.print(
                 f"in another shell: [bold]export GPULAYER_NATS_URL={stack.nats_url}[/bold], "
-                "then [bold]gpulayer nodes[/bold], [bold]gpulayer jobs[/bold]"
+                f"then [bold]{cli} nodes[/bold], [bold]{cli} jobs[/bold]"
             )
         await _serve(nc, stack, console)
         return 0
