@@ -104,7 +104,7 @@ def test_unsettled_leaves_out_only_finished_and_reported(tmp_path: Path) -> None
     store.create(done)
     store.create(st.received(grant("queued", "j2")))
     assert {r.grant_id for r in store.unsettled()} == {"done", "queued"}  # done: unreported
-    store.save(st.reported(done), durable=False)
+    store.save(st.reported(done))
     assert {r.grant_id for r in store.unsettled()} == {"queued"}
     assert {r.grant_id for r in store.all()} == {"done", "queued"}
 
@@ -124,7 +124,7 @@ def test_records_survive_a_new_store_and_round_trip_exactly(tmp_path: Path) -> N
     first = st.StateStore(tmp_path)
     first.create(rec)
     done = st.finished(rec, st.Outcome(state="failed", exit_code=3))
-    first.save(done, durable=False)
+    first.save(done)
     first.close()
     again = st.StateStore(tmp_path)
     assert again.load("g1") == done
@@ -184,8 +184,8 @@ def test_prune_forgets_only_old_reported_records(tmp_path: Path) -> None:
 def test_the_write_ahead_log_is_checkpointed_and_stays_small(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Auto-checkpoints are off (they would run without fsync in non-durable commits); the
-    store checkpoints every so many durable writes instead, so the WAL file is reused."""
+    """Auto-checkpoints are off; the store checkpoints every so many commits itself, so the
+    WAL file is reused."""
     monkeypatch.setattr(st, "_CHECKPOINT_EVERY", 50)
     store = st.StateStore(tmp_path)
     for i in range(400):

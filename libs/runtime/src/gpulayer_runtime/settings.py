@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any
+
+from gpulayer_runtime.logs import setup_logging
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/gpulayer"
@@ -67,3 +72,14 @@ def node_id(env: Mapping[str, str] | None = None) -> str:
     if any(c in value for c in ".*> \t"):
         raise ConfigError(f"GPULAYER_NODE_ID={value!r}: may not contain '.', '*', '>' or spaces")
     return value
+
+
+def run_service(service: str, amain: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """A service's entry point: logging as ``GPULAYER_LOG_FORMAT`` says, then ``amain``. A bad
+    setting (ConfigError, which names the variable) is one logged line and exit status 2."""
+    setup_logging(service, env_str(os.environ, "GPULAYER_LOG_FORMAT", "text"))
+    try:
+        asyncio.run(amain())
+    except ConfigError as err:
+        logging.getLogger(service.replace("-", "_")).error("configuration: %s", err)
+        raise SystemExit(2) from None

@@ -14,9 +14,16 @@ from pathlib import Path
 
 from gpulayer_executor.env import RunAs, base_environment
 from gpulayer_executor.service import ExecutorConfig
-from gpulayer_runtime.logs import setup_logging
 from gpulayer_runtime.nats import connect, ensure_streams
-from gpulayer_runtime.settings import ConfigError, env_float, env_int, env_str, nats_url, node_id
+from gpulayer_runtime.settings import (
+    ConfigError,
+    env_float,
+    env_int,
+    env_str,
+    nats_url,
+    node_id,
+    run_service,
+)
 from gpulayer_runtime.telemetry import setup_telemetry
 
 log = logging.getLogger("gpulayer_executor")
@@ -102,12 +109,7 @@ async def _amain() -> None:
 
 
 def main() -> None:
-    setup_logging("gpulayer-executor", env_str(os.environ, "GPULAYER_LOG_FORMAT", "text"))
-    try:
-        asyncio.run(_amain())
-    except ConfigError as err:
-        log.error("%s", err)
-        raise SystemExit(2) from None
+    run_service("gpulayer-executor", _amain)
 
 
 if __name__ == "__main__":

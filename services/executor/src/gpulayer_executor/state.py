@@ -9,10 +9,10 @@ needed to find (and kill) the process group after a restart.
 Transitions are pure functions on frozen records; ``StateStore`` only reads and writes them.
 
 Why SQLite and not a file per grant and phase: a durable write is one fsynced WAL commit
-(about 0.26 ms here) instead of a file write, rename and directory fsync (0.85 ms), and a
-non-durable one is an UPDATE (20 µs of CPU) instead of a file create and rename (0.22 ms) done
-on the event loop; nothing else in a job's life costs that much. Records of settled grants stay
-on disk, not in memory, for as long as a late duplicate grant must still be recognised.
+(about 0.26 ms here) instead of a file write, rename and directory fsync (0.85 ms), and the
+writes of grants handled at about the same time share a commit (the executor's group commit).
+Records of settled grants stay on disk, not in memory, for as long as a late duplicate grant
+must still be recognised.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ CREATE TABLE IF NOT EXISTS cancels (
 """
 
 
-# A checkpoint every this many durable writes keeps the WAL file small (a few MB).
+# A checkpoint every this many commits keeps the WAL file small (a few MB).
 _CHECKPOINT_EVERY = 500
 
 
@@ -161,14 +161,27 @@ def _settled(rec: GrantRecord) -> int:
     return int(rec.phase == "finished" and rec.reported)
 
 
+_INSERT_GRANT = (
+    "INSERT OR IGNORE INTO grants (grant_id, record, settled, received_at) VALUES (?, ?, ?, ?)"
+)
+_UPDATE_GRANT = "UPDATE grants SET record = ?, settled = ? WHERE grant_id = ?"
+
+
+def _insert_args(rec: GrantRecord) -> tuple[object, ...]:
+    return (rec.grant_id, _encoder.encode(rec), _settled(rec), rec.received_at.timestamp())
+
+
+def _update_args(rec: GrantRecord) -> tuple[object, ...]:
+    return (_encoder.encode(rec), _settled(rec), rec.grant_id)
+
+
 class StateStore:
     """Grant records and cancel marks in ``root/state.db``; job folders under ``root/jobs``.
 
-    Thread-safe: one connection behind a lock (callers run durable writes in a thread, so the
-    event loop doesn't wait for an fsync). Durable writes commit with ``synchronous=FULL``: on
-    disk before the call returns, even across a power loss. Non-durable ones commit with
-    ``synchronous=OFF``: they survive a crash of the executor (the OS has them), and a power
-    loss can only lose what came after the last durable commit.
+    Thread-safe: one connection behind a lock (callers write from a thread, so the event loop
+    doesn't wait for an fsync). Every write commits with ``synchronous=FULL``: on disk before
+    the call returns, even across a power loss. Writes whose loss would be harmless share a
+    commit with others instead (the executor's group commit), so there is no cheaper mode.
     """
 
     def __init__(self, root: Path) -> None:
@@ -187,11 +200,10 @@ class StateStore:
         )
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
-        # Checkpoints (WAL into the database file) only from durable writes, where they fsync:
-        # one run by a synchronous=OFF commit could leave the file behind a reset WAL after a
-        # power loss.
+        # Checkpoints (WAL into the database file) every so many commits, from the store itself,
+        # so their cost is paid at known points and the WAL file is reused.
         self._db.execute("PRAGMA wal_autocheckpoint=0")
-        self._durable_writes = 0
+        self._commits = 0
         self._db.executescript(_SCHEMA)
         self._import_legacy_files()
 
@@ -199,23 +211,16 @@ class StateStore:
         with self._lock:
             self._db.close()
 
-    def _write(self, sql: str, args: tuple[object, ...], *, durable: bool) -> int:
-        """Run one statement as its own transaction; the number of rows it changed."""
+    def _write(self, sql: str, args: tuple[object, ...]) -> None:
+        """Run one statement as its own (durable) transaction."""
         with self._lock:
-            if durable:
-                changed = self._db.execute(sql, args).rowcount
-                self._after_durable_write()
-                return changed
-            self._db.execute("PRAGMA synchronous=OFF")
-            try:
-                return self._db.execute(sql, args).rowcount
-            finally:
-                self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute(sql, args)
+            self._after_commit()
 
-    def _after_durable_write(self) -> None:
-        """Under the lock, after a durable commit: checkpoint now and then."""
-        self._durable_writes += 1
-        if self._durable_writes % _CHECKPOINT_EVERY == 0:
+    def _after_commit(self) -> None:
+        """Under the lock, after a commit: checkpoint now and then."""
+        self._commits += 1
+        if self._commits % _CHECKPOINT_EVERY == 0:
             self._db.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
     def job_dir(self, grant_id: str) -> Path:
@@ -238,39 +243,20 @@ class StateStore:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 for rec in creates:
-                    cursor = self._db.execute(
-                        "INSERT OR IGNORE INTO grants (grant_id, record, settled, received_at)"
-                        " VALUES (?, ?, ?, ?)",
-                        (
-                            rec.grant_id,
-                            _encoder.encode(rec),
-                            _settled(rec),
-                            rec.received_at.timestamp(),
-                        ),
-                    )
+                    cursor = self._db.execute(_INSERT_GRANT, _insert_args(rec))
                     if cursor.rowcount == 1:
                         created.add(rec.grant_id)
-                for rec in saves:
-                    self._db.execute(
-                        "UPDATE grants SET record = ?, settled = ? WHERE grant_id = ?",
-                        (_encoder.encode(rec), _settled(rec), rec.grant_id),
-                    )
+                self._db.executemany(_UPDATE_GRANT, map(_update_args, saves))
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
-            self._after_durable_write()
+            self._after_commit()
         return created
 
-    def save(self, rec: GrantRecord, *, durable: bool = True) -> None:
-        """Replace a record. ``durable=False`` for phases whose loss in a power failure is
-        harmless: the pid of a running job (the restart finds its processes by
-        GPULAYER_GRANT_ID) and the "reported" flag (a repeated report is deduplicated)."""
-        self._write(
-            "UPDATE grants SET record = ?, settled = ? WHERE grant_id = ?",
-            (_encoder.encode(rec), _settled(rec), rec.grant_id),
-            durable=durable,
-        )
+    def save(self, rec: GrantRecord) -> None:
+        """Replace a record, durably."""
+        self._write(_UPDATE_GRANT, _update_args(rec))
 
     def load(self, grant_id: str) -> GrantRecord | None:
         with self._lock:
@@ -310,7 +296,6 @@ class StateStore:
         self._write(
             "INSERT OR REPLACE INTO cancels (job_id, record, at) VALUES (?, ?, ?)",
             (job_id, _encoder.encode(mark), mark.at.timestamp()),
-            durable=True,
         )
 
     def cancel_mark(self, job_id: str) -> CancelMark | None:

@@ -9,15 +9,13 @@ import os
 import signal
 from contextlib import AsyncExitStack
 
-from gpulayer_runtime.logs import setup_logging
 from gpulayer_runtime.nats import connect, ensure_streams
 from gpulayer_runtime.settings import (
-    ConfigError,
     database_url,
     env_float,
     env_int,
-    env_str,
     nats_url,
+    run_service,
 )
 from gpulayer_runtime.telemetry import setup_telemetry
 
@@ -75,12 +73,7 @@ def _redact(url: str) -> str:
 
 
 def main() -> None:
-    setup_logging("gpulayer-placement", env_str(os.environ, "GPULAYER_LOG_FORMAT", "text"))
-    try:
-        asyncio.run(_amain())
-    except ConfigError as err:
-        log.error("%s", err)
-        raise SystemExit(2) from None
+    run_service("gpulayer-placement", _amain)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,14 @@ import sys
 from collections.abc import Mapping
 
 from gpulayer_probe.service import ProbeService, ProbeSettings
-from gpulayer_runtime.logs import setup_logging
 from gpulayer_runtime.nats import connect, ensure_streams
-from gpulayer_runtime.settings import ConfigError, env_float, env_str, nats_url, node_id
+from gpulayer_runtime.settings import (
+    env_float,
+    env_str,
+    nats_url,
+    node_id,
+    run_service,
+)
 from gpulayer_runtime.telemetry import setup_telemetry
 
 log = logging.getLogger("gpulayer_probe")
@@ -56,12 +61,7 @@ async def _amain() -> None:
 
 
 def main() -> None:
-    setup_logging("gpulayer-probe", env_str(os.environ, "GPULAYER_LOG_FORMAT", "text"))
-    try:
-        asyncio.run(_amain())
-    except ConfigError as err:
-        log.error("configuration: %s", err)
-        raise SystemExit(2) from None
+    run_service("gpulayer-probe", _amain)
 
 
 if __name__ == "__main__":
