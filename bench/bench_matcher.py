@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 
 from gpulayer_contracts.capabilities import AcceleratorDevice, GpuApis, HostInfo, WorkerCapabilities
 from gpulayer_contracts.jobs import GpuUsage, JobRequest, Requirements
-from gpulayer_placement.matcher import NodeView, Placement, explain, match
+from gpulayer_matching import NodeView, Placement, explain, match
 
 DEVICES = 8
 

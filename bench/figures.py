@@ -139,9 +139,9 @@ def probe_figures(runs: int) -> list[Figure]:
 
 def _probe_in_process(name: str, env: dict[str, str], runs: int) -> list[Figure]:
     try:
-        from gpulayer_probe.cli import main as probe_main
+        from gpulayer_detection.cli import main as probe_main
     except ImportError as err:
-        return [unavailable(name, "ms", f"gpulayer_probe.cli not importable: {err}")]
+        return [unavailable(name, "ms", f"gpulayer_detection.cli not importable: {err}")]
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     best = float("inf")
@@ -169,10 +169,10 @@ def _probe_in_process(name: str, env: dict[str, str], runs: int) -> list[Figure]
 
 def _probe_subprocess(name: str, env: dict[str, str], runs: int) -> list[Figure]:
     """``gpulayer probe --no-torch`` as a user types it; where the CLI refuses the flag, the
-    probe's own module (``python -m gpulayer_probe.cli --no-torch``), said in a ``#`` line."""
+    probe's own module (``python -m gpulayer_detection.cli --no-torch``), said in a ``#`` line."""
     cli = Path(sys.executable).parent / "gpulayer"
     attempts = [[str(cli), "probe", "--no-torch"]] if cli.exists() else []
-    attempts.append([sys.executable, "-m", "gpulayer_probe.cli", "--no-torch"])
+    attempts.append([sys.executable, "-m", "gpulayer_detection.cli", "--no-torch"])
     problems: list[str] = []
     for argv in attempts:
         best = float("inf")

@@ -26,7 +26,7 @@ from gpulayer_contracts.subjects import (
     node_capabilities,
     node_heartbeat,
 )
-from gpulayer_probe.apple import parse_system_profiler
+from gpulayer_detection.apple import parse_system_profiler
 from gpulayer_runtime.nats import ensure_streams
 
 pytestmark = pytest.mark.e2e

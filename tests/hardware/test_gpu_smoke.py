@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from gpulayer_probe.registry import detect_capabilities
+from gpulayer_detection.registry import detect_capabilities
 
 pytestmark = pytest.mark.hardware
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from gpulayer_probe.cli import main as probe_main
-from gpulayer_probe.registry import detect_capabilities
+from gpulayer_detection.cli import main as probe_main
+from gpulayer_detection.registry import detect_capabilities
 
 pytestmark = pytest.mark.integration
 

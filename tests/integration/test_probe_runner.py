@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpulayer_probe.runner import run_command
+from gpulayer_detection.runner import run_command
 
 pytestmark = pytest.mark.integration
 

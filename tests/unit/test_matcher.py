@@ -19,7 +19,7 @@ from gpulayer_contracts.jobs import (
     Requirements,
     Variant,
 )
-from gpulayer_placement.matcher import (
+from gpulayer_matching import (
     NodeView,
     NoPlacement,
     Placement,

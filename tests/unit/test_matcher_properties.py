@@ -25,7 +25,7 @@ from packaging.version import InvalidVersion, Version
 from gpulayer_contracts.capabilities import AcceleratorDevice, GpuApis, HostInfo, WorkerCapabilities
 from gpulayer_contracts.jobs import Accelerator, GpuUsage, JobRequest, Requirements, Variant
 from gpulayer_contracts.validation import validate_job
-from gpulayer_placement.matcher import (
+from gpulayer_matching import (
     NodeView,
     NoPlacement,
     Placement,

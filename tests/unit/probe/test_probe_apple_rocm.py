@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from gpulayer_probe.apple import AppleProbe, SystemProfilerParseError, parse_system_profiler
-from gpulayer_probe.base import ProbeContext
-from gpulayer_probe.rocm import RocmSmiParseError, parse_rocm_smi
-from gpulayer_probe.runner import RunResult
+from gpulayer_detection.apple import AppleProbe, SystemProfilerParseError, parse_system_profiler
+from gpulayer_detection.base import ProbeContext
+from gpulayer_detection.rocm import RocmSmiParseError, parse_rocm_smi
+from gpulayer_detection.runner import RunResult
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 GIB = 1024**3

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpulayer_probe.frameworks import (
+from gpulayer_detection.frameworks import (
     MARKER,
     ReportError,
     TorchFacts,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gpulayer_probe.base import ProbeContext
-from gpulayer_probe.gpu_apis import (
+from gpulayer_detection.base import ProbeContext
+from gpulayer_detection.gpu_apis import (
     DeviceFile,
     GpuApisProbe,
     device_file_hint,
@@ -16,7 +16,7 @@ from gpulayer_probe.gpu_apis import (
     parse_clinfo,
     parse_vulkaninfo_summary,
 )
-from gpulayer_probe.runner import Runner, RunResult
+from gpulayer_detection.runner import Runner, RunResult
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 

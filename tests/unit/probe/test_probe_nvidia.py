@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gpulayer_probe.base import ProbeContext
-from gpulayer_probe.nvidia import (
+from gpulayer_detection.base import ProbeContext
+from gpulayer_detection.nvidia import (
     QUERY_FIELDS,
     NvidiaProbe,
     NvidiaSmiParseError,
@@ -16,7 +16,7 @@ from gpulayer_probe.nvidia import (
     parse_cuda_version,
     parse_nvidia_smi,
 )
-from gpulayer_probe.runner import Runner, RunResult
+from gpulayer_detection.runner import Runner, RunResult
 
 RECORDINGS = Path(__file__).resolve().parents[2] / "fixtures" / "nvidia-smi"
 

@@ -10,11 +10,11 @@ from datetime import UTC, datetime
 import msgspec
 
 from gpulayer_contracts.capabilities import AcceleratorDevice, HostInfo, WorkerCapabilities
-from gpulayer_probe.base import Finding, ProbeContext
-from gpulayer_probe.cli import gpu_apis_view
-from gpulayer_probe.host import platform_tag, usable_address
-from gpulayer_probe.registry import build_capabilities, collect
-from gpulayer_probe.runner import RunResult
+from gpulayer_detection.base import Finding, ProbeContext
+from gpulayer_detection.cli import gpu_apis_view
+from gpulayer_detection.host import platform_tag, usable_address
+from gpulayer_detection.registry import build_capabilities, collect
+from gpulayer_detection.runner import RunResult
 from gpulayer_probe.service import significantly_changed
 
 
@@ -50,7 +50,7 @@ class Hangs:
 
 
 async def test_broken_and_hanging_probes_become_notes(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    import gpulayer_probe.registry as registry
+    import gpulayer_detection.registry as registry
 
     monkeypatch.setattr(registry, "_GUARD_GRACE_S", 0.3)
     good = Finding("good", frameworks={"numpy": "2.0.0"})

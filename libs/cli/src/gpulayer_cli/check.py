@@ -14,8 +14,8 @@ import msgspec
 from rich.console import Console
 
 from gpulayer_contracts import InvalidInput, load_job_file, validate_job
-from gpulayer_placement.matcher import NodeView, Placement, explain, match
-from gpulayer_probe import detect_capabilities
+from gpulayer_detection import detect_capabilities
+from gpulayer_matching import NodeView, Placement, explain, match
 from gpulayer_runtime.settings import node_id
 
 

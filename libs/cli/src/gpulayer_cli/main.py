@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["probe"]:
         # The probe has its own options (--python, --gpu-apis, ...): hand them over untouched.
-        from gpulayer_probe.cli import main as probe_main
+        from gpulayer_detection.cli import main as probe_main
 
         return int(probe_main(argv[1:]))
     args = build_parser().parse_args(argv)

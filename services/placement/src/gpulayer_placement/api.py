@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from nats.aio.msg import Msg
 
+import gpulayer_matching as matcher
 from gpulayer_contracts import CancelJob, Cancelled, encode
 from gpulayer_contracts.codec import capabilities_decoder, job_request_decoder
 from gpulayer_contracts.matrix import SUPPORT_MATRIX
@@ -24,7 +25,6 @@ from gpulayer_contracts.subjects import (
     MSG_ID_HEADER,
     node_control,
 )
-from gpulayer_placement import matcher
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.store import Store
 

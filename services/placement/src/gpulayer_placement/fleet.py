@@ -13,7 +13,7 @@ from typing import overload
 import msgspec
 
 from gpulayer_contracts.capabilities import WorkerCapabilities
-from gpulayer_placement.matcher import NodeView
+from gpulayer_matching import NodeView
 
 
 class _Holds:

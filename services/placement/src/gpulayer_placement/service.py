@@ -68,8 +68,8 @@ from gpulayer_contracts.subjects import (
     node_grants,
 )
 from gpulayer_contracts.validation import requested_gpu_count, visibility_env
+from gpulayer_matching import NoPlacement, Placement, match
 from gpulayer_placement.fleet import Fleet
-from gpulayer_placement.matcher import NoPlacement, Placement, match
 from gpulayer_placement.store import DB_ERRORS, Store, migrate
 from gpulayer_runtime.logs import job_context
 from gpulayer_runtime.telemetry import DISABLED, Telemetry, extract, inject

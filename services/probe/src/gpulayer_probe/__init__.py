@@ -1,9 +1,3 @@
-"""gpulayer probe: detects devices, drivers, GPU APIs and frameworks; publishes capabilities.
-
-``detect_capabilities`` is the public API (``gpulayer check`` calls it); ``gpulayer probe`` is
-``gpulayer_probe.cli.main``; the service is the ``gpulayer-probe`` console script.
+"""gpulayer probe service: publishes what ``gpulayer_detection`` finds as capability events,
+re-detects on a timer and sends heartbeats. The service is the ``gpulayer-probe`` console script.
 """
-
-from gpulayer_probe.registry import detect_capabilities
-
-__all__ = ["detect_capabilities"]

@@ -23,16 +23,16 @@ from opentelemetry.trace import SpanKind
 
 from gpulayer_contracts import Heartbeat, WorkerCapabilities, __version__, encode
 from gpulayer_contracts.subjects import node_capabilities, node_doctor, node_heartbeat
-from gpulayer_probe.base import DEFAULT_CDI_DIRS, Finding
-from gpulayer_probe.frameworks import query_torch
-from gpulayer_probe.registry import (
+from gpulayer_detection.base import DEFAULT_CDI_DIRS, Finding
+from gpulayer_detection.frameworks import query_torch
+from gpulayer_detection.registry import (
     build_capabilities,
     collect,
     default_probes,
     make_context,
     torch_unknown,
 )
-from gpulayer_probe.runner import Runner, run_command
+from gpulayer_detection.runner import Runner, run_command
 from gpulayer_runtime.telemetry import DISABLED, Telemetry, inject
 
 log = logging.getLogger(__name__)
@@ -272,6 +272,6 @@ async def serve(
 async def detect(node_id: str) -> WorkerCapabilities:
     """One detection without the torch query (kept for callers of the first version, which
     was synchronous; now a coroutine)."""
-    from gpulayer_probe.registry import detect_capabilities
+    from gpulayer_detection.registry import detect_capabilities
 
     return await detect_capabilities(node_id, include_torch=False)

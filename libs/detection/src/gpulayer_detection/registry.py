@@ -16,14 +16,14 @@ from datetime import UTC, datetime
 
 from gpulayer_contracts import __version__
 from gpulayer_contracts.capabilities import GpuApis, HostInfo, WorkerCapabilities
-from gpulayer_probe.apple import AppleProbe
-from gpulayer_probe.base import DEFAULT_CDI_DIRS, Finding, Probe, ProbeContext
-from gpulayer_probe.frameworks import FrameworksProbe, query_torch
-from gpulayer_probe.gpu_apis import GpuApisProbe
-from gpulayer_probe.host import HostProbe
-from gpulayer_probe.nvidia import NvidiaProbe
-from gpulayer_probe.rocm import RocmProbe
-from gpulayer_probe.runner import Runner, run_command
+from gpulayer_detection.apple import AppleProbe
+from gpulayer_detection.base import DEFAULT_CDI_DIRS, Finding, Probe, ProbeContext
+from gpulayer_detection.frameworks import FrameworksProbe, query_torch
+from gpulayer_detection.gpu_apis import GpuApisProbe
+from gpulayer_detection.host import HostProbe
+from gpulayer_detection.nvidia import NvidiaProbe
+from gpulayer_detection.rocm import RocmProbe
+from gpulayer_detection.runner import Runner, run_command
 
 Timing = Callable[[str, float], None]
 

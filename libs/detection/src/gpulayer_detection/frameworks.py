@@ -14,8 +14,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from gpulayer_probe.base import Finding, ProbeContext
-from gpulayer_probe.runner import Runner, resolve
+from gpulayer_detection.base import Finding, ProbeContext
+from gpulayer_detection.runner import Runner, resolve
 
 # Framework -> distributions that provide it, first match wins. Variant builds matter (the GPU
 # build of onnxruntime is another distribution), so the one found is named in a note.

@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
     if args.timeout <= 0 or args.torch_timeout <= 0:
         print("gpulayer probe: timeouts must be positive", file=sys.stderr)
         return 2
-    from gpulayer_probe.registry import detect_capabilities
+    from gpulayer_detection.registry import detect_capabilities
 
     node = os.environ.get("GPULAYER_NODE_ID", "").strip() or default_node_id()
     caps = asyncio.run(

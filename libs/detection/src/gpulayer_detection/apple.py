@@ -14,7 +14,7 @@ from typing import Any
 
 from gpulayer_contracts.capabilities import AcceleratorDevice
 from gpulayer_contracts.jobs import MemoryKind
-from gpulayer_probe.base import Finding, ProbeContext
+from gpulayer_detection.base import Finding, ProbeContext
 
 PROFILER_ARGV = ["system_profiler", "-json", "SPDisplaysDataType"]
 MEMSIZE_ARGV = ["sysctl", "-n", "hw.memsize"]

@@ -17,7 +17,7 @@ import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from gpulayer_probe.base import Finding, ProbeContext
+from gpulayer_detection.base import Finding, ProbeContext
 
 VULKAN_ARGV = ["vulkaninfo", "--summary"]
 CLINFO_ARGV = ["clinfo"]

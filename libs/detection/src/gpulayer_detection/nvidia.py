@@ -14,8 +14,8 @@ import re
 from collections.abc import Sequence
 
 from gpulayer_contracts.capabilities import AcceleratorDevice
-from gpulayer_probe.base import Finding, ProbeContext
-from gpulayer_probe.runner import RunResult
+from gpulayer_detection.base import Finding, ProbeContext
+from gpulayer_detection.runner import RunResult
 
 QUERY_FIELDS: tuple[str, ...] = (
     "index",

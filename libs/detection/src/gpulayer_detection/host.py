@@ -11,7 +11,7 @@ import socket
 import psutil
 
 from gpulayer_contracts.capabilities import HostInfo
-from gpulayer_probe.base import Finding, ProbeContext
+from gpulayer_detection.base import Finding, ProbeContext
 
 _ARCH = {"amd64": "x86_64", "x64": "x86_64", "aarch64": "arm64"}
 

@@ -7,7 +7,7 @@ import json
 import re
 
 from gpulayer_contracts.capabilities import AcceleratorDevice
-from gpulayer_probe.base import Finding, ProbeContext
+from gpulayer_detection.base import Finding, ProbeContext
 
 ARGV = ["rocm-smi", "--showproductname", "--json"]
 _CARD = re.compile(r"^card(?P<index>\d+)$")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from gpulayer_contracts.capabilities import AcceleratorDevice, HostInfo
-from gpulayer_probe.runner import Runner
+from gpulayer_detection.runner import Runner
 
 DEFAULT_CDI_DIRS: tuple[str, ...] = ("/etc/cdi", "/var/run/cdi")
 
