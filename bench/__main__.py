@@ -25,6 +25,7 @@ from bench.figures import (
     Sizes,
     full_loop,
     naive_postgres,
+    output_flood,
     placement_memory,
     placement_throughput,
     probe_figures,
@@ -51,6 +52,8 @@ GOAL_LOOP = 500.0
 GOAL_LOOP_P99_MS = 50.0
 GOAL_PROBE_MS = 150.0
 GOAL_RSS_MB = 300.0
+# Hostile-input issue: a job printing 200 MB no slower than 2x the same job printing to /dev/null.
+GOAL_FLOOD_RATIO = 2.0
 
 
 class Run:
@@ -276,6 +279,13 @@ async def telemetry_group(run: Run) -> None:
     await _guard(run, names, work)
 
 
+async def output_group(run: Run) -> None:
+    """A job printing 200 MB through the executor's pipes against the same job with its output
+    to /dev/null (bench/figures.py ``output_flood``)."""
+    for f in await output_flood(run.root):
+        run.add(f)
+
+
 def judge_all(run: Run) -> None:
     """Goals and ratios, appended after the measured figures."""
     by = {f.name: f for f in run.figures}
@@ -295,6 +305,7 @@ def judge_all(run: Run) -> None:
     goal("placement_rss_peak", "<=", GOAL_RSS_MB)
     goal("telemetry_noop_share_of_placement", "<=", 5.0)
     goal("placement_telemetry_off_over_removed", ">=", 0.95, ">= 0.95 x (within 5%)")
+    goal("executor_output_flood_over_devnull", "<=", GOAL_FLOOD_RATIO)
     p1k = run.get("placement_1k_nodes")
     p10k = run.get("placement_10k_nodes")
     if p1k and p10k:
@@ -361,6 +372,7 @@ async def amain(args: argparse.Namespace) -> list[Figure]:
             ("latency", lambda: latency_group(run)),
             ("placement10k", lambda: placement_group(run, sizes.large_nodes, "10k")),
             ("loop", lambda: loop_group(run)),
+            ("output", lambda: output_group(run)),
         ]
         for name, group in groups:
             if only is None or name in only:
@@ -390,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--only",
-        help="comma-separated groups: probe,limits,placement1k,replicas,latency,placement10k,loop,telemetry",
+        help="comma-separated groups: probe,limits,placement1k,replicas,latency,placement10k,loop,output,telemetry",
     )
     p.add_argument("--profile", metavar="DIR", help="attach py-spy to placement; raw stacks in DIR")
     args = p.parse_args(argv)

@@ -653,3 +653,91 @@ def telemetry_noop_cost(placement_jobs_per_s: float | None, loops: int = 2_000_0
             )
         )
     return figs
+
+
+# --- executor output --------------------------------------------------------------------------
+
+FLOOD_BYTES = 200 * 1000 * 1000
+# A chatty job: 2 million lines of 100 bytes, written one line at a time.
+FLOOD_JOB = (
+    "import sys\n"
+    "w = sys.stdout.write\n"
+    "line = 'x' * 99 + chr(10)\n"
+    f"for _ in range({FLOOD_BYTES // 100}):\n"
+    "    w(line)\n"
+)
+
+
+async def output_flood(root: Path, rounds: int = 3) -> list[Figure]:
+    """The same job printing 200 MB, run by the real executor (its own process, real NATS):
+    once with its output to the executor's pipes, once with it sent to /dev/null by the job.
+    Each time is from the grant's publish to the job's terminal event; the best of ``rounds``
+    each, alternating, so drift hits both alike."""
+    from gpulayer_contracts.events import Grant
+    from gpulayer_contracts.jobs import JobRequest
+    from gpulayer_contracts.subjects import job_events, node_grants
+    from gpulayer_runtime.nats import ensure_streams
+
+    names = [("executor_output_flood_200mb", "s"), ("executor_output_devnull_200mb", "s")]
+    node = "bench-flood"
+    server = EmbeddedNats(root / "flood-nats").start()
+    executor = ServiceProcess(
+        "gpulayer_executor",
+        {
+            "GPULAYER_NATS_URL": server.url,
+            "GPULAYER_NODE_ID": node,
+            "GPULAYER_EXECUTOR_WORKDIR": str(root / "flood-executor"),
+        },
+        root / "flood-executor.log",
+    )
+    try:
+        nc = await connect(server.url, "bench-flood")
+        try:
+            js = nc.jetstream()
+            await ensure_streams(js)
+            executor.start()
+            await wait_for_consumer(js, "GRANTS", f"executor-{node}", executor, timeout=60)
+            script = f'exec "{sys.executable}" -c "$0" "$@"'
+            argv = {
+                "executor_output_flood_200mb": ["sh", "-c", script, FLOOD_JOB],
+                "executor_output_devnull_200mb": ["sh", "-c", script + " > /dev/null", FLOOD_JOB],
+            }
+            times: dict[str, list[float]] = {name: [] for name, _ in names}
+            for i in range(rounds):
+                for name, _ in names:
+                    job_id = f"flood-{i}-{name.split('_')[2]}"
+                    grant = Grant(
+                        grant_id=f"{job_id}-1",
+                        job=JobRequest(job_id=job_id, command=argv[name], timeout_s=600),
+                        node_id=node,
+                        accelerator="cpu",
+                    )
+                    sub = await nc.subscribe(job_events(job_id))
+                    t0 = time.perf_counter()
+                    await js.publish(node_grants(node), encode(grant))
+                    while True:
+                        event = event_decoder.decode((await sub.next_msg(timeout=600)).data)
+                        if is_terminal(event):
+                            break
+                    times[name].append(time.perf_counter() - t0)
+                    await sub.unsubscribe()
+                    tag = event.__struct_config__.tag
+                    if tag != "succeeded":
+                        raise BenchError(f"{job_id} ended {tag}: {tail(executor.log)}")
+            flood = min(times["executor_output_flood_200mb"])
+            quiet = min(times["executor_output_devnull_200mb"])
+            runs = {n: [round(t, 2) for t in ts] for n, ts in times.items()}
+            return [
+                Figure("executor_output_flood_200mb", flood, "s", note=f"runs {runs[names[0][0]]}"),
+                Figure(
+                    "executor_output_devnull_200mb", quiet, "s", note=f"runs {runs[names[1][0]]}"
+                ),
+                Figure("executor_output_flood_over_devnull", flood / quiet, "x"),
+            ]
+        finally:
+            await nc.close()
+    except (BenchError, OSError, TimeoutError) as err:
+        return [unavailable(n, u, str(err)) for n, u in names]
+    finally:
+        executor.stop()
+        server.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gpulayer_executor.cgroups import _own_paths
 from gpulayer_executor.output import LineSplitter
 from gpulayer_executor.procs import parse_stat
 from gpulayer_executor.runner import _exit_outcome
@@ -45,3 +46,25 @@ def test_exit_outcomes() -> None:
     assert (_exit_outcome(3).state, _exit_outcome(3).exit_code) == ("failed", 3)
     killed = _exit_outcome(-9)
     assert (killed.state, killed.signal, killed.reason) == ("failed", 9, "killed by SIGKILL")
+
+
+def test_skip_counts_lines_and_keeps_the_partial_one() -> None:
+    s = LineSplitter(100)
+    assert s.feed(b"kept\npart") == ["kept"]
+    assert s.skip(b"ial\nx\ny\nne") == 3
+    assert s.skip(b"w") == 0
+    assert s.feed(b" line\n") == ["new line"]
+
+
+def test_feed_mixes_short_and_truncated_lines_in_one_chunk() -> None:
+    s = LineSplitter(4)
+    assert s.feed(b"ab\nabcdefg\nxy\r\n") == [
+        "ab",
+        "abcd [gpulayer: line truncated, 3 bytes dropped]",
+        "xy",
+    ]
+
+
+def test_own_cgroup_paths() -> None:
+    text = "9:name=systemd:/\n4:memory,pids:/a/b\n0::/svc\n"
+    assert _own_paths(text) == {"name=systemd": "/", "memory": "/a/b", "pids": "/a/b", "": "/svc"}

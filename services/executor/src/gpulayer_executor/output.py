@@ -2,8 +2,9 @@
 
 A job may print faster than NATS takes it, or print one endless line. Neither may grow the
 executor's memory: lines are cut at ``max_line_bytes``, the backlog waiting to be published is
-capped in bytes, and what doesn't fit is dropped and counted in a marker line. The pipes are
-always read promptly, so a chatty job is never blocked on its own output by us.
+capped in bytes, and what doesn't fit is dropped and counted in a marker line, without ever being
+split into lines. The pipes are always read promptly and in large chunks, so a chatty job is
+never blocked on its own output by us.
 """
 
 from __future__ import annotations
@@ -11,9 +12,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import fcntl
 import logging
+import os
+import time
 from typing import Literal
 
+from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
@@ -27,12 +32,23 @@ Stream = Literal["stdout", "stderr"]
 
 
 class LineSplitter:
-    """Bytes in, complete text lines out (without the newline). Pure."""
+    """Bytes in, complete text lines out (without the newline). Pure.
+
+    Splitting happens in C (``bytes.split``); Python only touches the lines it returns. What the
+    caller has no room for it passes to ``skip``, which counts lines without making them."""
 
     def __init__(self, max_line_bytes: int) -> None:
         self.max_line_bytes = max_line_bytes
         self._buf = bytearray()
         self._cut = 0  # bytes dropped from the current over-long line
+
+    def _append(self, data: bytes) -> None:
+        room = max(self.max_line_bytes - len(self._buf), 0)
+        if len(data) > room:
+            self._buf += data[:room]
+            self._cut += len(data) - room
+        else:
+            self._buf += data
 
     def _emit(self, raw: bytes) -> str:
         text = raw.decode("utf-8", errors="replace").rstrip("\r")
@@ -42,22 +58,37 @@ class LineSplitter:
         return text
 
     def feed(self, data: bytes) -> list[str]:
-        lines: list[str] = []
-        start = 0
-        while True:
-            nl = data.find(b"\n", start)
-            chunk = data[start:] if nl < 0 else data[start:nl]
-            room = self.max_line_bytes - len(self._buf)
-            if len(chunk) > room:
-                self._buf += chunk[: max(room, 0)]
-                self._cut += len(chunk) - max(room, 0)
-            else:
-                self._buf += chunk
-            if nl < 0:
-                return lines
-            lines.append(self._emit(bytes(self._buf)))
+        parts = data.split(b"\n")
+        tail = parts.pop()
+        if not parts:
+            self._append(tail)
+            return []
+        # The first part ends the line already buffered (or a fresh one).
+        self._append(parts[0])
+        lines = [self._emit(bytes(self._buf))]
+        self._buf.clear()
+        rest = parts[1:]
+        limit = self.max_line_bytes
+        if rest and max(map(len, rest)) <= limit:
+            lines += [raw.decode("utf-8", errors="replace").rstrip("\r") for raw in rest]
+        else:
+            for raw in rest:
+                self._append(raw)
+                lines.append(self._emit(bytes(self._buf)))
+                self._buf.clear()
+        self._append(tail)
+        return lines
+
+    def skip(self, data: bytes) -> int:
+        """Like ``feed``, for output nobody has room for: the number of lines it completed."""
+        n = data.count(b"\n")
+        if n:
             self._buf.clear()
-            start = nl + 1
+            self._cut = 0
+            self._append(data[data.rindex(b"\n") + 1 :])
+        else:
+            self._append(data)
+        return n
 
     def close(self) -> list[str]:
         """The last line, if the output did not end with a newline."""
@@ -72,6 +103,8 @@ class LogSink:
     """Publishes a job's lines to its LOGS subject; never blocks the reader, never grows
     beyond ``max_backlog_bytes`` of waiting lines."""
 
+    SYNC_EVERY = 256
+
     def __init__(
         self,
         js: JetStreamContext,
@@ -79,12 +112,21 @@ class LogSink:
         *,
         max_backlog_bytes: int = 1 << 20,
         max_in_flight: int = 256,
+        max_bytes_per_s: int = 1 << 20,
     ) -> None:
         self._js = js
+        # The JetStream context's own connection, for the publishes that need no ack.
+        self._nc: Client = js._nc
         self.job_id = job_id
         self.subject = job_logs(job_id)
         self.max_backlog_bytes = max_backlog_bytes
         self.max_in_flight = max_in_flight
+        # A token bucket in backlog bytes (line + 64), one second deep: what a job may have
+        # published per second. LOGS keeps 10,000 lines per job, so publishing a flood whole
+        # would only cost the machine (the server stores what the stream then discards).
+        self.max_bytes_per_s = max_bytes_per_s
+        self._tokens = float(max_bytes_per_s)
+        self._refilled = time.monotonic()
         self._queue: collections.deque[tuple[Stream, str]] = collections.deque()
         self._backlog = 0
         self._dropped = 0
@@ -98,19 +140,44 @@ class LogSink:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"logs-{self.job_id}")
 
-    def _put(self, stream: Stream, line: str) -> bool:
+    def _refill(self) -> None:
+        now = time.monotonic()
+        rate = self.max_bytes_per_s
+        self._tokens = min(float(rate), self._tokens + (now - self._refilled) * rate)
+        self._refilled = now
+
+    def _put(self, stream: Stream, line: str, *, marker: bool = False) -> bool:
         size = len(line) + 64
         if self._backlog + size > self.max_backlog_bytes:
             return False
+        if not marker:  # a marker saying what was dropped is never itself dropped for rate
+            if self._tokens < size:
+                self._refill()
+                if self._tokens < size:
+                    return False
+            self._tokens -= size
         self._queue.append((stream, line))
         self._backlog += size
         return True
+
+    def room(self) -> int:
+        """Bytes the sink would take now (backlog and rate): what a reader may split into lines
+        for us; the rest it counts and drops."""
+        if self._tokens < self.max_backlog_bytes:
+            self._refill()
+        return int(min(self.max_backlog_bytes - self._backlog, self._tokens))
+
+    def drop(self, lines: int) -> None:
+        """Count lines the reader dropped without making them (no room); said in a marker."""
+        if lines:
+            self._dropped += lines
+            self.dropped_total += lines
 
     def offer(self, stream: Stream, line: str) -> None:
         """Queue a line for publishing, or count it as dropped when the backlog is full."""
         if self._dropped:
             marker = f"[gpulayer: {self._dropped} lines dropped, output too fast]"
-            if not self._put("stderr", marker):
+            if not self._put("stderr", marker, marker=True):
                 self._dropped += 1
                 self.dropped_total += 1
                 return
@@ -121,12 +188,21 @@ class LogSink:
         self._wake.set()
 
     async def _run(self) -> None:
-        in_flight: collections.deque[asyncio.Future[PubAck]] = collections.deque()
+        # Lines go out as plain NATS publishes, which the LOGS stream stores all the same, and
+        # every SYNC_EVERY-th line (and the last one queued) with a JetStream ack: a stream
+        # stores one connection's messages in order, so that ack vouches for the lines before
+        # it. A flood costs microseconds per line instead of an ack round trip each, and a quiet
+        # job's every line is still acked.
+        in_flight: collections.deque[tuple[asyncio.Future[PubAck], int]] = collections.deque()
+        unacked = 0
+        sent = 0
         while True:
             while not self._queue:
                 if self._closed:
                     if self._dropped:
-                        self._put("stderr", f"[gpulayer: {self._dropped} lines dropped]")
+                        self._put(
+                            "stderr", f"[gpulayer: {self._dropped} lines dropped]", marker=True
+                        )
                         self._dropped = 0
                         continue
                     await self._settle(in_flight, len(in_flight))
@@ -136,24 +212,36 @@ class LogSink:
             stream, line = self._queue.popleft()
             self._backlog -= len(line) + 64
             payload = encode(LogLine(job_id=self.job_id, stream=stream, line=line))
+            unacked += 1
             try:
-                fut = await self._js.publish_async(self.subject, payload, wait_stall=5.0)
+                if unacked >= self.SYNC_EVERY or not self._queue:
+                    fut = await self._js.publish_async(self.subject, payload)
+                    in_flight.append((fut, unacked))
+                    unacked = 0
+                else:
+                    await self._nc.publish(self.subject, payload)
             except Exception as err:
-                self.failed += 1
-                log.debug("log line of %s not published: %s", self.job_id, err)
+                self.failed += unacked
+                unacked = 0
+                log.debug("log lines of %s not published: %s", self.job_id, err)
                 continue
-            in_flight.append(fut)
             if len(in_flight) >= self.max_in_flight:
                 await self._settle(in_flight, len(in_flight) // 2)
+            sent += 1
+            if sent % 64 == 0:
+                # A plain publish never waits: let the job's pipe readers have the loop.
+                await asyncio.sleep(0)
 
-    async def _settle(self, in_flight: collections.deque[asyncio.Future[PubAck]], n: int) -> None:
+    async def _settle(
+        self, in_flight: collections.deque[tuple[asyncio.Future[PubAck], int]], n: int
+    ) -> None:
         for _ in range(n):
-            fut = in_flight.popleft()
+            fut, lines = in_flight.popleft()
             try:
                 await asyncio.wait_for(fut, 5.0)
-                self.published += 1
+                self.published += lines
             except Exception:
-                self.failed += 1
+                self.failed += lines
 
     async def close(self, limit_s: float = 10.0) -> None:
         """Publish what is queued (for at most ``limit_s``), then stop."""
@@ -170,16 +258,85 @@ class LogSink:
             log.warning("logs of %s: gave up publishing the rest after %ss", self.job_id, limit_s)
 
 
-async def pump(
-    reader: asyncio.StreamReader, stream: Stream, sink: LogSink, max_line_bytes: int
-) -> None:
-    """Read one pipe to its end, line by line, into ``sink``."""
-    splitter = LineSplitter(max_line_bytes)
-    while True:
-        data = await reader.read(65536)
-        if not data:
-            break
-        for line in splitter.feed(data):
-            sink.offer(stream, line)
-    for line in splitter.close():
-        sink.offer(stream, line)
+class PipeReader:
+    """Reads one of the job's pipes into ``sink`` from the event loop's selector: large
+    non-blocking reads, lines split only as far as the sink has room, the rest counted and
+    dropped unsplit. So a flood costs a ``read`` and a ``count`` per chunk, and the job is never
+    held up by how fast its lines are published.
+
+    The reader never decides when the job ends: ``done`` is set at EOF, and ``close`` stops it
+    early (reading what is already buffered first) when something outside the job holds the
+    pipe open."""
+
+    # Per read; and per wake-up at most this many reads, so other tasks (the publisher, other
+    # jobs' readers) get the loop between chunks.
+    CHUNK = 1 << 20
+    READS_PER_WAKE = 8
+
+    def __init__(self, fd: int, stream: Stream, sink: LogSink, max_line_bytes: int) -> None:
+        self.fd = fd
+        self.stream: Stream = stream
+        self.sink = sink
+        self.bytes_read = 0
+        self._splitter = LineSplitter(max_line_bytes)
+        self._loop = asyncio.get_running_loop()
+        self.done: asyncio.Future[None] = self._loop.create_future()
+        os.set_blocking(fd, False)
+        with contextlib.suppress(AttributeError, OSError):
+            # Linux: a 1 MiB pipe (the unprivileged maximum by default) instead of 64 KiB, so
+            # the job writes on while we are busy elsewhere for a moment.
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, self.CHUNK)
+        self._loop.add_reader(fd, self._readable)
+
+    def _readable(self) -> None:
+        self._read(self.READS_PER_WAKE)
+
+    def _read(self, reads: int) -> None:
+        for _ in range(reads):
+            try:
+                data = os.read(self.fd, self.CHUNK)
+            except BlockingIOError:
+                return
+            except OSError as err:
+                log.debug("reading %s of %s: %s", self.stream, self.sink.job_id, err)
+                data = b""
+            if not data:
+                self._finish()
+                return
+            self.bytes_read += len(data)
+            self._consume(data)
+
+    def _consume(self, data: bytes) -> None:
+        room = self.sink.room()
+        if room <= 0:
+            self.sink.drop(self._splitter.skip(data))
+            return
+        if len(data) > room:
+            # Split only what could still fit; count the rest.
+            cut = data.rfind(b"\n", 0, room)
+            if cut < 0:
+                cut = data.find(b"\n")
+            if cut >= 0:
+                self._offer(self._splitter.feed(data[: cut + 1]))
+                self.sink.drop(self._splitter.skip(data[cut + 1 :]))
+                return
+        self._offer(self._splitter.feed(data))
+
+    def _offer(self, lines: list[str]) -> None:
+        for line in lines:
+            self.sink.offer(self.stream, line)
+
+    def _finish(self) -> None:
+        if self.done.done():
+            return
+        self._loop.remove_reader(self.fd)
+        os.close(self.fd)
+        self._offer(self._splitter.close())
+        self.done.set_result(None)
+
+    def close(self, max_reads: int = 16) -> None:
+        """Stop reading: first what the pipe already holds (bounded), then close it."""
+        if self.done.done():
+            return
+        self._read(max_reads)
+        self._finish()

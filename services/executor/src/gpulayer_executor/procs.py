@@ -61,6 +61,20 @@ def _have_proc() -> bool:
     return (_PROC / "self" / "stat").exists()
 
 
+def pid_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (Linux); elsewhere, it can be signalled."""
+    if not _have_proc():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    st = _stat(pid)
+    return st is not None and st.state not in ("Z", "X")
+
+
 def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes of the group."""
     if not _have_proc():

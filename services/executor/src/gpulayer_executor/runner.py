@@ -1,9 +1,11 @@
 """Launching one job's process and seeing it to its end.
 
 argv only, never a shell; a new session (so the job leads its own process group and every
-child it forks stays reachable with one ``killpg``); stdin from /dev/null; stdout and stderr
-read line by line into the job's log sink. Timeout, cancel and executor stop all end the job
-the same way: SIGTERM to the group, a grace period, SIGKILL to the group.
+child it forks stays reachable with one ``killpg``), and its own cgroup where the machine allows
+(so a child that leaves the group with ``setsid`` is still found); stdin from /dev/null; stdout
+and stderr read in large chunks into the job's log sink. The job ends when its main process
+exits, never when its pipes close. Timeout, cancel and executor stop all end it the same way:
+SIGTERM to all its processes, a grace period, SIGKILL to all of them.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -20,16 +24,20 @@ from typing import Any, Literal
 
 import msgspec
 
-from gpulayer_executor import procs
+from gpulayer_executor import cgroups, procs
+from gpulayer_executor.cgroups import JobCgroup
 from gpulayer_executor.env import RunAs
-from gpulayer_executor.output import LogSink, pump
+from gpulayer_executor.output import LogSink, PipeReader
 from gpulayer_executor.state import Outcome, ProcessInfo
 
 log = logging.getLogger(__name__)
 
-# After the job's main process ended, how long its pipes may stay open (held by a process that
-# left the group with setsid) before we stop reading them.
-PIPE_DRAIN_S = 2.0
+# After the job's end and the kill of all its processes, how long its pipes may stay open (held
+# by a process we could not find) before we read what they hold and close them.
+PIPE_DRAIN_S = 0.5
+
+# Set in every job's environment (env.job_environment); inherited by whatever the job starts.
+MARKER = "GPULAYER_GRANT_ID"
 
 
 class StopRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -63,6 +71,138 @@ def _stopped_outcome(
     return Outcome(state=state, exit_code=code.exit_code, signal=code.signal, reason=reason)
 
 
+class _Exit:
+    """The job's main process' exit status, awaited without its pipes: a pidfd in the event
+    loop's selector (Linux 5.3+), else a thread blocked in ``waitpid`` for this one pid."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self._proc = proc
+        self._loop = asyncio.get_running_loop()
+        self.future: asyncio.Future[int] = self._loop.create_future()
+        self._pidfd: int | None = None
+        try:
+            self._pidfd = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):
+            threading.Thread(
+                target=self._wait_in_thread, name=f"wait-{proc.pid}", daemon=True
+            ).start()
+        else:
+            self._loop.add_reader(self._pidfd, self._exited)
+
+    def _exited(self) -> None:
+        returncode = self._proc.poll()  # reaps it
+        if returncode is None or self._pidfd is None:
+            return
+        self._loop.remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        self._pidfd = None
+        if not self.future.done():
+            self.future.set_result(returncode)
+
+    def _wait_in_thread(self) -> None:
+        returncode = self._proc.wait()
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            self._loop.call_soon_threadsafe(self._set, returncode)
+
+    def _set(self, returncode: int) -> None:
+        if not self.future.done():
+            self.future.set_result(returncode)
+
+
+class _JobProcesses:
+    """Every process of one job: its process group, and what left the group (``setsid``).
+
+    The job's cgroup holds everything it forked, where one could be made
+    (``cgroups.hierarchy()``); elsewhere escaped processes are found by the marker in their
+    environment (``GPULAYER_GRANT_ID``), which children inherit unless they clear it."""
+
+    def __init__(self, pgid: int, cgroup: JobCgroup | None, marker: tuple[str, str] | None) -> None:
+        self.pgid = pgid
+        self.cgroup = cgroup
+        self.marker = marker
+
+    async def _escaped(self) -> list[int]:
+        if self.cgroup is not None:
+            pids = self.cgroup.members()
+        elif self.marker is not None:
+            pids = await asyncio.to_thread(procs.find_by_env, *self.marker)
+        else:
+            return []
+        return [p for p in pids if p != os.getpid() and procs.pgid_of(p) != self.pgid]
+
+    async def signal_all(self, sig: int) -> None:
+        procs.signal_group(self.pgid, sig)
+        if self.cgroup is not None:
+            self.cgroup.signal_all(sig)
+            return
+        for pid in await self._escaped():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
+    async def alive(self) -> bool:
+        if procs.group_alive(self.pgid):
+            return True
+        return any(procs.pid_alive(p) for p in await self._escaped())
+
+    async def wait_gone(self, limit_s: float, interval: float = 0.05) -> bool:
+        deadline = time.monotonic() + limit_s
+        while await self.alive():
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(interval)
+        return True
+
+    async def kill(self) -> None:
+        """SIGKILL to everything of the job, until nothing is left (bounded: a process in
+        uninterruptible sleep dies when the kernel lets it)."""
+        for _ in range(3):
+            await self.signal_all(signal.SIGKILL)
+            if await self.wait_gone(1.0):
+                return
+        log.warning("job group %s: processes survive SIGKILL", self.pgid)
+
+
+def _spawn(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    cwd: Path,
+    run_as: RunAs | None,
+    cgroup: JobCgroup | None,
+) -> tuple[subprocess.Popen[bytes], int, int]:
+    """Start the job with its stdout and stderr on fresh pipes; the pipes' read ends back."""
+    kwargs: dict[str, Any] = {}
+    if run_as is not None:
+        kwargs = {"user": run_as.uid, "group": run_as.gid, "extra_groups": []}
+    if cgroup is not None:
+        # In the cgroup before the job's first instruction: a child forked at once can't be
+        # born outside it.
+        kwargs["preexec_fn"] = cgroup.join_in_child
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=out_w,
+            stderr=err_w,
+            cwd=cwd,
+            env=dict(env),
+            start_new_session=True,
+            close_fds=True,
+            **kwargs,
+        )
+    except BaseException:
+        os.close(out_r)
+        os.close(err_r)
+        raise
+    finally:
+        # Only the job holds the write ends: EOF comes when the job (and whatever it passed
+        # them to) is gone.
+        os.close(out_w)
+        os.close(err_w)
+    return proc, out_r, err_r
+
+
 async def run_process(
     argv: Sequence[str],
     *,
@@ -76,37 +216,30 @@ async def run_process(
     max_line_bytes: int,
     on_started: Callable[[ProcessInfo], Awaitable[None]],
 ) -> Outcome:
-    """Run the job to its end and say how it ended. Raises SpawnError if it never started."""
-    kwargs: dict[str, object] = {}
-    if run_as is not None:
-        kwargs = {"user": run_as.uid, "group": run_as.gid, "extra_groups": []}
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            cwd=cwd,
-            env=dict(env),
-            start_new_session=True,
-            close_fds=True,
-            **kwargs,  # type: ignore[arg-type]
-        )
-    except (OSError, ValueError, subprocess.SubprocessError) as err:
-        raise SpawnError(f"could not start {argv[0]!r}: {err}") from err
+    """Run the job to its end and say how it ended. Raises SpawnError if it never started.
 
+    The end is the main process' exit (or the timeout, or ``stop``), never EOF on its pipes:
+    whatever the job left behind (in its group, its cgroup, or found by its marker) is killed
+    then, and its output read for at most ``PIPE_DRAIN_S`` more."""
+    marker_value = env.get(MARKER)
+    hier = cgroups.hierarchy()
+    cgroup = hier.create(marker_value) if hier is not None and marker_value else None
+    try:
+        proc, out_fd, err_fd = _spawn(argv, env, cwd, run_as, cgroup)
+    except (OSError, ValueError, subprocess.SubprocessError) as err:
+        if cgroup is not None:
+            cgroup.remove()
+        raise SpawnError(f"could not start {argv[0]!r}: {err}") from err
+    if cgroup is not None:
+        cgroup.add(proc.pid)  # in case the child could not add itself
     pgid = proc.pid  # start_new_session: the job leads its own session and group
-    assert proc.stdout is not None
-    assert proc.stderr is not None
+    job = _JobProcesses(pgid, cgroup, (MARKER, marker_value) if marker_value else None)
     readers = [
-        asyncio.create_task(
-            pump(proc.stdout, "stdout", sink, max_line_bytes), name=f"stdout-{pgid}"
-        ),
-        asyncio.create_task(
-            pump(proc.stderr, "stderr", sink, max_line_bytes), name=f"stderr-{pgid}"
-        ),
+        PipeReader(out_fd, "stdout", sink, max_line_bytes),
+        PipeReader(err_fd, "stderr", sink, max_line_bytes),
     ]
-    waiter = asyncio.create_task(proc.wait(), name=f"wait-{pgid}")
+    exit_ = _Exit(proc)
+    waiter = exit_.future
     try:
         info = ProcessInfo(
             pid=proc.pid,
@@ -121,42 +254,48 @@ async def run_process(
         done, _ = await asyncio.wait(either, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
         if waiter in done:
             outcome = _exit_outcome(waiter.result())
-            # The main process is done; whatever it left behind in its group goes with it, so
-            # no stray child keeps holding the job's GPUs.
-            procs.signal_group(pgid, signal.SIGKILL)
+            # The main process is done; whatever it left behind goes with it, so no stray
+            # child keeps holding the job's GPUs (or its pipes).
+            await job.kill()
         elif stop in done:
             request = stop.result()
             log.info("stopping pid %s: %s", pgid, request.reason)
-            await _terminate(pgid, waiter, kill_grace_s)
+            await _terminate(job, waiter, kill_grace_s)
             outcome = _stopped_outcome(waiter.result(), request.state, request.reason)
         else:
             log.info("pid %s exceeded its timeout of %ss", pgid, timeout_s)
-            await _terminate(pgid, waiter, kill_grace_s)
+            await _terminate(job, waiter, kill_grace_s)
             outcome = _stopped_outcome(waiter.result(), "failed", "timeout")
     except BaseException:
         # Whatever went wrong here (including our own cancellation), the job must not outlive
         # our knowledge of it.
         procs.signal_group(pgid, signal.SIGKILL)
+        if cgroup is not None:
+            cgroup.signal_all(signal.SIGKILL)
         with contextlib.suppress(BaseException):
             await asyncio.wait_for(asyncio.shield(waiter), 5.0)
         raise
     finally:
-        _, pending = await asyncio.wait(readers, timeout=PIPE_DRAIN_S)
-        for task in pending:
-            task.cancel()
-        for task in readers:
-            with contextlib.suppress(BaseException):
-                await task
+        # Everything of the job is dead by now, so the pipes normally reach EOF at once; a
+        # process we could not find may still hold them, and must not hold up the job's end.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(
+                asyncio.gather(*(asyncio.shield(r.done) for r in readers)), PIPE_DRAIN_S
+            )
+        for reader in readers:
+            reader.close()
+        if cgroup is not None:
+            cgroup.remove()
     return outcome
 
 
-async def _terminate(pgid: int, waiter: asyncio.Task[int], grace_s: float) -> None:
-    procs.signal_group(pgid, signal.SIGTERM)
+async def _terminate(job: _JobProcesses, waiter: asyncio.Future[int], grace_s: float) -> None:
+    await job.signal_all(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(asyncio.shield(waiter), grace_s)
     # The leader may be gone while children that ignore SIGTERM live on: give the rest of the
-    # grace to the group, then kill whatever is left.
-    await procs.wait_group_gone(pgid, max(deadline - time.monotonic(), 0.0))
-    procs.signal_group(pgid, signal.SIGKILL)
+    # grace to them, then kill whatever is left.
+    await job.wait_gone(max(deadline - time.monotonic(), 0.0))
+    await job.kill()
     await waiter
