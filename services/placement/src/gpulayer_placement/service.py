@@ -59,14 +59,23 @@ class PlacementService:
     ) -> None:
         self.nc = nc
         self.pool = pool
-        self.settings = s = settings or Settings()
+        self.settings = settings or Settings()
         self.tel = telemetry
-        self.js = js = nc.jetstream()
+        self.js = nc.jetstream()
         # Tags this replica's allocation changes, so it skips its own NOTIFYs.
         self.replica_id = uuid.uuid4().hex[:12]
-        self.fleet = fleet = Fleet()
-        self.stop = stop = asyncio.Event()
-        self.wake = wake = Wake()
+        self.fleet = Fleet()
+        self.stop = asyncio.Event()
+        self.wake = Wake()
+        self._wire(telemetry)
+        self._tasks: list[asyncio.Task[None]] = []
+        # Unsubscribed on close, or draining the connection would wait out its timeout.
+        self._subs: list[Any] = []
+
+    def _wire(self, telemetry: Telemetry) -> None:
+        """Build the parts, each given the collaborators it calls."""
+        nc, js, pool, s = self.nc, self.js, self.pool, self.settings
+        fleet, stop, wake = self.fleet, self.stop, self.wake
         self.sync = ReplicaSync(pool, fleet, wake, stop, self.replica_id)
         self.publisher = Publisher(js, pool, s, telemetry)
         self.scheduler = Scheduler(
@@ -116,9 +125,6 @@ class PlacementService:
             nc=nc, js=js, pool=pool, fleet=fleet, publisher=self.publisher, forget=self.forget
         )
         self.gauges = Gauges(pool, fleet, telemetry)
-        self._tasks: list[asyncio.Task[None]] = []
-        # Unsubscribed on close, or draining the connection would wait out its timeout.
-        self._subs: list[Any] = []
 
     def forget(self, job_id: str) -> None:
         """Drop what this replica keeps in memory about a job that has ended."""
