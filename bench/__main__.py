@@ -271,7 +271,7 @@ async def telemetry_group(run: Run) -> None:
                 "placement_1k_telemetry_removed",
                 cut,
                 "jobs/s",
-                note=f"service.py with {removed} AST nodes of telemetry removed; runs {rates['telemetry_removed']}",
+                note=f"placement with {removed} AST nodes of telemetry removed; runs {rates['telemetry_removed']}",
             )
         )
         run.add(Figure("placement_telemetry_off_over_removed", off / cut, "x"))

@@ -612,9 +612,10 @@ async def full_loop(s: Scenario, burst: int, paced: int, time_limit: float) -> F
 
 
 # Telemetry touch points on the placement hot path with no OTLP endpoint: per job, at most the
-# `tel.enabled` checks in _ingest (per batch), _match_rows (one read, two branches),
-# _publish_outcome (per batch) and _apply_status (two reports per job). Counted from
-# services/placement/src/gpulayer_placement/service.py; update it when that changes.
+# `tel.enabled` checks in Intake.read (per batch), Scheduler.match_rows (one read, two
+# branches), Publisher.publish_outcome (per batch) and ExecutorStatus.read (two reports per
+# job). Counted from intake.py, scheduler.py, publisher.py and status.py under
+# services/placement/src/gpulayer_placement/; update it when those change.
 TELEMETRY_CHECKS_PER_JOB = 5
 
 

@@ -2,8 +2,10 @@
 
 Issue 5 asks that, with no OTLP endpoint, placement runs as fast as it would with the telemetry
 code taken out of the path. This module takes it out: it copies ``gpulayer_placement`` and
-rewrites ``service.py`` with every telemetry branch folded as if telemetry were off (``if tel``,
-``if self.tel.enabled ...``, ``x if tel else y``) and every ``self.tel.*(...)`` statement deleted.
+rewrites each of its modules with every telemetry branch folded as if telemetry were off
+(``if tel``, ``if self.tel.enabled ...``, ``x if tel else y``) and every ``self.tel.*(...)``
+statement deleted. Telemetry lives in several of the service's parts (intake, scheduler,
+publisher, status, ...), so every module is rewritten, and none may keep any.
 The bench then runs that copy (first on PYTHONPATH) beside the real one.
 """
 
@@ -84,7 +86,7 @@ def strip(source: str) -> tuple[str, int]:
 
 
 def stripped_placement(dest: Path) -> tuple[Path, int]:
-    """Copy gpulayer_placement under ``dest`` with telemetry removed from service.py.
+    """Copy gpulayer_placement under ``dest`` with telemetry removed from every module.
     Returns the folder to put first on PYTHONPATH and the number of AST nodes removed."""
     spec = importlib.util.find_spec("gpulayer_placement")
     assert spec is not None
@@ -93,10 +95,13 @@ def stripped_placement(dest: Path) -> tuple[Path, int]:
     target = dest / "gpulayer_placement"
     shutil.rmtree(target, ignore_errors=True)
     shutil.copytree(src, target, ignore=shutil.ignore_patterns("__pycache__"))
-    service = target / "service.py"
-    text, removed = strip(service.read_text())
-    if re.search(r"\btel\b", text.replace("self.tel = telemetry", "")):
-        raise RuntimeError("telemetry code left in the stripped placement service")
-    compile(text, str(service), "exec")
-    service.write_text(text)
-    return dest, removed
+    total = 0
+    for module in sorted(target.rglob("*.py")):
+        text, removed = strip(module.read_text())
+        # Each part keeps the telemetry its constructor is given, unused once stripped.
+        if re.search(r"\btel\b", text.replace("self.tel = telemetry", "")):
+            raise RuntimeError(f"telemetry code left in the stripped placement {module.name}")
+        compile(text, str(module), "exec")
+        module.write_text(text)
+        total += removed
+    return dest, total

@@ -296,7 +296,7 @@ async def test_job_announced_once_when_publishing_its_events_failed(
     await ensure_streams(js)
     pool = await create_pool(database_url)
     svc = PlacementService(nc, pool, Settings(node_timeout_s=30, resend_after_s=0.5))
-    real_publish = svc._publish
+    real_publish = svc.publisher.publish
     failed = asyncio.Event()
 
     async def flaky(items: list[tuple[str, bytes, dict[str, str]]]) -> bool:
@@ -307,7 +307,7 @@ async def test_job_announced_once_when_publishing_its_events_failed(
             return False
         return await real_publish(items)
 
-    svc._publish = flaky  # type: ignore[method-assign]
+    svc.publisher.publish = flaky  # type: ignore[method-assign]
     await svc.start()
     grant_sends = 0
     resent = asyncio.Event()
@@ -426,7 +426,7 @@ async def test_a_redelivered_submit_re_announces_only_a_young_job(
     await ensure_streams(js)
     pool = await create_pool(database_url)
     svc = PlacementService(nc, pool, Settings(node_timeout_s=30, resend_after_s=60))
-    real_publish = svc._publish
+    real_publish = svc.publisher.publish
     calls = 0
 
     async def first_fails(items: list[tuple[str, bytes, dict[str, str]]]) -> bool:
@@ -442,7 +442,7 @@ async def test_a_redelivered_submit_re_announces_only_a_young_job(
             json.dumps({"job_id": "known-1", "command": ["true"]}),
             submitted_ago_s,
         )
-    svc._publish = first_fails  # type: ignore[method-assign]
+    svc.publisher.publish = first_fails  # type: ignore[method-assign]
     try:
         body = json.dumps({"job_id": "known-1", "command": ["true"]}).encode()
         await js.publish(JOBS_SUBMIT, body, headers={MSG_ID_HEADER: "known-1"})

@@ -132,22 +132,7 @@ def test_cycle_finder_finds_a_cycle_and_only_a_cycle() -> None:
     assert _cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
 
-# api.py and service.py import each other until placement is split into parts (issue 10).
-_KNOWN_CYCLES = {"gpulayer_placement"}
-
-
-@pytest.mark.parametrize(
-    "package",
-    [
-        pytest.param(
-            p,
-            marks=pytest.mark.xfail(strict=True, reason="api <-> service, split in progress"),
-        )
-        if p in _KNOWN_CYCLES
-        else p
-        for p in sorted({**LIBS, **SERVICES})
-    ],
-)
+@pytest.mark.parametrize("package", sorted({**LIBS, **SERVICES}))
 def test_no_import_cycle_inside_a_package(package: str) -> None:
     pkg = {**LIBS, **SERVICES}[package]
     modules = _modules({package: pkg})

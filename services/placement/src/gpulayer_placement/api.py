@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import asyncpg
 import msgspec
+from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
 import gpulayer_matching as matcher
 from gpulayer_contracts import CancelJob, Cancelled, encode
@@ -26,10 +29,8 @@ from gpulayer_contracts.subjects import (
     node_control,
 )
 from gpulayer_placement.fleet import Fleet
+from gpulayer_placement.publisher import Publisher
 from gpulayer_placement.store import Store
-
-if TYPE_CHECKING:
-    from gpulayer_placement.service import PlacementService
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +68,25 @@ def _executor_state(fleet: Fleet, node_id: str) -> str:
 
 
 class Api:
-    def __init__(self, service: PlacementService) -> None:
-        self.svc = service
+    def __init__(
+        self,
+        *,
+        nc: Client,
+        js: JetStreamContext,
+        pool: asyncpg.Pool,
+        fleet: Fleet,
+        publisher: Publisher,
+        forget: Callable[[str], None],
+    ) -> None:
+        self.nc = nc
+        self.js = js
+        self.pool = pool
+        self.fleet = fleet
+        self.publisher = publisher
+        self.forget = forget
 
-    async def subscribe(self) -> None:
+    async def subscribe(self) -> list[Any]:
+        """One queue-group subscription per API subject; the caller unsubscribes them."""
         routes: dict[str, Callable[[bytes], Awaitable[Any]]] = {
             API_NODES: self.nodes,
             API_JOBS: self.jobs,
@@ -79,9 +95,10 @@ class Api:
             API_CANCEL: self.cancel,
             API_MATRIX: self.matrix,
         }
-        for subject, handler in routes.items():
-            sub = await self.svc.nc.subscribe(subject, queue=QUEUE, cb=self._wrap(handler))
-            self.svc._subs.append(sub)
+        return [
+            await self.nc.subscribe(subject, queue=QUEUE, cb=self._wrap(handler))
+            for subject, handler in routes.items()
+        ]
 
     def _wrap(self, handler: Callable[[bytes], Awaitable[Any]]) -> Callable[[Msg], Awaitable[None]]:
         async def cb(msg: Msg) -> None:
@@ -98,18 +115,18 @@ class Api:
         return cb
 
     async def nodes(self, data: bytes) -> Any:
-        async with self.svc.pool.acquire() as conn:
+        async with self.pool.acquire() as conn:
             rows = await Store.fetch(conn, "list_nodes")
         out = []
         for r in rows:
             caps = capabilities_decoder.decode(r["capabilities"])
-            view = self.svc.fleet.get(r["node_id"])
+            view = self.fleet.get(r["node_id"])
             out.append(
                 {
                     "node_id": r["node_id"],
                     "online": r["online"],
                     "last_seen": _iso(r["last_seen"]),
-                    "executor": _executor_state(self.svc.fleet, r["node_id"]),
+                    "executor": _executor_state(self.fleet, r["node_id"]),
                     "active_jobs": r["active_jobs"],
                     "busy_devices": sorted(view.exclusive | view.shared) if view else [],
                     "capabilities": msgspec.to_builtins(caps),
@@ -119,12 +136,12 @@ class Api:
 
     async def jobs(self, data: bytes) -> Any:
         q = msgspec.json.decode(data or b"{}", type=_JobsQuery)
-        async with self.svc.pool.acquire() as conn:
+        async with self.pool.acquire() as conn:
             rows = await Store.fetch(conn, "list_jobs", q.state, min(max(q.limit, 1), 10_000))
         return [{k: _iso(v) for k, v in dict(r).items()} for r in rows]
 
     async def _job_row(self, job_id: str) -> dict[str, Any]:
-        async with self.svc.pool.acquire() as conn:
+        async with self.pool.acquire() as conn:
             row = await Store.fetchrow(conn, "get_job", job_id)
         if row is None:
             raise ApiError(f"no job {job_id!r}")
@@ -144,14 +161,14 @@ class Api:
             out["summary"] = f"rejected: {row['reason']}"
             return out
         job = job_request_decoder.decode(row["request"])
-        decision = matcher.explain(job, self.svc.fleet.views())
+        decision = matcher.explain(job, self.fleet.views())
         out.update(
             summary=decision.summary, reasons=decision.reasons, unsatisfiable=decision.unsatisfiable
         )
         if row["state"] in ("placed", "running"):
             out["node_id"] = row["node_id"]
             out["devices"] = list(row["devices"])
-        view = self.svc.fleet.get(row["node_id"]) if row["state"] == "placed" else None
+        view = self.fleet.get(row["node_id"]) if row["state"] == "placed" else None
         if view is not None and view.executor_down:
             out["note"] = (
                 f"node {row['node_id']} has no running executor (its heartbeats stopped): the "
@@ -161,15 +178,15 @@ class Api:
 
     async def cancel(self, data: bytes) -> Any:
         q = msgspec.json.decode(data, type=_CancelQuery)
-        async with self.svc.pool.acquire() as conn:
+        async with self.pool.acquire() as conn:
             done = await Store.fetchrow(conn, "cancel_pending", q.job_id, q.reason)
         if done is not None:
-            self.svc.forget(q.job_id)
-            await self.svc._publish_events([Cancelled(job_id=q.job_id, reason=q.reason)])
+            self.forget(q.job_id)
+            await self.publisher.publish_events([Cancelled(job_id=q.job_id, reason=q.reason)])
             return {"job_id": q.job_id, "state": "cancelled"}
         row = await self._job_row(q.job_id)
         if row["state"] in ("placed", "running"):
-            await self.svc.js.publish(
+            await self.js.publish(
                 node_control(row["node_id"]),
                 encode(CancelJob(job_id=q.job_id, reason=q.reason)),
                 headers={MSG_ID_HEADER: f"cancel:{row['grant_id']}"},

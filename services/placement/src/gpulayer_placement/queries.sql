@@ -65,7 +65,7 @@ ORDER BY submitted_at, job_id
 FOR UPDATE SKIP LOCKED;
 
 -- name: place_jobs
--- Notifications on 'gpulayer_allocations' carry '<replica>|<node>,<node>' (service.NOTIFY_CHANNEL).
+-- Notifications on 'gpulayer_allocations' carry '<replica>|<node>,<node>' (replica_sync.NOTIFY_CHANNEL).
 -- One statement for a batch: hold the devices, mark the jobs placed, tell other replicas which
 -- nodes changed. The exclusion constraint fails the whole statement on a double booking.
 WITH held AS (

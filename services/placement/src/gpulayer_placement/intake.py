@@ -1,0 +1,258 @@
+"""Intake: job requests from the JOBS work queue, a batch at a time.
+
+Each batch is decoded once and validated, folded by job id, and its new ids inserted in one
+statement (a known id is the same job). When the scheduler is idle the new jobs are matched in
+that same transaction; otherwise the scheduler is woken for them. Then ``accepted`` /
+``rejected`` (and any placement) go out pipelined, and the batch is acked after commit, or
+nak'ed when the announcements were not stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import asyncpg
+import msgspec
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from gpulayer_contracts import Accepted, JobEvent, JobRequest, Rejected, encode, validate_job
+from gpulayer_contracts.codec import InvalidInput, best_effort_job_id, decode_job_json
+from gpulayer_contracts.subjects import JOBS_SUBMIT
+from gpulayer_placement.loops import consume
+from gpulayer_placement.outcome import Outcome
+from gpulayer_placement.publisher import ANNOUNCE_AGAIN_WITHIN_S, Publisher
+from gpulayer_placement.scheduler import Scheduler
+from gpulayer_placement.settings import Settings
+from gpulayer_placement.store import Store
+from gpulayer_placement.wake import Wake
+from gpulayer_runtime.logs import job_context
+from gpulayer_runtime.telemetry import DISABLED, Telemetry
+
+# The name every placement part logs under since before the split: log queries filter on it.
+log = logging.getLogger("gpulayer_placement.service")
+
+Row = tuple[str, str, str, str | None]  # job id, request body, state, traceparent
+
+
+@dataclass
+class Batch:
+    """One fetch of submit messages, folded by job id (the first message of an id wins)."""
+
+    rows: dict[str, Row] = field(default_factory=dict)
+    accepted: dict[str, JobRequest] = field(default_factory=dict)
+    warnings: dict[str, list[str]] = field(default_factory=dict)
+    rejections: dict[str, list[str]] = field(default_factory=dict)
+    origin: dict[str, Msg] = field(default_factory=dict)
+    submitted: dict[str, float] = field(default_factory=dict)  # stream time, with telemetry on
+
+
+@dataclass
+class Stored:
+    """What the insert found: ids that were new, the accepted ones among them, and what was
+    placed inline (``epoch``: the wake's capacity count when that placement began)."""
+
+    new: set[str] = field(default_factory=set)
+    fresh: list[str] = field(default_factory=list)
+    outcome: Outcome | None = None
+    epoch: int = 0
+
+
+class Intake:
+    def __init__(
+        self,
+        *,
+        js: JetStreamContext,
+        pool: asyncpg.Pool,
+        scheduler: Scheduler,
+        publisher: Publisher,
+        wake: Wake,
+        settings: Settings,
+        stop: asyncio.Event,
+        telemetry: Telemetry = DISABLED,
+    ) -> None:
+        self.js = js
+        self.pool = pool
+        self.scheduler = scheduler
+        self.publisher = publisher
+        self.wake = wake
+        self.settings = settings
+        self.stop = stop
+        self.tel = telemetry
+
+    async def subscribe(self) -> JetStreamContext.PullSubscription:
+        """The durable pull consumer on the JOBS work queue."""
+        return await self.js.pull_subscribe(
+            JOBS_SUBMIT,
+            durable="placement-jobs",
+            config=ConsumerConfig(
+                ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_ack_pending=20_000
+            ),
+        )
+
+    async def run(self, sub: JetStreamContext.PullSubscription) -> None:
+        """Ingest batches from ``sub`` until the service stops."""
+        await consume(self.stop, sub, self.settings.batch_size, self.ingest)
+
+    async def ingest(self, msgs: list[Msg]) -> None:
+        """Store, announce and (when the scheduler is idle) place one batch, then ack it."""
+        batch = self.read(msgs)
+        stored = await self._store(batch)
+        events = await self._announcements(batch, stored.new)
+        outcome = stored.outcome
+        if outcome is not None:
+            published = await self.publisher.publish_outcome(outcome, before=events)
+        else:
+            published = await self.publisher.publish_events(events)
+        if published:
+            self.publisher.settle(events)
+            await asyncio.gather(*(m.ack() for m in msgs))
+        else:
+            # Stored, not announced: the redelivery announces it (grants: the resend loop), and
+            # until then this replica puts the announcement before the job's next event.
+            self.publisher.owe(events)
+            await asyncio.gather(*(m.nak(delay=1.0) for m in msgs), return_exceptions=True)
+        if stored.fresh and outcome is None:
+            self.wake.jobs(stored.fresh)
+        elif outcome is not None and outcome.waiting and self.wake.epoch != stored.epoch:
+            # Capacity changed while these rows were locked by this transaction: a pass then
+            # skipped them (SKIP LOCKED). Look again now that they are committed.
+            self.wake.capacity()
+
+    def read(self, msgs: list[Msg]) -> Batch:
+        """Decode and validate each message once; the same job id twice is one job."""
+        b = Batch()
+        tel = self.tel.enabled
+        for msg in msgs:
+            traceparent = (msg.headers or {}).get("traceparent")
+            if tel:
+                meta = msg.metadata
+                if meta.num_delivered and meta.num_delivered > 1:
+                    self.tel.count(
+                        "gpulayer.consumer.redeliveries", 1, {"consumer": "placement-jobs"}
+                    )
+            try:
+                job = decode_job_json(msg.data)
+            except InvalidInput as err:
+                self._malformed(b, msg, err, traceparent)
+                continue
+            if job.job_id in b.rows:
+                continue  # the same id twice in one batch is one job
+            b.origin[job.job_id] = msg
+            result = validate_job(job)
+            body = encode(job).decode()
+            if result.errors:
+                self.tel.count(
+                    "gpulayer.messages.rejected", 1, {"subject": "jobs.submit", "why": "invalid"}
+                )
+                b.rejections[job.job_id] = result.errors
+                b.rows[job.job_id] = (job.job_id, body, "rejected", traceparent)
+            else:
+                b.accepted[job.job_id] = job
+                b.warnings[job.job_id] = result.warnings
+                b.rows[job.job_id] = (job.job_id, body, "pending", traceparent)
+                if tel:
+                    b.submitted[job.job_id] = msg.metadata.timestamp.timestamp()
+        return b
+
+    def _malformed(self, b: Batch, msg: Msg, err: InvalidInput, traceparent: str | None) -> None:
+        """A message that doesn't decode is rejected under the job id read from it, if any."""
+        job_id = best_effort_job_id(msg.data)
+        log.warning(
+            "rejected message on %s (job %s): %s",
+            msg.subject,
+            job_id,
+            err,
+            extra=job_context(job_id, traceparent=traceparent),
+        )
+        self.tel.count(
+            "gpulayer.messages.rejected", 1, {"subject": "jobs.submit", "why": "malformed"}
+        )
+        if job_id is not None and job_id not in b.rows:
+            b.origin[job_id] = msg
+            b.rejections[job_id] = [str(err)]
+            b.rows[job_id] = (job_id, msg.data.decode("utf-8", "replace"), "rejected", traceparent)
+
+    async def _store(self, b: Batch) -> Stored:
+        """Insert the batch's rows in one statement and, when the scheduler is idle, place the
+        new jobs in the same transaction."""
+        stored = Stored()
+        if not b.rows:
+            return stored
+        ids, bodies, states, parents = zip(*b.rows.values(), strict=True)
+        reasons = ["; ".join(b.rejections[i]) if i in b.rejections else None for i in ids]
+        # A rejected body that isn't JSON is stored as a JSON string so the row still exists.
+        bodies = tuple(
+            body if s != "rejected" or _is_json(body) else encode(body).decode()
+            for body, s in zip(bodies, states, strict=True)
+        )
+        try:
+            async with self.pool.acquire() as conn, conn.transaction():
+                inserted = await Store.fetch(
+                    conn, "insert_jobs", ids, bodies, states, reasons, parents
+                )
+                stored.new = {r["job_id"] for r in inserted}
+                stored.fresh = [j for j in b.accepted if j in stored.new]
+                self.scheduler.remember({j: b.accepted[j] for j in stored.fresh}, b.submitted)
+                if stored.fresh and self.wake.idle():
+                    stored.epoch = self.wake.epoch
+                    stored.outcome = await self.scheduler.place_inline(conn, stored.fresh)
+        except BaseException:
+            if stored.outcome is not None:  # placed in memory, but nothing was committed
+                self.scheduler.release(stored.outcome)
+            raise
+        return stored
+
+    async def _announcements(self, b: Batch, new: set[str]) -> list[JobEvent]:
+        """``accepted`` / ``rejected`` for new jobs and for known ones said again."""
+        # Known jobs whose submit message came again after a failed publish or a crash before
+        # the ack: their events may never have gone out, so they are said again under the same
+        # message ids, if young enough for JetStream to drop a copy that did get out.
+        again = await self._announce_again(
+            [j for j in b.rows if j not in new and _redelivered(b.origin[j])]
+        )
+        events: list[JobEvent] = []
+        for job_id in b.rows:
+            if job_id not in new and job_id not in again:
+                log.info(
+                    "job %s already known: not submitted again",
+                    job_id,
+                    extra=job_context(job_id, traceparent=b.rows[job_id][3]),
+                )
+                continue
+            if job_id not in new:
+                log.info(
+                    "job %s redelivered: announcing it again",
+                    job_id,
+                    extra=job_context(job_id, traceparent=b.rows[job_id][3]),
+                )
+            if job_id in b.rejections:
+                events.append(Rejected(job_id=job_id, reasons=b.rejections[job_id]))
+            else:
+                events.append(Accepted(job_id=job_id, warnings=b.warnings[job_id]))
+        return events
+
+    async def _announce_again(self, job_ids: list[str]) -> set[str]:
+        if not job_ids:
+            return set()
+        async with self.pool.acquire() as conn:
+            rows = await Store.fetch(conn, "job_ages", job_ids)
+        return {r["job_id"] for r in rows if r["age_s"] < ANNOUNCE_AGAIN_WITHIN_S}
+
+
+def _redelivered(msg: Msg) -> bool:
+    try:
+        return (msg.metadata.num_delivered or 1) > 1
+    except Exception:  # not a JetStream message (no metadata): delivered once
+        return False
+
+
+def _is_json(text: str) -> bool:
+    try:
+        msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return False
+    return True

@@ -1,0 +1,215 @@
+"""Liveness: node state into memory and PostgreSQL.
+
+Capabilities (last message per node from the NODES stream) and heartbeats (core NATS) are
+batched into one statement each. A node silent past the timeout goes offline, its placed and
+running jobs become ``lost`` and their devices are released; a node whose executor stops
+beating gets no new grants until it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from datetime import UTC, datetime
+from typing import Any
+
+import asyncpg
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from gpulayer_contracts import Lost, WorkerCapabilities, encode
+from gpulayer_contracts.codec import capabilities_decoder, heartbeat_decoder
+from gpulayer_contracts.subjects import (
+    NODE_WILDCARD_CAPABILITIES,
+    NODE_WILDCARD_HEARTBEAT,
+    node_from_subject,
+)
+from gpulayer_placement.fleet import Fleet
+from gpulayer_placement.publisher import Publisher
+from gpulayer_placement.replica_sync import ReplicaSync
+from gpulayer_placement.settings import Settings
+from gpulayer_placement.store import DB_ERRORS, Store
+from gpulayer_placement.wake import Wake
+from gpulayer_runtime.logs import job_context
+from gpulayer_runtime.telemetry import DISABLED, Telemetry
+
+# The name every placement part logs under since before the split: log queries filter on it.
+log = logging.getLogger("gpulayer_placement.service")
+
+
+class Liveness:
+    def __init__(
+        self,
+        *,
+        nc: Client,
+        js: JetStreamContext,
+        pool: asyncpg.Pool,
+        fleet: Fleet,
+        wake: Wake,
+        sync: ReplicaSync,
+        publisher: Publisher,
+        settings: Settings,
+        stop: asyncio.Event,
+        telemetry: Telemetry = DISABLED,
+    ) -> None:
+        self.nc = nc
+        self.js = js
+        self.pool = pool
+        self.fleet = fleet
+        self.wake = wake
+        self.sync = sync
+        self.publisher = publisher
+        self.settings = settings
+        self.stop = stop
+        self.tel = telemetry
+        self._caps_queue: asyncio.Queue[Msg] = asyncio.Queue()
+        self._heartbeats: dict[str, datetime] = {}
+
+    async def load_nodes(self, conn: Any) -> None:
+        """Every known node into the fleet, on the caller's connection (at start)."""
+        for row in await Store.fetch(conn, "load_nodes"):
+            caps = capabilities_decoder.decode(row["capabilities"])
+            self.fleet.upsert(caps, online=row["online"])
+
+    async def subscribe(self) -> list[Any]:
+        """Capabilities (last per node, then every change) and heartbeats."""
+        caps = await self.js.subscribe(
+            NODE_WILDCARD_CAPABILITIES,
+            cb=self._on_capabilities,
+            ordered_consumer=True,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT),
+        )
+        beats = await self.nc.subscribe(NODE_WILDCARD_HEARTBEAT, cb=self.on_heartbeat)
+        return [caps, beats]
+
+    # --- capabilities --------------------------------------------------------------------
+
+    async def _on_capabilities(self, msg: Msg) -> None:
+        await self._caps_queue.put(msg)
+
+    async def run_capabilities(self) -> None:
+        """Store what arrived since the last batch (up to 2,000 messages) and update the fleet."""
+        while not self.stop.is_set():
+            first = await self._caps_queue.get()
+            batch = [first]
+            while not self._caps_queue.empty() and len(batch) < 2000:
+                batch.append(self._caps_queue.get_nowait())
+            latest = self.read_capabilities(batch)
+            if latest:
+                await self.store_capabilities(latest)
+
+    @staticmethod
+    def read_capabilities(batch: list[Msg]) -> list[WorkerCapabilities]:
+        """The latest capabilities per node, named by the subject they came on."""
+        latest: dict[str, WorkerCapabilities] = {}
+        for msg in batch:
+            try:
+                node = node_from_subject(msg.subject)
+                caps = capabilities_decoder.decode(msg.data)
+            except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as err:
+                log.warning("rejected capabilities on %s: %s", msg.subject, err)
+                continue
+            if caps.node_id != node:
+                # Identity comes from the subject the node may publish on, never the payload.
+                caps = msgspec.structs.replace(caps, node_id=node)
+            latest[node] = caps
+        return list(latest.values())
+
+    async def store_capabilities(self, caps_list: list[WorkerCapabilities]) -> None:
+        """One statement for the batch; the fleet is updated even if the database is down."""
+        try:
+            async with self.pool.acquire() as conn:
+                await Store.execute(
+                    conn,
+                    "upsert_nodes",
+                    [c.node_id for c in caps_list],
+                    [encode(c).decode() for c in caps_list],
+                    [c.host.platform for c in caps_list],
+                    [c.agent_version for c in caps_list],
+                    [c.detected_at for c in caps_list],
+                )
+        except DB_ERRORS as err:
+            log.warning("storing %d capability events failed: %s", len(caps_list), err)
+        changed = [self.fleet.upsert(c) for c in caps_list]
+        if any(changed):
+            self.wake.capacity()
+
+    # --- heartbeats ----------------------------------------------------------------------
+
+    async def on_heartbeat(self, msg: Msg) -> None:
+        """A probe's beat keeps its node online; an executor's says grants there will run."""
+        try:
+            node = node_from_subject(msg.subject)
+        except ValueError:
+            return
+        if b"executor" in msg.data and self._executor_beat(msg.data):
+            if self.fleet.executor_beat(node):
+                log.info("the executor on node %s is back", node, extra=job_context(node_id=node))
+                self.wake.capacity()
+            return
+        self._heartbeats[node] = datetime.now(UTC)
+        if self.fleet.set_online(node, True):
+            log.info("node %s is back online", node, extra=job_context(node_id=node))
+            self.wake.capacity()
+
+    def _executor_beat(self, data: bytes) -> bool:
+        try:
+            return heartbeat_decoder.decode(data).source == "executor"
+        except (msgspec.DecodeError, msgspec.ValidationError) as err:
+            self.tel.count(
+                "gpulayer.messages.rejected", 1, {"subject": "node.heartbeat", "why": "malformed"}
+            )
+            log.debug("malformed heartbeat counted as the node's: %s", err)
+            return False
+
+    async def run_heartbeats(self) -> None:
+        """Writes last-seen times once a second: one statement for all heartbeats."""
+        while not self.stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), 1.0)
+            if not self._heartbeats:
+                continue
+            beats, self._heartbeats = self._heartbeats, {}
+            try:
+                async with self.pool.acquire() as conn:
+                    await Store.execute(conn, "touch_nodes", list(beats), list(beats.values()))
+            except DB_ERRORS as err:
+                log.warning("storing heartbeats failed: %s", err)
+
+    # --- reaping -------------------------------------------------------------------------
+
+    async def reap(self) -> None:
+        """Executors silent past the timeout get no new grants; nodes silent past it go
+        offline, and their jobs are lost."""
+        for node in self.fleet.stale_executors(self.settings.node_timeout_s):
+            # Nothing is lost: its grants wait in JetStream for the executor to come back. New
+            # jobs go elsewhere meanwhile.
+            self.fleet.set_executor_down(node)
+            log.warning(
+                "the executor on node %s stopped sending heartbeats for %gs; no new grants there",
+                node,
+                self.settings.node_timeout_s,
+                extra=job_context(node_id=node),
+            )
+        stale = self.fleet.stale(self.settings.node_timeout_s)
+        if not stale:
+            return
+        reason = f"node stopped sending heartbeats for {self.settings.node_timeout_s:g}s"
+        async with self.pool.acquire() as conn, conn.transaction():
+            await Store.fetch(conn, "set_offline", stale)
+            lost = await Store.fetch(conn, "lose_node_jobs", stale, reason)
+            if lost:
+                await self.sync.notify(conn, stale)
+        for node in stale:
+            self.fleet.set_online(node, False)
+            log.warning("node %s is offline: %s", node, reason, extra=job_context(node_id=node))
+        await self.sync.reload(stale)
+        await self.publisher.publish_events(
+            [Lost(job_id=r["job_id"], node_id=r["node_id"], reason=reason) for r in lost]
+        )
+        if lost:
+            self.wake.capacity()

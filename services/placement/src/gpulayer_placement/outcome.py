@@ -1,0 +1,47 @@
+"""What a scheduling batch decided (jobs placed, jobs still waiting) and the grant built from a
+placement: the data the scheduler hands to the publisher."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpulayer_contracts import Grant, JobRequest
+from gpulayer_contracts.validation import visibility_env
+from gpulayer_matching import NoPlacement, Placement
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedJob:
+    job: JobRequest
+    placement: Placement
+    grant_id: str
+    traceparent: str | None
+    submitted: float  # epoch seconds the job entered the JOBS stream (or the table)
+    match_ns: tuple[int, int]  # wall-clock start/end of matching, for the job's trace
+
+
+@dataclass
+class Outcome:
+    placements: list[PlacedJob] = field(default_factory=list)
+    waiting: list[tuple[str, NoPlacement]] = field(default_factory=list)
+    commit_ns: tuple[int, int] = (0, 0)
+
+
+def mode(p: Placement) -> str:
+    """How the placement holds its devices: the allocation row's ``mode``."""
+    return "shared" if p.use == "shared" else "exclusive"
+
+
+def make_grant(
+    job: JobRequest, node_id: str, grant_id: str, accelerator: Any, devices: list[int]
+) -> Grant:
+    """The grant an executor receives: the job, its devices and the visibility env for them."""
+    return Grant(
+        grant_id=grant_id,
+        job=job,
+        node_id=node_id,
+        accelerator=accelerator,
+        devices=devices,
+        visible_env=visibility_env(accelerator, devices, job.sandbox.devices.gpu == "compute"),
+    )

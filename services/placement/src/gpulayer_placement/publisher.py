@@ -1,0 +1,283 @@
+"""Outcome publisher: job events, grants and the job's placement span, sent to JetStream as one
+pipelined batch; the resend of grants still ``placed`` after a while; and the announcements
+(``accepted`` / ``rejected``) this replica still owes because their publish failed.
+
+It owns every message id and header placement puts on events and grants.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import asyncpg
+from nats.js import JetStreamContext
+
+from gpulayer_contracts import (
+    Accepted,
+    Grant,
+    JobEvent,
+    Pending,
+    Placed,
+    Rejected,
+    encode,
+    validate_job,
+)
+from gpulayer_contracts.codec import job_request_decoder
+from gpulayer_contracts.subjects import MSG_ID_HEADER, STREAMS, job_events, node_grants
+from gpulayer_placement.outcome import Outcome, PlacedJob, make_grant
+from gpulayer_placement.settings import Settings
+from gpulayer_placement.store import Store
+from gpulayer_runtime.logs import job_context
+from gpulayer_runtime.telemetry import DISABLED, Telemetry, extract, inject
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+# The name every placement part logs under since before the split: log queries filter on it.
+log = logging.getLogger("gpulayer_placement.service")
+
+# An event published again under its first message id is dropped by JetStream only within the
+# stream's duplicate window; half of it leaves room for clock skew and slow passes.
+ANNOUNCE_AGAIN_WITHIN_S = next(s for s in STREAMS if s.name == "JOB_EVENTS").duplicate_window_s / 2
+
+Item = tuple[str, bytes, dict[str, str]]  # subject, payload, headers
+
+
+class Publisher:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        pool: asyncpg.Pool,
+        settings: Settings,
+        telemetry: Telemetry = DISABLED,
+    ) -> None:
+        self.js = js
+        self.pool = pool
+        self.settings = settings
+        self.tel = telemetry
+        self.placed_total = 0
+        self._resent: dict[str, str] = {}  # job id -> grant this replica re-sent (stored)
+        # Jobs stored but whose accepted/rejected event failed to publish: said again first,
+        # before any later event of theirs from this replica.
+        self._unannounced: dict[str, JobEvent] = {}
+
+    def forget(self, job_id: str) -> None:
+        """Drop what the publisher remembers about a job that has ended."""
+        self._resent.pop(job_id, None)
+        self._unannounced.pop(job_id, None)
+
+    def owe(self, events: Iterable[JobEvent]) -> None:
+        """These announcements were not stored: put each before its job's next event."""
+        self._unannounced.update((e.job_id, e) for e in events)
+
+    def settle(self, events: Iterable[JobEvent]) -> None:
+        """These announcements were stored: nothing is owed for their jobs any more."""
+        for e in events:
+            self._unannounced.pop(e.job_id, None)
+
+    # --- messages ------------------------------------------------------------------------
+
+    async def publish(self, items: list[Item]) -> bool:
+        """Pipelined JetStream publishes: every message is sent, then every ack awaited, instead
+        of one round trip each. False (logged) when an ack didn't come: grants are re-sent by the
+        ``resend`` loop; a lost event is only a gap in a job's history."""
+        if not items:
+            return True
+        try:
+            futures = [
+                await self.js.publish_async(subj, data, headers=h) for subj, data, h in items
+            ]
+            await asyncio.wait_for(asyncio.gather(*futures), self.settings.publish_timeout_s)
+        except Exception as err:
+            log.warning("publishing %d messages failed: %r", len(items), err)
+            return False
+        return True
+
+    @staticmethod
+    def event_item(event: JobEvent, msg_id: str | None = None) -> Item:
+        """``msg_id`` names an event that may be published again (a re-sent grant's ``placed``),
+        so JetStream keeps one copy. A job is accepted or rejected once, so those events are
+        named by the job; the others are unique by their time."""
+        tag = type(event).__struct_config__.tag
+        if msg_id is None:
+            once = isinstance(event, Accepted | Rejected)
+            msg_id = (
+                f"{event.job_id}:{tag}" if once else f"{event.job_id}:{tag}:{event.at.timestamp()}"
+            )
+        headers = {MSG_ID_HEADER: msg_id}
+        return job_events(event.job_id), encode(event), headers
+
+    @staticmethod
+    def grant_item(grant: Grant, headers: dict[str, str] | None = None) -> Item:
+        """A grant on its node's subject, named by its grant id (plus any trace headers)."""
+        h = {MSG_ID_HEADER: grant.grant_id}
+        if headers:
+            h.update(headers)
+        return node_grants(grant.node_id), encode(grant), h
+
+    @staticmethod
+    def placed_item(grant: Grant) -> Item:
+        """The job's ``placed`` event, named by the grant so a re-sent one is dropped."""
+        placed = Placed(
+            job_id=grant.job.job_id,
+            node_id=grant.node_id,
+            accelerator=grant.accelerator,
+            devices=grant.devices,
+        )
+        return Publisher.event_item(placed, msg_id=f"{grant.grant_id}:placed")
+
+    async def publish_events(self, events: list[JobEvent]) -> bool:
+        """Job events, pipelined. False when some event was not stored."""
+        return await self.publish([self.event_item(e) for e in events])
+
+    async def publish_outcome(self, outcome: Outcome, before: Sequence[JobEvent] = ()) -> bool:
+        """Events of ``before`` (e.g. ``accepted``), then the outcome's events, then its grants,
+        in one pipelined batch. False when some message was not stored."""
+        grants = [
+            make_grant(
+                pl.job,
+                pl.placement.node_id,
+                pl.grant_id,
+                pl.placement.accelerator,
+                pl.placement.devices,
+            )
+            for pl in outcome.placements
+        ]
+        waiting: list[JobEvent] = [
+            Pending(job_id=j, summary=d.summary, reasons=d.reasons, unsatisfiable=d.unsatisfiable)
+            for j, d in outcome.waiting
+        ]
+        # Events first: a user watching the job sees "placed" before the executor's "running".
+        owed = [
+            self._unannounced[j]
+            for j in (
+                *(pl.job.job_id for pl in outcome.placements),
+                *(j for j, _ in outcome.waiting),
+            )
+            if j in self._unannounced
+        ]
+        items = [self.event_item(e) for e in (*owed, *before)]
+        items += [self.placed_item(g) for g in grants]
+        items += [self.event_item(e) for e in waiting]
+        if not self.tel.enabled:
+            # No spans here, but the submitter's context still travels on to the executor.
+            items += [
+                self.grant_item(g, {"traceparent": pl.traceparent} if pl.traceparent else None)
+                for pl, g in zip(outcome.placements, grants, strict=True)
+            ]
+            published = await self.publish(items)
+        else:
+            spans = [
+                self._job_span(pl, g, outcome.commit_ns)
+                for pl, g in zip(outcome.placements, grants, strict=True)
+            ]
+            items += [
+                self.grant_item(g, inject({}, span)) for g, span in zip(grants, spans, strict=True)
+            ]
+            sent_ns = time.time_ns()
+            published = await self.publish(items)
+            self._end_job_spans(spans, outcome, grants, sent_ns)
+        self.placed_total += len(grants)
+        if published:
+            self.settle(owed)
+        return published
+
+    # --- the job's trace -----------------------------------------------------------------
+
+    def _job_span(self, pl: PlacedJob, grant: Grant, commit_ns: tuple[int, int]) -> Span:
+        """The job's placement span, under the submitter's trace when it sent one.
+
+        The batch's steps happened before the span could be opened, so it and its children are
+        recorded with their measured start and end times."""
+        from opentelemetry import trace
+        from opentelemetry.trace import SpanKind
+
+        tracer = self.tel.tracer
+        attrs: dict[str, Any] = {
+            "messaging.system": "nats",
+            "messaging.destination.name": node_grants(grant.node_id),
+            "gpulayer.job.id": grant.job.job_id,
+            "gpulayer.node.id": grant.node_id,
+            "gpulayer.accelerator": grant.accelerator,
+            "gpulayer.devices": grant.devices,
+        }
+        parent = extract({"traceparent": pl.traceparent}) if pl.traceparent else None
+        root = tracer.start_span(
+            "placement place",
+            context=parent,
+            kind=SpanKind.CONSUMER,
+            attributes=attrs,
+            start_time=pl.match_ns[0],
+        )
+        ctx = trace.set_span_in_context(root)
+        tracer.start_span("placement match", context=ctx, start_time=pl.match_ns[0]).end(
+            end_time=pl.match_ns[1]
+        )
+        tracer.start_span("placement commit", context=ctx, start_time=commit_ns[0]).end(
+            end_time=commit_ns[1]
+        )
+        return root
+
+    def _end_job_spans(
+        self, spans: list[Span], outcome: Outcome, grants: list[Grant], sent_ns: int
+    ) -> None:
+        from opentelemetry import trace
+        from opentelemetry.trace import SpanKind
+
+        acked_ns = time.time_ns()
+        now = time.time()
+        for root, pl, grant in zip(spans, outcome.placements, grants, strict=True):
+            ctx = trace.set_span_in_context(root)
+            self.tel.tracer.start_span(
+                "placement publish grant", context=ctx, kind=SpanKind.PRODUCER, start_time=sent_ns
+            ).end(end_time=acked_ns)
+            root.end(end_time=acked_ns)
+            self.tel.record(
+                "gpulayer.placement.submit_to_grant.duration", max(now - pl.submitted, 0.0)
+            )
+            self.tel.count("gpulayer.placement.placed", 1, {"accelerator": grant.accelerator})
+
+    # --- resend --------------------------------------------------------------------------
+
+    async def resend(self) -> None:
+        """Grants of jobs still ``placed`` after the resend delay go out once more, with the
+        job's ``accepted`` and ``placed`` events: if placement died between commit and publish
+        they never went out; copies that did are dropped by JetStream (same message ids) or
+        recognised by the executor. Once one resend is stored, this replica doesn't repeat it:
+        GRANTS keeps it until the executor takes it (a job may wait there for a free slot, or
+        for its executor to come back), and repeating would only pile up copies."""
+        async with self.pool.acquire() as conn:
+            rows = await Store.fetch(conn, "stale_placed", self.settings.resend_after_s)
+            if rows:
+                await Store.execute(conn, "touch_jobs", [r["job_id"] for r in rows])
+        for r in rows:
+            if self._resent.get(r["job_id"]) == r["grant_id"]:
+                continue
+            job = job_request_decoder.decode(r["request"])
+            log.info(
+                "re-sending grant %s of job %s to %s",
+                r["grant_id"],
+                r["job_id"],
+                r["node_id"],
+                extra=job_context(r["job_id"], r["node_id"], r["traceparent"]),
+            )
+            grant = make_grant(
+                job, r["node_id"], r["grant_id"], r["accelerator"], list(r["devices"])
+            )
+            items = [
+                self.placed_item(grant),
+                self.grant_item(
+                    grant, {"traceparent": r["traceparent"]} if r["traceparent"] else None
+                ),
+            ]
+            if r["age_s"] < ANNOUNCE_AGAIN_WITHIN_S:
+                # Placed where it was ingested, so its "accepted" went out (or not) with this
+                # grant; only a copy this young is sure to be dropped if it was stored before.
+                accepted = Accepted(job_id=job.job_id, warnings=validate_job(job).warnings)
+                items.insert(0, self.event_item(accepted))
+            if await self.publish(items):
+                self._resent[grant.job.job_id] = grant.grant_id

@@ -1,0 +1,261 @@
+"""Scheduler: waiting jobs matched against the in-memory fleet, outcomes persisted.
+
+A pass runs when ``Wake`` says so: over new jobs only, or over every waiting job oldest first
+when capacity may have changed (stopping early once nothing can fit), and a thorough pass on a
+timer. Each batch locks its rows (``waiting``), matches them in memory, commits allocations and
+job rows in one statement, then hands the outcome to the publisher. Intake calls
+``place_inline`` to do the same inside its own transaction when the scheduler is idle.
+
+It keeps the decoded requests of waiting jobs, so a job is decoded once per replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import asyncpg
+
+from gpulayer_contracts import JobRequest, encode
+from gpulayer_contracts.codec import job_request_decoder
+from gpulayer_contracts.validation import requested_gpu_count
+from gpulayer_matching import NoPlacement, Placement, match
+from gpulayer_placement import waiting
+from gpulayer_placement.fleet import Fleet
+from gpulayer_placement.outcome import Outcome, PlacedJob, mode
+from gpulayer_placement.publisher import Publisher
+from gpulayer_placement.replica_sync import ReplicaSync
+from gpulayer_placement.settings import Settings
+from gpulayer_placement.store import DB_ERRORS, Store
+from gpulayer_placement.wake import Wake
+from gpulayer_runtime.telemetry import DISABLED, Telemetry
+
+# The name every placement part logs under since before the split: log queries filter on it.
+log = logging.getLogger("gpulayer_placement.service")
+
+Take = Callable[[Any], Awaitable[list[asyncpg.Record]]]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        pool: asyncpg.Pool,
+        fleet: Fleet,
+        wake: Wake,
+        publisher: Publisher,
+        sync: ReplicaSync,
+        settings: Settings,
+        stop: asyncio.Event,
+        telemetry: Telemetry = DISABLED,
+    ) -> None:
+        self.pool = pool
+        self.fleet = fleet
+        self.wake = wake
+        self.publisher = publisher
+        self.sync = sync
+        self.settings = settings
+        self.stop = stop
+        self.tel = telemetry
+        self._jobs: dict[str, JobRequest] = {}
+        # JetStream publish time of jobs ingested here, for the submit-to-grant latency.
+        self._submitted: dict[str, float] = {}
+        # Waiting jobs that need no device: a pass can't stop early while any is known.
+        self._deviceless_waiting: set[str] = set()
+
+    def remember(self, jobs: Mapping[str, JobRequest], submitted: Mapping[str, float]) -> None:
+        """Requests already decoded by intake, and when they entered the JOBS stream."""
+        self._jobs.update(jobs)
+        self._submitted.update(submitted)
+
+    def forget(self, job_id: str) -> None:
+        """Drop what the scheduler keeps about a job that has ended."""
+        self._jobs.pop(job_id, None)
+        self._submitted.pop(job_id, None)
+        self._deviceless_waiting.discard(job_id)
+
+    async def run(self) -> None:
+        """Wait to be woken, then run the pass asked for; retry what failed."""
+        while not self.stop.is_set():
+            await self.wake.event.wait()
+            self.wake.event.clear()
+            if self.stop.is_set():
+                return
+            new, full, thorough = self.wake.take()
+            self.wake.passing = True
+            try:
+                if full or thorough:
+                    await self._schedule_all(early_stop=not thorough)
+                elif new:
+                    for i in range(0, len(new), self.settings.batch_size):
+                        await self._schedule_ids(new[i : i + self.settings.batch_size])
+            except asyncpg.ExclusionViolationError:
+                # Another replica took a device this one thought free: reload and go again.
+                log.info("allocation conflict with another replica; reloading allocations")
+                await self.sync.reload(None)
+                self.wake.capacity()
+            except DB_ERRORS as err:
+                log.warning("scheduling pass failed, retrying: %s", err)
+                self.wake.jobs(new)
+                if full or thorough:
+                    self.wake.capacity()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), 0.5)
+            finally:
+                self.wake.passing = False
+
+    async def _schedule_all(self, *, early_stop: bool = True) -> None:
+        """Every waiting job, oldest first, a page at a time.
+
+        With ``early_stop``, paging ends once no device in the fleet is free and no waiting job
+        that needs none is known: the jobs behind can't fit, and scanning them on every release
+        would cost a page of rows each time. The periodic thorough pass never stops early."""
+        after = waiting.START
+        failed: dict[bytes, NoPlacement] = {}
+        size = self.settings.page_size
+        while not self.stop.is_set():
+            take = functools.partial(waiting.take_page, size=size, after=after)
+            page = await self._schedule_batch(take, failed)
+            if page is None:
+                return
+            after, taken = page
+            if taken < size:
+                return  # a short page was the last one: no extra round trip to learn that
+            if early_stop and not self._deviceless_waiting and not self.fleet.any_free_device():
+                return
+
+    async def _schedule_ids(self, ids: list[str]) -> None:
+        await self._schedule_batch(functools.partial(waiting.take_ids, ids=ids), {})
+
+    async def _schedule_batch(
+        self, take: Take, failed: dict[bytes, NoPlacement]
+    ) -> tuple[waiting.Cursor, int] | None:
+        """Lock a batch of waiting jobs, match them, commit the outcome in one transaction, then
+        publish grants and events. Returns the batch's last (submitted_at, job_id) and size."""
+        outcome = Outcome()
+        try:
+            async with self.pool.acquire() as conn, conn.transaction():
+                rows = await take(conn)
+                if not rows:
+                    return None
+                self.match_rows(rows, failed, outcome)
+                t0 = time.time_ns()
+                await self.persist(conn, outcome)
+            outcome.commit_ns = (t0, time.time_ns())
+        except BaseException:
+            self.release(outcome)  # nothing was committed
+            raise
+        await self.publisher.publish_outcome(outcome)
+        return waiting.last(rows), len(rows)
+
+    async def place_inline(self, conn: Any, job_ids: list[str]) -> Outcome | None:
+        """Match freshly inserted jobs in the ingest transaction: one commit per batch from
+        submit to grant. None when another replica took a device first (the jobs then go to
+        the scheduler as usual)."""
+        outcome = Outcome()
+        try:
+            async with conn.transaction():  # a savepoint: a conflict undoes only this part
+                rows = await waiting.take_ids(conn, job_ids)
+                self.match_rows(rows, {}, outcome)
+                t0 = time.time_ns()
+                await self.persist(conn, outcome)
+            outcome.commit_ns = (t0, time.time_ns())
+        except asyncpg.ExclusionViolationError:
+            self.release(outcome)
+            log.info("allocation conflict with another replica; reloading allocations")
+            await self.sync.reload(None)
+            return None
+        except BaseException:
+            self.release(outcome)
+            raise
+        return outcome
+
+    def release(self, outcome: Outcome) -> None:
+        """Give back in memory what an uncommitted outcome held."""
+        for pl in outcome.placements:
+            self.fleet.release(pl.placement.node_id, pl.placement.devices, mode(pl.placement))
+        outcome.placements.clear()
+
+    def match_rows(
+        self, rows: list[asyncpg.Record], failed: dict[bytes, NoPlacement], outcome: Outcome
+    ) -> None:
+        """Match locked rows, in order, against the fleet into ``outcome``; each placement holds
+        its devices at once. ``failed`` remembers requirement sets that found no node in this
+        pass: capacity only shrinks during a pass, so an equal job behind them can't fit
+        either."""
+        for row in rows:
+            job_id = row["job_id"]
+            job = self._jobs.get(job_id)
+            if job is None:
+                job = job_request_decoder.decode(row["request"])
+                self._jobs[job_id] = job
+            key = _requirement_key(job)
+            tel = self.tel.enabled
+            t0 = time.time_ns() if tel else 0
+            decision = failed.get(key) or match(job, self.fleet.rotated())
+            if tel:
+                t1 = time.time_ns()
+                self.tel.record("gpulayer.placement.decision.duration", (t1 - t0) / 1e9)
+            else:
+                t1 = 0
+            if isinstance(decision, Placement):
+                self._deviceless_waiting.discard(job_id)
+                submitted = self._submitted.pop(job_id, None) or row["submitted_at"].timestamp()
+                outcome.placements.append(
+                    PlacedJob(
+                        job=job,
+                        placement=decision,
+                        grant_id=f"{job_id}-{row['attempt'] + 1}",
+                        traceparent=row["traceparent"],
+                        submitted=submitted,
+                        match_ns=(t0, t1),
+                    )
+                )
+                # Held at once, so later jobs of this batch see the devices taken.
+                self.fleet.hold(decision.node_id, decision.devices, mode(decision))
+            else:
+                failed[key] = decision
+                if requested_gpu_count(job) == 0:
+                    self._deviceless_waiting.add(job_id)
+                if decision.summary != row["reason"]:
+                    outcome.waiting.append((job_id, decision))
+
+    async def persist(self, conn: Any, outcome: Outcome) -> None:
+        """Allocations and job rows of ``outcome`` in one statement each, on ``conn``."""
+        if outcome.placements:
+            alloc: tuple[list[str], list[str], list[int], list[str]] = ([], [], [], [])
+            for pl in outcome.placements:
+                for d in pl.placement.devices:
+                    alloc[0].append(pl.job.job_id)
+                    alloc[1].append(pl.placement.node_id)
+                    alloc[2].append(d)
+                    alloc[3].append(mode(pl.placement))
+            ps = outcome.placements
+            await Store.execute(
+                conn,
+                "place_jobs",
+                [pl.job.job_id for pl in ps],
+                [pl.placement.node_id for pl in ps],
+                [pl.grant_id for pl in ps],
+                [pl.placement.accelerator for pl in ps],
+                ["{" + ",".join(map(str, pl.placement.devices)) + "}" for pl in ps],
+                *alloc,
+                self.sync.replica_id,
+            )
+        if outcome.waiting:
+            await Store.execute(
+                conn,
+                "mark_waiting",
+                [j for j, _ in outcome.waiting],
+                [d.summary for _, d in outcome.waiting],
+                [d.unsatisfiable for _, d in outcome.waiting],
+            )
+
+
+def _requirement_key(job: JobRequest) -> bytes:
+    return encode((job.requirements, job.gpu, job.variants, job.distributed, job.sandbox))

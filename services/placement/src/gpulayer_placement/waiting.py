@@ -1,0 +1,30 @@
+"""Which waiting jobs a scheduling batch takes, and the order it matches them in: oldest first,
+locked ``FOR UPDATE SKIP LOCKED`` so that replicas split them. The scheduler (and intake's
+inline placement) take waiting jobs from here and nowhere else."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import asyncpg
+
+from gpulayer_placement.store import Store
+
+Cursor = tuple[datetime, str]  # (submitted_at, job_id) of the last job a page held
+START: Cursor = (datetime(1970, 1, 1, tzinfo=UTC), "")
+
+
+async def take_page(conn: Any, size: int, after: Cursor) -> list[asyncpg.Record]:
+    """Up to ``size`` waiting jobs after ``after``, locked, in matching order."""
+    return await Store.fetch(conn, "take_pending", size, *after)
+
+
+async def take_ids(conn: Any, ids: list[str]) -> list[asyncpg.Record]:
+    """The waiting jobs among ``ids``, locked, in matching order."""
+    return await Store.fetch(conn, "take_jobs", ids)
+
+
+def last(rows: list[asyncpg.Record]) -> Cursor:
+    """Where the page after ``rows`` starts."""
+    return rows[-1]["submitted_at"], rows[-1]["job_id"]

@@ -1,0 +1,122 @@
+"""Intake alone: a batch folded by job id, bad input rejected under the id read from it, and the
+rule that new jobs are placed inline only while the scheduler is idle."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from typing import Any, cast
+
+from nats.aio.msg import Msg
+from tests.unit.placement.placement_fakes import FakeConn, FakeJetStream, FakePool, cpu_node
+
+from gpulayer_placement.fleet import Fleet
+from gpulayer_placement.intake import Intake
+from gpulayer_placement.publisher import Publisher
+from gpulayer_placement.replica_sync import ReplicaSync
+from gpulayer_placement.scheduler import Scheduler
+from gpulayer_placement.settings import Settings
+from gpulayer_placement.wake import Wake
+
+
+class AckedMsg(Msg):
+    acked = False
+
+    async def ack(self) -> None:
+        self.acked = True
+
+
+def submit(data: bytes) -> AckedMsg:
+    return AckedMsg(cast(Any, None), subject="gpulayer.jobs.submit", data=data)
+
+
+def build(conn: FakeConn) -> tuple[Intake, Wake, FakeJetStream]:
+    fleet, wake, stop = Fleet(), Wake(), asyncio.Event()
+    fleet.upsert(cpu_node("n1"))
+    pool = cast(Any, FakePool(conn))
+    js = FakeJetStream(ack_after=1)
+    settings = Settings()
+    publisher = Publisher(cast(Any, js), pool, settings)
+    sync = ReplicaSync(pool, fleet, wake, stop, "replica-1")
+    scheduler = Scheduler(
+        pool=pool,
+        fleet=fleet,
+        wake=wake,
+        publisher=publisher,
+        sync=sync,
+        settings=settings,
+        stop=stop,
+    )
+    intake = Intake(
+        js=cast(Any, js),
+        pool=pool,
+        scheduler=scheduler,
+        publisher=publisher,
+        wake=wake,
+        settings=settings,
+        stop=stop,
+    )
+    return intake, wake, js
+
+
+def test_a_batch_is_folded_by_job_id_and_bad_input_rejected_by_the_id_read_from_it() -> None:
+    intake, _, _ = build(FakeConn())
+    batch = intake.read(
+        [
+            submit(b'{"job_id": "a", "command": ["true"]}'),
+            submit(b'{"job_id": "a", "command": ["false"]}'),
+            submit(b'{"job_id": "bad", "command": "echo hi"}'),
+            submit(b"\x00 not json at all"),
+            submit(b'{"job_id": "inv", "command": ["true"], "env": {"LD_PRELOAD": "x"}}'),
+        ]
+    )
+    assert list(batch.rows) == ["a", "bad", "inv"]
+    assert batch.rows["a"][2] == "pending"
+    assert batch.accepted["a"].command == ["true"]  # the first message of an id wins
+    assert batch.rows["bad"][2] == batch.rows["inv"][2] == "rejected"
+    assert "$.env.LD_PRELOAD" in batch.rejections["inv"][0]
+    assert set(batch.rejections) == {"bad", "inv"}
+
+
+def row(job_id: str) -> dict[str, Any]:
+    return {
+        "job_id": job_id,
+        "request": f'{{"job_id": "{job_id}", "command": ["true"]}}',
+        "reason": None,
+        "attempt": 0,
+        "submitted_at": datetime(2025, 1, 1, tzinfo=UTC),
+        "traceparent": None,
+    }
+
+
+async def test_new_jobs_are_placed_in_the_ingest_transaction_when_the_scheduler_is_idle() -> None:
+    conn = FakeConn({"insert_jobs": [{"job_id": "a"}], "take_jobs": [row("a")]})
+    intake, wake, js = build(conn)
+    msg = submit(b'{"job_id": "a", "command": ["true"]}')
+    await intake.ingest([msg])
+    assert conn.names() == ["insert_jobs", "take_jobs", "place_jobs"]
+    assert [h["Nats-Msg-Id"] for _, _, h in js.sent] == ["a:accepted", "a-1:placed", "a-1"]
+    assert msg.acked
+    assert wake.new_jobs == []  # nothing left for the scheduler
+
+
+async def test_new_jobs_go_to_the_scheduler_while_a_pass_is_due() -> None:
+    conn = FakeConn({"insert_jobs": [{"job_id": "a"}]})
+    intake, wake, js = build(conn)
+    wake.capacity()
+    msg = submit(b'{"job_id": "a", "command": ["true"]}')
+    await intake.ingest([msg])
+    assert conn.names() == ["insert_jobs"]
+    assert [h["Nats-Msg-Id"] for _, _, h in js.sent] == ["a:accepted"]
+    assert wake.new_jobs == ["a"]
+    assert msg.acked
+
+
+async def test_a_known_job_is_acked_and_not_announced_again() -> None:
+    conn = FakeConn({"insert_jobs": []})  # the id was stored before
+    intake, wake, js = build(conn)
+    msg = submit(b'{"job_id": "a", "command": ["true"]}')
+    await intake.ingest([msg])
+    assert js.sent == []
+    assert msg.acked
+    assert wake.new_jobs == []

@@ -1,0 +1,109 @@
+"""Liveness alone, over a real Fleet: which nodes the reaper takes offline, what it writes and
+tells, and what heartbeats do."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import UTC, datetime
+from typing import Any, cast
+
+from nats.aio.msg import Msg
+from tests.unit.placement.placement_fakes import FakeConn, FakeJetStream, FakePool, gpu_node
+
+from gpulayer_contracts import Heartbeat, encode
+from gpulayer_placement.fleet import Fleet
+from gpulayer_placement.liveness import Liveness
+from gpulayer_placement.publisher import Publisher
+from gpulayer_placement.replica_sync import ReplicaSync
+from gpulayer_placement.settings import Settings
+from gpulayer_placement.wake import Wake
+
+
+def build(conn: FakeConn) -> tuple[Liveness, Fleet, Wake, FakeJetStream]:
+    fleet, wake, stop = Fleet(), Wake(), asyncio.Event()
+    pool = cast(Any, FakePool(conn))
+    js = FakeJetStream(ack_after=1)
+    settings = Settings(node_timeout_s=10)
+    liveness = Liveness(
+        nc=cast(Any, None),
+        js=cast(Any, js),
+        pool=pool,
+        fleet=fleet,
+        wake=wake,
+        sync=ReplicaSync(pool, fleet, wake, stop, "replica-1"),
+        publisher=Publisher(cast(Any, js), pool, settings),
+        settings=settings,
+        stop=stop,
+    )
+    return liveness, fleet, wake, js
+
+
+def beat(node: str, source: str | None = None) -> Msg:
+    hb = Heartbeat(node_id=node, sent_at=datetime.now(UTC), source=source or "probe")
+    return Msg(cast(Any, None), subject=f"gpulayer.node.{node}.heartbeat", data=encode(hb))
+
+
+async def test_reaper_takes_only_silent_nodes_offline_and_loses_their_jobs() -> None:
+    lost = [{"job_id": "victim", "node_id": "silent"}]
+    conn = FakeConn({"lose_node_jobs": lost, "load_node_allocations": []})
+    liveness, fleet, wake, js = build(conn)
+    fleet.upsert(gpu_node("silent", 1))
+    fleet.upsert(gpu_node("beating", 1))
+    fleet.hold("silent", [0], "exclusive")
+    fleet.last_seen["silent"] = time.monotonic() - 60
+    await liveness.reap()
+    assert conn.names()[:3] == ["set_offline", "lose_node_jobs", "SELECT pg_notify($1, $2)"]
+    assert conn.calls[0][1] == (["silent"],)
+    assert conn.calls[2][1] == ("gpulayer_allocations", "replica-1|silent")
+    # Its holds come from the database again (none left), for that node only.
+    assert conn.calls[3] == ("load_node_allocations", (["silent"],))
+    silent, beating = fleet.get("silent"), fleet.get("beating")
+    assert silent is not None
+    assert beating is not None
+    assert not silent.online
+    assert silent.exclusive == frozenset()
+    assert beating.online
+    ((subject, data, _),) = js.sent
+    assert subject == "gpulayer.job.victim.events"
+    assert b'"lost"' in data
+    assert wake.capacity_changed
+
+
+async def test_reaper_touches_nothing_when_every_node_beats() -> None:
+    conn = FakeConn()
+    liveness, fleet, wake, _ = build(conn)
+    fleet.upsert(gpu_node("a", 1))
+    await liveness.reap()
+    assert conn.calls == []
+    assert not wake.capacity_changed
+
+
+async def test_a_silent_executor_stops_grants_but_loses_nothing() -> None:
+    conn = FakeConn()
+    liveness, fleet, wake, _ = build(conn)
+    fleet.upsert(gpu_node("a", 1))
+    await liveness.on_heartbeat(beat("a", "executor"))
+    fleet.executor_seen["a"] = time.monotonic() - 60
+    await liveness.reap()
+    view = fleet.get("a")
+    assert view is not None
+    assert view.executor_down
+    assert view.online
+    assert conn.calls == []
+    wake.take()
+    await liveness.on_heartbeat(beat("a", "executor"))
+    view = fleet.get("a")
+    assert view is not None
+    assert not view.executor_down
+    assert wake.capacity_changed  # its executor is back: waiting jobs may fit there now
+
+
+async def test_a_probe_heartbeat_brings_an_offline_node_back() -> None:
+    liveness, fleet, wake, _ = build(FakeConn())
+    fleet.upsert(gpu_node("a", 1), online=False)
+    await liveness.on_heartbeat(beat("a"))
+    view = fleet.get("a")
+    assert view is not None
+    assert view.online
+    assert wake.capacity_changed

@@ -1,0 +1,148 @@
+"""The scheduler alone, over a real Fleet: the wake/idle rule, matching rows in order with
+devices held at once, what a batch persists, and which waiting jobs a wake-up takes."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from typing import Any, cast
+
+import msgspec
+from tests.unit.placement.placement_fakes import FakeConn, FakeJetStream, FakePool, gpu_node
+
+from gpulayer_placement.fleet import Fleet
+from gpulayer_placement.outcome import Outcome
+from gpulayer_placement.publisher import Publisher
+from gpulayer_placement.replica_sync import ReplicaSync
+from gpulayer_placement.scheduler import Scheduler
+from gpulayer_placement.settings import Settings
+from gpulayer_placement.wake import Wake
+
+
+def gpu_row(job_id: str, reason: str | None = None) -> dict[str, Any]:
+    request = {
+        "job_id": job_id,
+        "command": ["true"],
+        "requirements": {"accelerator": "cuda", "gpu_count": 1},
+        "sandbox": {"devices": {"gpu": "compute"}},
+    }
+    return {
+        "job_id": job_id,
+        "request": msgspec.json.encode(request).decode(),
+        "reason": reason,
+        "attempt": 0,
+        "submitted_at": datetime(2025, 1, 1, tzinfo=UTC),
+        "traceparent": None,
+    }
+
+
+def build(conn: FakeConn | None = None) -> tuple[Scheduler, Fleet, Wake, FakeJetStream]:
+    fleet, wake, stop = Fleet(), Wake(), asyncio.Event()
+    fleet.upsert(gpu_node("g", 1))
+    pool = cast(Any, FakePool(conn))
+    js = FakeJetStream(ack_after=1)
+    settings = Settings()
+    publisher = Publisher(cast(Any, js), pool, settings)
+    sync = ReplicaSync(pool, fleet, wake, stop, "replica-1")
+    scheduler = Scheduler(
+        pool=pool,
+        fleet=fleet,
+        wake=wake,
+        publisher=publisher,
+        sync=sync,
+        settings=settings,
+        stop=stop,
+    )
+    return scheduler, fleet, wake, js
+
+
+def test_wake_is_idle_only_when_no_pass_runs_or_is_due() -> None:
+    wake = Wake()
+    assert wake.idle()
+    wake.passing = True
+    assert not wake.idle()
+    wake.passing = False
+    epoch = wake.epoch
+    wake.capacity()
+    assert not wake.idle()
+    assert wake.epoch == epoch + 1
+    assert wake.event.is_set()
+    wake.jobs(["j1"])
+    assert wake.take() == (["j1"], True, False)
+    assert wake.idle()  # taking the work clears it
+
+
+async def test_a_thorough_request_makes_the_scheduler_busy() -> None:
+    wake = Wake()
+    await wake.request_thorough()
+    assert not wake.idle()
+    assert wake.take() == ([], False, True)
+
+
+def test_match_rows_holds_devices_at_once_so_a_batch_never_books_one_twice() -> None:
+    scheduler, fleet, _, _ = build()
+    outcome = Outcome()
+    scheduler.match_rows(cast(Any, [gpu_row("j1"), gpu_row("j2"), gpu_row("j3")]), {}, outcome)
+    (pl,) = outcome.placements
+    assert (pl.job.job_id, pl.grant_id, pl.placement.node_id) == ("j1", "j1-1", "g")
+    view = fleet.get("g")
+    assert view is not None
+    assert view.exclusive == frozenset({0})
+    assert [j for j, _ in outcome.waiting] == ["j2", "j3"]
+    # The equal job behind one that found no node reuses its decision instead of matching.
+    assert outcome.waiting[0][1] is outcome.waiting[1][1]
+    scheduler.release(outcome)
+    view = fleet.get("g")
+    assert view is not None
+    assert view.exclusive == frozenset()
+    assert outcome.placements == []
+
+
+def test_a_waiting_job_whose_reason_did_not_change_is_not_written_again() -> None:
+    scheduler, fleet, _, _ = build()
+    fleet.hold("g", [0], "exclusive")
+    first = Outcome()
+    scheduler.match_rows(cast(Any, [gpu_row("j1")]), {}, first)
+    ((_, decision),) = first.waiting
+    again = Outcome()
+    scheduler.match_rows(cast(Any, [gpu_row("j1", reason=decision.summary)]), {}, again)
+    assert again.waiting == []
+
+
+async def test_persist_writes_allocations_and_jobs_in_one_statement_tagged_by_replica() -> None:
+    conn = FakeConn()
+    scheduler, _, _, _ = build(conn)
+    outcome = Outcome()
+    scheduler.match_rows(cast(Any, [gpu_row("j1"), gpu_row("j2")]), {}, outcome)
+    await scheduler.persist(conn, outcome)
+    assert conn.names() == ["place_jobs", "mark_waiting"]
+    place = conn.calls[0][1]
+    assert place[0] == ["j1"]
+    assert place[4] == ["{0}"]
+    assert place[5:9] == (["j1"], ["g"], [0], ["exclusive"])
+    assert place[9] == "replica-1"
+    assert conn.calls[1][1][0] == ["j2"]
+
+
+async def test_new_jobs_wake_a_pass_over_those_ids_only_and_capacity_a_full_one() -> None:
+    conn = FakeConn({"take_jobs": [gpu_row("j1")]})
+    scheduler, _, wake, js = build(conn)
+    task = asyncio.create_task(scheduler.run())
+    try:
+        wake.jobs(["j1"])
+        async with asyncio.timeout(5):
+            while len(js.sent) < 2:  # noqa: ASYNC110 (placed event and grant)
+                await asyncio.sleep(0.01)
+        assert conn.names() == ["take_jobs", "place_jobs"]
+        assert conn.calls[0][1] == (["j1"],)
+        conn.calls.clear()
+        wake.capacity()
+        async with asyncio.timeout(5):
+            while not conn.calls:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        assert conn.names() == ["take_pending"]
+        assert not wake.passing
+    finally:
+        scheduler.stop.set()
+        wake.event.set()
+        await task

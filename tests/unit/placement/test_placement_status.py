@@ -1,0 +1,102 @@
+"""Executor status alone: reports folded per grant, identity from the subject, devices released
+and finished jobs forgotten."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+from nats.aio.msg import Msg
+from tests.unit.placement.placement_fakes import FakeConn, FakePool, gpu_node
+
+from gpulayer_contracts import JobStatus, encode
+from gpulayer_placement.fleet import Fleet
+from gpulayer_placement.settings import Settings
+from gpulayer_placement.status import ExecutorStatus
+from gpulayer_placement.wake import Wake
+
+
+class AckedMsg(Msg):
+    acked = False
+
+    async def ack(self) -> None:
+        self.acked = True
+
+
+def report(subject_node: str, state: str, node_id: str | None = None) -> AckedMsg:
+    status = JobStatus(
+        job_id="j1",
+        grant_id="j1-1",
+        node_id=node_id or subject_node,
+        state=state,  # type: ignore[arg-type]
+        exit_code=0 if state == "succeeded" else None,
+    )
+    return AckedMsg(
+        cast(Any, None), subject=f"gpulayer.node.{subject_node}.status", data=encode(status)
+    )
+
+
+def build(conn: FakeConn) -> tuple[ExecutorStatus, Fleet, Wake, list[str]]:
+    fleet, wake = Fleet(), Wake()
+    forgotten: list[str] = []
+    status = ExecutorStatus(
+        js=cast(Any, None),
+        pool=cast(Any, FakePool(conn)),
+        fleet=fleet,
+        wake=wake,
+        forget=forgotten.append,
+        settings=Settings(),
+        stop=asyncio.Event(),
+        replica_id="replica-1",
+    )
+    return status, fleet, wake, forgotten
+
+
+def test_running_never_replaces_a_final_state_of_the_same_batch() -> None:
+    status, _, _, _ = build(FakeConn())
+    rows = status.read([report("n1", "succeeded"), report("n1", "running")])
+    assert rows == [("j1", "j1-1", "n1", "succeeded", 0, None)]
+
+
+def test_the_subject_names_the_node_and_malformed_reports_are_skipped() -> None:
+    status, _, _, _ = build(FakeConn())
+    bad = AckedMsg(cast(Any, None), subject="gpulayer.node.n1.status", data=b"{not json")
+    rows = status.read([bad, report("n1", "running", node_id="forged")])
+    assert [r[2] for r in rows] == ["n1"]
+
+
+async def test_a_finished_job_releases_its_devices_is_forgotten_and_wakes_the_scheduler() -> None:
+    changed = [
+        {
+            "job_id": "j1",
+            "state": "succeeded",
+            "node_id": "g",
+            "device_index": 0,
+            "mode": "exclusive",
+        }
+    ]
+    conn = FakeConn({"apply_status": changed})
+    status, fleet, wake, forgotten = build(conn)
+    fleet.upsert(gpu_node("g", 1))
+    fleet.hold("g", [0], "exclusive")
+    msgs = [report("g", "succeeded")]
+    await status.apply(list(msgs))
+    ((name, args),) = conn.calls
+    assert name == "apply_status"
+    assert args == (["j1"], ["j1-1"], ["g"], ["succeeded"], [0], [None], "replica-1")
+    view = fleet.get("g")
+    assert view is not None
+    assert view.exclusive == frozenset()
+    assert forgotten == ["j1"]
+    assert wake.capacity_changed
+    assert msgs[0].acked
+
+
+async def test_a_running_report_changes_no_capacity() -> None:
+    changed = [
+        {"job_id": "j1", "state": "running", "node_id": "g", "device_index": None, "mode": None}
+    ]
+    status, _, wake, forgotten = build(FakeConn({"apply_status": changed}))
+    await status.apply([report("g", "running")])
+    assert forgotten == []
+    assert not wake.capacity_changed
