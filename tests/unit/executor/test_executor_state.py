@@ -14,7 +14,7 @@ import pytest
 from gpulayer_contracts.events import Grant
 from gpulayer_contracts.jobs import JobRequest
 from gpulayer_executor import state as st
-from gpulayer_executor.service import _DurableWriter
+from gpulayer_executor.writer import DurableWriter
 
 
 def grant(grant_id: str = "g1", job_id: str = "j1") -> Grant:
@@ -212,7 +212,7 @@ async def test_durable_writes_made_together_share_a_commit_and_each_get_their_an
     store = st.StateStore(tmp_path)
     known = st.received(grant("known", "j0"))
     store.create(known)
-    writer = _DurableWriter(store)
+    writer = DurableWriter(store)
     commits: list[tuple[int, int]] = []
     write_many = store.write_many
 
