@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import sqlite3
 import stat
-from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
@@ -14,7 +12,6 @@ import pytest
 from gpulayer_contracts.events import Grant
 from gpulayer_contracts.jobs import JobRequest
 from gpulayer_executor import state as st
-from gpulayer_executor.service import _DurableWriter
 
 
 def grant(grant_id: str = "g1", job_id: str = "j1") -> Grant:
@@ -204,34 +201,3 @@ def test_write_many_creates_and_saves_in_one_commit(tmp_path: Path) -> None:
     assert store.write_many([st.received(grant("n", "jn"))], [started]) == {"n"}
     assert store.load("r") == started
     assert store.load("n") is not None
-
-
-async def test_durable_writes_made_together_share_a_commit_and_each_get_their_answer(
-    tmp_path: Path,
-) -> None:
-    store = st.StateStore(tmp_path)
-    known = st.received(grant("known", "j0"))
-    store.create(known)
-    writer = _DurableWriter(store)
-    commits: list[tuple[int, int]] = []
-    write_many = store.write_many
-
-    def counting(creates: Sequence[st.GrantRecord], saves: Sequence[st.GrantRecord]) -> set[str]:
-        commits.append((len(creates), len(saves)))
-        return write_many(creates, saves)
-
-    store.write_many = counting  # type: ignore[method-assign]
-    a, b = st.received(grant("a", "ja")), st.received(grant("b", "jb"))
-    results = await asyncio.gather(
-        writer.create(a),
-        writer.create(b),
-        writer.create(st.received(grant("a", "ja"))),  # a copy in the same batch
-        writer.create(st.received(grant("known", "j0"))),
-        writer.save(st.starting(known)),
-    )
-    assert list(results) == [True, True, False, False, None]
-    assert commits == [(4, 1)]
-    assert store.load("known") == st.starting(known)
-    store.close()
-    with pytest.raises(sqlite3.ProgrammingError):
-        await writer.create(st.received(grant("c", "jc")))

@@ -1,0 +1,29 @@
+"""The executor's settings: plain values, filled in by ``__main__`` (or a test)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from gpulayer_executor.env import RunAs
+
+
+class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Plain settings, filled in by ``__main__`` (or a test); nothing here reads the environment."""
+
+    node_id: str
+    workdir: Path
+    base_env: dict[str, str]
+    run_as: RunAs | None = None
+    kill_grace_s: float = 5.0
+    max_jobs: int = 64
+    drain_s: float = 0.0
+    max_line_bytes: int = 16 * 1024
+    max_log_backlog_bytes: int = 1 << 20
+    retain_s: float = 7 * 24 * 3600.0
+    fetch_timeout_s: float = 1.0
+    publish_timeout_s: float = 5.0
+    # Beats on the node's heartbeat subject (source "executor"): placement stops granting to a
+    # node whose executor went silent, instead of queueing grants nobody runs.
+    heartbeat_s: float = 5.0

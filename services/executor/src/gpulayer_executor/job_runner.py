@@ -1,0 +1,324 @@
+"""One job's life, from a recorded grant to its reported end: a slot, the spawn, the wait, the
+finish. Each job lives in its own task; ``max_jobs`` slots bound how many run at once, with no
+lock around a job's life (placement's grants bound what runs on the node).
+
+Durable order per job: ``starting`` is on disk before the spawn, ``finished`` before the final
+report; ``running`` (the pid) and ``reported`` join the next commit without being waited for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from nats.js import JetStreamContext
+
+from gpulayer_executor import state as st
+from gpulayer_executor.config import ExecutorConfig
+from gpulayer_executor.env import EnvRefused, RunAs, device_env, job_environment
+from gpulayer_executor.output import LogSink
+from gpulayer_executor.reporter import Reporter
+from gpulayer_executor.runner import SpawnError, StopRequest, run_process
+from gpulayer_executor.writer import DurableWriter
+from gpulayer_runtime.logs import job_context
+from gpulayer_runtime.telemetry import DISABLED, Telemetry, extract
+
+# The executor's lines keep the logger name they had before it was split into parts.
+log = logging.getLogger("gpulayer_executor.service")
+
+
+class Launch(Protocol):
+    """Runs a job's process to its end (``runner.run_process``). The seam where another way of
+    launching plugs in (a supervisor shim, a cgroup per job) without touching a job's life."""
+
+    def __call__(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        cwd: Path,
+        run_as: RunAs | None,
+        timeout_s: float | None,
+        kill_grace_s: float,
+        stop: asyncio.Future[StopRequest],
+        sink: LogSink,
+        max_line_bytes: int,
+        on_started: Callable[[st.ProcessInfo], Awaitable[None]],
+    ) -> Awaitable[st.Outcome]: ...
+
+
+class Job:
+    """A grant this executor holds in memory: queued, starting or running."""
+
+    def __init__(self, rec: st.GrantRecord) -> None:
+        self.rec = rec
+        # Wall-clock ns: spawn asked, process started (for the job's trace and duration metric).
+        self.spawn_ns = 0
+        self.started_ns = 0
+        self.stop: asyncio.Future[StopRequest] = asyncio.get_running_loop().create_future()
+        self.task: asyncio.Task[None] | None = None
+
+    def request_stop(self, request: StopRequest) -> None:
+        if not self.stop.done():
+            self.stop.set_result(request)
+
+
+class JobRunner:
+    """Holds the jobs of this executor, each in its own task, and the slots they run in."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        config: ExecutorConfig,
+        store: st.StateStore,
+        writer: DurableWriter,
+        reporter: Reporter,
+        telemetry: Telemetry = DISABLED,
+        *,
+        launch: Launch = run_process,
+    ) -> None:
+        self._js = js
+        self._config = config
+        self._node_id = config.node_id
+        self._store = store
+        self._writer = writer
+        self._reporter = reporter
+        self._tel = telemetry
+        self._launch_process = launch
+        self._slots = asyncio.Semaphore(config.max_jobs)
+        self._jobs: dict[str, Job] = {}
+
+    @property
+    def jobs(self) -> Mapping[str, Job]:
+        """The jobs held now (queued, starting or running), by grant id."""
+        return self._jobs
+
+    def _ctx(self, rec: st.GrantRecord) -> dict[str, str]:
+        """Log ``extra`` naming the job, this node and the job's trace (JSON log lines)."""
+        return job_context(rec.job_id, self._node_id, rec.traceparent)
+
+    def launch(self, rec: st.GrantRecord) -> None:
+        """Take a recorded grant (``received``, on disk) into its own task."""
+        job = Job(rec)
+        self._jobs[rec.grant_id] = job
+        job.task = asyncio.create_task(self._job_life(job), name=f"job-{rec.job_id}-{rec.grant_id}")
+
+    def cancel(self, job_id: str, reason: str) -> int:
+        """Stop every grant of the job held here (queued ones never start); how many."""
+        jobs = [j for j in self._jobs.values() if j.rec.job_id == job_id]
+        for job in jobs:
+            job.request_stop(StopRequest(state="cancelled", reason=reason))
+        return len(jobs)
+
+    async def shutdown(self, drain_s: float, reason: str) -> None:
+        """Let running jobs finish for up to ``drain_s``, then stop every job held (reported
+        ``lost`` with ``reason``; a queued one stays ``received`` for the next start)."""
+        running = [j.task for j in self._jobs.values() if j.task and j.rec.phase != "received"]
+        if running and drain_s > 0:
+            log.info("waiting up to %ss for %d running jobs", drain_s, len(running))
+            await asyncio.wait(running, timeout=drain_s)
+        for job in list(self._jobs.values()):
+            job.request_stop(StopRequest(state="lost", reason=reason))
+        tasks = [j.task for j in self._jobs.values() if j.task]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def end(self, rec: st.GrantRecord, outcome: st.Outcome) -> None:
+        """Finish a record no task of this run holds (one a previous run left) and report it."""
+        await self._finish(Job(rec), outcome)
+
+    async def _save(self, job: Job, rec: st.GrantRecord, *, durable: bool = True) -> None:
+        if durable:
+            await self._writer.save(rec)
+        else:
+            self._writer.save_soon(rec)
+        job.rec = rec
+
+    async def _job_life(self, job: Job) -> None:
+        try:
+            outcome = await self._queued_then_run(job)
+            if outcome is not None:
+                await self._finish(job, outcome)
+        except Exception:
+            log.exception(
+                "job %s (grant %s): executor error",
+                job.rec.job_id,
+                job.rec.grant_id,
+                extra=self._ctx(job.rec),
+            )
+            if job.rec.phase != "finished":
+                with contextlib.suppress(Exception):
+                    await self._finish(job, st.Outcome(state="lost", reason="executor error"))
+        finally:
+            self._jobs.pop(job.rec.grant_id, None)
+
+    async def _acquire_slot(self, job: Job) -> bool:
+        """Wait for a free slot, unless the job is stopped first."""
+        acquire = asyncio.create_task(self._slots.acquire())
+        either: set[asyncio.Future[Any]] = {acquire, job.stop}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if not acquire.done():
+            acquire.cancel()
+        try:
+            await acquire
+        except asyncio.CancelledError:
+            return False
+        if job.stop.done():
+            self._slots.release()
+            return False
+        return True
+
+    async def _queued_then_run(self, job: Job) -> st.Outcome | None:
+        """The outcome to report, or None when the job stays queued for the next run."""
+        mark = self._store.cancel_mark(job.rec.job_id)  # a stat, and a small read if marked
+        if mark is not None:
+            job.request_stop(StopRequest(state="cancelled", reason=mark.reason))
+        if not await self._acquire_slot(job):
+            request = job.stop.result()
+            if request.state == "lost":
+                # Executor stopping: the job never started, so it stays "received" on disk and
+                # the next run starts it. Nothing is reported, nothing is lost.
+                return None
+            return st.Outcome(state="cancelled", reason=request.reason)
+        try:
+            return await self._run(job)
+        finally:
+            self._slots.release()
+
+    def _environment(self, job: Job) -> dict[str, str] | st.Outcome:
+        """The job's environment, or the outcome of a job refused for it."""
+        grant = job.rec.grant
+        try:
+            env = job_environment(grant, self._config.base_env)
+        except EnvRefused as err:
+            log.warning("job %s refused: %s", grant.job.job_id, err, extra=self._ctx(job.rec))
+            return st.Outcome(state="failed", reason=str(err))
+        if grant.visible_env and grant.visible_env != device_env(grant):
+            log.warning(
+                "grant %s: placement's visible_env %s differs from the rule's %s; using the rule",
+                grant.grant_id,
+                grant.visible_env,
+                device_env(grant),
+            )
+        return env
+
+    async def _run(self, job: Job) -> st.Outcome:
+        grant = job.rec.grant
+        env = self._environment(job)
+        if isinstance(env, st.Outcome):
+            return env
+        cwd = self._store.job_dir(grant.grant_id)
+        self._prepare_dir(cwd)  # mkdir and chmod: no disk flush, cheaper than a thread hand-off
+        await self._save(job, st.starting(job.rec))
+        sink = LogSink(
+            self._js, grant.job.job_id, max_backlog_bytes=self._config.max_log_backlog_bytes
+        )
+        sink.start()
+
+        async def on_started(info: st.ProcessInfo) -> None:
+            job.started_ns = time.time_ns()
+            await self._save(job, st.running(job.rec, info), durable=False)
+            log.debug("job %s running as pid %s in %s", grant.job.job_id, info.pid, cwd)
+            # Whether "running" got out is not recorded: after a restart a job that was running
+            # is reported lost either way, and the terminal report supersedes it.
+            await self._reporter.report(job.rec)
+
+        job.spawn_ns = time.time_ns()
+        try:
+            return await self._launch_process(
+                grant.job.command,
+                env=env,
+                cwd=cwd,
+                run_as=self._config.run_as,
+                timeout_s=grant.job.timeout_s,
+                kill_grace_s=self._config.kill_grace_s,
+                stop=job.stop,
+                sink=sink,
+                max_line_bytes=self._config.max_line_bytes,
+                on_started=on_started,
+            )
+        except SpawnError as err:
+            log.warning("job %s: %s", grant.job.job_id, err, extra=self._ctx(job.rec))
+            return st.Outcome(state="failed", reason=f"spawn: {err}")
+        finally:
+            await sink.close()
+            if sink.dropped_total:
+                log.warning(
+                    "job %s: %d output lines dropped",
+                    grant.job.job_id,
+                    sink.dropped_total,
+                    extra=self._ctx(job.rec),
+                )
+
+    def _prepare_dir(self, cwd: Path) -> None:
+        cwd.mkdir(parents=True, exist_ok=True)
+        if self._config.run_as is not None:
+            os.chown(cwd, self._config.run_as.uid, self._config.run_as.gid)
+        cwd.chmod(0o700)
+
+    async def _finish(self, job: Job, outcome: st.Outcome) -> None:
+        await self._save(job, st.finished(job.rec, outcome))
+        if self._tel.enabled:
+            trace_job(self._tel, self._node_id, job, outcome)
+        log.info(
+            "job %s (grant %s) %s%s",
+            job.rec.job_id,
+            job.rec.grant_id,
+            outcome.state,
+            f": {outcome.reason}" if outcome.reason else "",
+            extra=self._ctx(job.rec),
+        )
+        await self._reporter.report_finished(job.rec)
+
+
+def trace_job(tel: Telemetry, node_id: str, job: Job, outcome: st.Outcome) -> None:
+    """The job's run as spans under the grant's trace (the submitter's), and its metrics.
+
+    Recorded when the job ends, with the measured times: a span left open across an
+    executor restart would never be exported anyway."""
+    from opentelemetry import trace
+    from opentelemetry.trace import SpanKind, Status, StatusCode
+
+    grant = job.rec.grant
+    end = time.time_ns()
+    begin = job.spawn_ns or end
+    attrs: dict[str, Any] = {
+        "messaging.system": "nats",
+        "gpulayer.job.id": grant.job.job_id,
+        "gpulayer.node.id": node_id,
+        "gpulayer.accelerator": grant.accelerator,
+        "gpulayer.devices": grant.devices,
+        "gpulayer.outcome": outcome.state,
+    }
+    if outcome.exit_code is not None:
+        attrs["process.exit.code"] = outcome.exit_code
+    tracer = tel.tracer
+    parent = extract({"traceparent": job.rec.traceparent}) if job.rec.traceparent else None
+    root = tracer.start_span(
+        "executor run",
+        context=parent,
+        kind=SpanKind.CONSUMER,
+        attributes=attrs,
+        start_time=begin,
+    )
+    ctx = trace.set_span_in_context(root)
+    if job.started_ns:
+        tracer.start_span("executor start", context=ctx, start_time=begin).end(
+            end_time=job.started_ns
+        )
+        tracer.start_span("executor process", context=ctx, start_time=job.started_ns).end(
+            end_time=end
+        )
+    if outcome.state != "succeeded":
+        root.set_status(Status(StatusCode.ERROR, outcome.reason or outcome.state))
+    root.end(end_time=end)
+    labels = {"outcome": outcome.state, "accelerator": grant.accelerator}
+    tel.count("gpulayer.executor.jobs", 1, labels)
+    if job.started_ns:
+        tel.record("gpulayer.executor.job.duration", (end - job.started_ns) / 1e9, labels)

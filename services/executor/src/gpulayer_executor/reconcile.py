@@ -1,0 +1,104 @@
+"""Settling, at start, every grant a previous run of the executor left unfinished or
+unreported, before anything new is fetched."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from typing import Literal
+
+from gpulayer_executor import procs
+from gpulayer_executor import state as st
+from gpulayer_executor.job_runner import JobRunner
+from gpulayer_executor.reporter import Reporter
+from gpulayer_runtime.logs import job_context
+
+# The executor's lines keep the logger name they had before it was split into parts.
+log = logging.getLogger("gpulayer_executor.service")
+
+RESTARTED = "executor restarted"
+
+Action = Literal["report", "start", "orphan", "none"]
+
+
+def action_for(rec: st.GrantRecord) -> Action:
+    """What a record left by a previous run needs. Pure.
+
+    - finished but unreported: ``report`` it (Nats-Msg-Id makes a repeat harmless);
+    - received (never spawned): ``start`` it (the job runner honours a cancel recorded since);
+    - starting or running: an ``orphan``. The process may still run, but we no longer hold its
+      pipes or its exit status: kill its group if it is still ours and report ``lost``. Never
+      started again.
+    - finished and reported: ``none``.
+    """
+    if rec.phase == "finished":
+        return "none" if rec.reported else "report"
+    if rec.phase == "received":
+        return "start"
+    return "orphan"
+
+
+class Reconciler:
+    """Reads the unsettled records once and settles each (see ``action_for``)."""
+
+    def __init__(
+        self,
+        store: st.StateStore,
+        runner: JobRunner,
+        reporter: Reporter,
+        *,
+        node_id: str,
+        kill_grace_s: float,
+    ) -> None:
+        self._store = store
+        self._runner = runner
+        self._reporter = reporter
+        self._node_id = node_id
+        self._kill_grace_s = kill_grace_s
+
+    async def reconcile(self) -> None:
+        """Settle every grant a previous run left unfinished or unreported. Returns once the
+        reports and kills are done; grants that were queued are running again in the runner."""
+        records = await asyncio.to_thread(self._store.unsettled)
+        settle: list[Awaitable[None]] = []
+        for rec in records:
+            action = action_for(rec)
+            if action == "report":
+                settle.append(self._reporter.report_finished(rec))
+            elif action == "start":
+                log.info("grant %s (job %s) was queued; starting it", rec.grant_id, rec.job_id)
+                self._runner.launch(rec)
+            elif action == "orphan":
+                settle.append(self._settle_orphan(rec))
+        if settle:
+            await asyncio.gather(*settle)
+
+    async def _settle_orphan(self, rec: st.GrantRecord) -> None:
+        proc = rec.process
+        ctx = job_context(rec.job_id, self._node_id, rec.traceparent)
+        if proc is not None and procs.owns_group(proc.pgid, proc.start_ticks, proc.boot_id):
+            log.warning(
+                "job %s (grant %s): killing orphaned group %s",
+                rec.job_id,
+                rec.grant_id,
+                proc.pgid,
+                extra=ctx,
+            )
+            await procs.terminate_group(proc.pgid, self._kill_grace_s)
+        elif proc is None:
+            # Crashed between spawn and recording the pid: the job's environment names the grant,
+            # so its processes can still be found (Linux) and their groups killed.
+            pids = await asyncio.to_thread(procs.find_by_env, "GPULAYER_GRANT_ID", rec.grant_id)
+            groups = {g for g in map(procs.pgid_of, pids) if g is not None and g > 1}
+            for pgid in groups:
+                log.warning("job %s: killing unrecorded group %s", rec.job_id, pgid, extra=ctx)
+            await asyncio.gather(*(procs.terminate_group(g, self._kill_grace_s) for g in groups))
+        else:
+            log.warning(
+                "job %s (grant %s): process gone while the executor was down",
+                rec.job_id,
+                rec.grant_id,
+                extra=ctx,
+            )
+        await self._runner.end(rec, st.Outcome(state="lost", reason=RESTARTED))

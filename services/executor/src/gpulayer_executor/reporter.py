@@ -1,0 +1,139 @@
+"""Reporting a grant's state: a ``JobStatus`` to placement and the job event to its user.
+
+Both carry ``Nats-Msg-Id`` = ``<grant id>:<state>``, so a repeated report (a retry, or the
+next start reporting again what a crash left unconfirmed) is dropped by JetStream within its
+duplicate window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import nats.errors
+from nats.js import JetStreamContext
+
+from gpulayer_contracts.codec import encode
+from gpulayer_contracts.events import (
+    Cancelled,
+    Failed,
+    JobEvent,
+    JobStatus,
+    Lost,
+    Running,
+    Succeeded,
+)
+from gpulayer_contracts.subjects import MSG_ID_HEADER, job_events, node_status
+from gpulayer_executor import state as st
+from gpulayer_executor.writer import DurableWriter
+
+# The executor's lines keep the logger name they had before it was split into parts.
+log = logging.getLogger("gpulayer_executor.service")
+
+
+def status_for(rec: st.GrantRecord, node_id: str) -> tuple[JobStatus, JobEvent]:
+    """The status message and job event reporting the record's latest state. Pure."""
+    job_id, grant_id = rec.job_id, rec.grant_id
+    out = rec.outcome
+    if out is None:
+        proc = rec.process
+        pid = proc.pid if proc else None
+        at = proc.started_at if proc else rec.received_at
+        return (
+            JobStatus(
+                job_id=job_id, grant_id=grant_id, node_id=node_id, state="running", pid=pid, at=at
+            ),
+            Running(job_id=job_id, node_id=node_id, pid=pid, at=at),
+        )
+    status = JobStatus(
+        job_id=job_id,
+        grant_id=grant_id,
+        node_id=node_id,
+        state=out.state,
+        at=out.at,
+        pid=rec.process.pid if rec.process else None,
+        exit_code=out.exit_code,
+        signal=out.signal,
+        reason=out.reason,
+    )
+    event: JobEvent
+    if out.state == "succeeded":
+        event = Succeeded(job_id=job_id, node_id=node_id, exit_code=out.exit_code or 0, at=out.at)
+    elif out.state == "failed":
+        event = Failed(
+            job_id=job_id,
+            node_id=node_id,
+            exit_code=out.exit_code,
+            signal=out.signal,
+            reason=out.reason,
+            at=out.at,
+        )
+    elif out.state == "cancelled":
+        event = Cancelled(job_id=job_id, node_id=node_id, reason=out.reason, at=out.at)
+    else:
+        event = Lost(job_id=job_id, node_id=node_id, reason=out.reason, at=out.at)
+    return status, event
+
+
+class Reporter:
+    """Publishes a record's state to both streams, retrying while the executor serves.
+
+    ``stopping`` changes the retry rule: until it is set a failed publish is retried forever
+    (NATS may be restarting); once set, three tries, and the record stays unreported for the
+    next start to report."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        node_id: str,
+        writer: DurableWriter,
+        stopping: asyncio.Event,
+        *,
+        publish_timeout_s: float = 5.0,
+    ) -> None:
+        self._js = js
+        self._node_id = node_id
+        self._writer = writer
+        self._stopping = stopping
+        self._publish_timeout_s = publish_timeout_s
+
+    async def report(self, rec: st.GrantRecord) -> bool:
+        """Publish the record's state to placement and to the job's events. True when both
+        were stored; False leaves the record unreported for the next start to retry."""
+        status, event = status_for(rec, self._node_id)
+        msg_id = f"{rec.grant_id}:{status.state}"
+        # Independent streams: both in flight at once, one round trip instead of two.
+        to_placement, to_user = await asyncio.gather(
+            self._publish(node_status(self._node_id), encode(status), msg_id),
+            self._publish(job_events(rec.job_id), encode(event), msg_id),
+        )
+        return to_placement and to_user
+
+    async def report_finished(self, rec: st.GrantRecord) -> None:
+        """Report a finished record; once both streams stored it, mark it ``reported`` (in the
+        next commit, not waited for: losing the mark costs only a deduplicated repeat)."""
+        if await self.report(rec):
+            self._writer.save_soon(st.reported(rec))
+
+    async def _publish(self, subject: str, payload: bytes, msg_id: str) -> bool:
+        delay = 0.2
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                await self._js.publish(
+                    subject,
+                    payload,
+                    timeout=self._publish_timeout_s,
+                    headers={MSG_ID_HEADER: msg_id},
+                )
+                return True
+            except (nats.errors.Error, OSError) as err:
+                # While serving, keep trying (NATS may be restarting); once stopping, a few
+                # tries and the unreported record waits for the next start.
+                if self._stopping.is_set() and attempts >= 3:
+                    log.error("could not publish %s to %s: %s", msg_id, subject, err)
+                    return False
+                log.warning("publishing %s failed, retrying: %s", msg_id, err)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)

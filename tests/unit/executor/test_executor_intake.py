@@ -1,0 +1,154 @@
+"""Grant intake alone, fed messages by hand: the ``received`` record is on disk before the ack,
+a repeat is acked and ignored, a grant for another node is refused, a cancel is recorded
+before its ack and reaches the job."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+from typing import cast
+
+import pytest
+from nats.aio.msg import Msg
+from tests.unit.executor.fakes import NODE, FakeJetStream, FakeLaunch, grant, until
+
+from gpulayer_contracts.codec import encode
+from gpulayer_contracts.events import CancelJob, Grant
+from gpulayer_contracts.subjects import job_events, node_grants, node_status
+from gpulayer_executor import state as st
+from gpulayer_executor.config import ExecutorConfig
+from gpulayer_executor.intake import GrantIntake
+from gpulayer_executor.job_runner import JobRunner
+from gpulayer_executor.reporter import Reporter
+from gpulayer_executor.writer import DurableWriter
+
+
+class FakeMsg:
+    def __init__(self, data: bytes, on_ack: Callable[[], object] = lambda: None) -> None:
+        self.data = data
+        self.subject = node_grants(NODE)
+        self.headers: dict[str, str] | None = {
+            "traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"
+        }
+        self.acks = 0
+        self.on_ack = on_ack
+
+    async def ack(self) -> None:
+        self.on_ack()
+        self.acks += 1
+
+    @property
+    def msg(self) -> Msg:
+        return cast(Msg, self)
+
+
+class Parts:
+    def __init__(self, tmp_path: Path) -> None:
+        self.fake = FakeJetStream()
+        self.store = st.StateStore(tmp_path)
+        self.writer = DurableWriter(self.store)
+        reporter = Reporter(self.fake.js, NODE, self.writer, asyncio.Event())
+        self.launch = FakeLaunch(self.store)
+        config = ExecutorConfig(node_id=NODE, workdir=tmp_path, base_env={"PATH": os.defpath})
+        self.runner = JobRunner(
+            self.fake.js, config, self.store, self.writer, reporter, launch=self.launch
+        )
+        self.intake = GrantIntake(
+            self.fake.js, NODE, self.store, self.writer, self.runner, reporter, asyncio.Event()
+        )
+
+    async def settle(self) -> None:
+        self.launch.finish.set()
+        await asyncio.gather(*(j.task for j in list(self.runner.jobs.values()) if j.task))
+        await self.writer.drain()
+
+
+async def test_a_grant_is_on_disk_as_received_before_its_ack(tmp_path: Path) -> None:
+    p = Parts(tmp_path)
+    g = grant("g1")
+    at_ack: list[str | None] = []
+
+    def seen() -> None:
+        rec = p.store.load("g1")
+        at_ack.append(rec.phase if rec else None)
+
+    msg = FakeMsg(encode(g), on_ack=seen)
+    await p.intake.on_grant(msg.msg)
+    assert at_ack == ["received"]
+    assert msg.acks == 1
+    await until(lambda: p.launch.spawned == ["g1"])
+    rec = p.store.load("g1")
+    assert rec is not None
+    assert rec.traceparent == (msg.headers or {})["traceparent"]
+    await p.settle()
+
+
+async def test_a_grant_delivered_again_is_acked_and_never_started_twice(tmp_path: Path) -> None:
+    p = Parts(tmp_path)
+    payload = encode(grant("g1"))
+    first, again = FakeMsg(payload), FakeMsg(payload)
+    await asyncio.gather(p.intake.on_grant(first.msg), p.intake.on_grant(again.msg))
+    await p.settle()
+    later = FakeMsg(payload)  # after the job ended, too
+    await p.intake.on_grant(later.msg)
+    await p.settle()
+    assert (first.acks, again.acks, later.acks) == (1, 1, 1)
+    assert p.launch.spawned == ["g1"]
+
+
+async def test_an_unwritable_record_leaves_the_grant_unacked(tmp_path: Path) -> None:
+    p = Parts(tmp_path)
+    p.store.close()
+    msg = FakeMsg(encode(grant("g1")))
+    # The consumer logs the error; JetStream redelivers the grant after ack_wait.
+    with pytest.raises(sqlite3.ProgrammingError):
+        await p.intake.on_grant(msg.msg)
+    assert msg.acks == 0
+    assert p.launch.spawned == []
+
+
+async def test_a_grant_for_another_node_is_refused_once(tmp_path: Path) -> None:
+    p = Parts(tmp_path)
+    foreign = Grant(grant_id="g1", job=grant("g1").job, node_id="node-b", accelerator="cpu")
+    for _ in range(2):
+        msg = FakeMsg(encode(foreign))
+        await p.intake.on_grant(msg.msg)
+        assert msg.acks == 1
+    await p.settle()
+    assert p.launch.spawned == []
+    rec = p.store.load("g1")
+    assert rec is not None
+    assert rec.outcome is not None
+    assert rec.outcome.state == "failed"
+    assert "'node-b' was delivered to node 'node-u'" in (rec.outcome.reason or "")
+    assert p.fake.msg_ids(node_status(NODE)) == ["g1:failed"]
+    assert p.fake.msg_ids(job_events("job-g1")) == ["g1:failed"]
+
+
+async def test_a_malformed_grant_is_acked_and_dropped(tmp_path: Path) -> None:
+    p = Parts(tmp_path)
+    msg = FakeMsg(b'{"grant_id": 3}')
+    await p.intake.on_grant(msg.msg)
+    assert msg.acks == 1
+    assert p.store.all() == []
+
+
+async def test_a_cancel_is_recorded_before_its_ack_and_stops_the_job(tmp_path: Path) -> None:
+    p = Parts(tmp_path)
+    await p.intake.on_grant(FakeMsg(encode(grant("g1"))).msg)
+    await until(lambda: p.launch.running == 1)
+    marked: list[bool] = []
+    cancel = CancelJob(job_id="job-g1", reason="user asked")
+    msg = FakeMsg(
+        encode(cancel), on_ack=lambda: marked.append(p.store.cancel_mark("job-g1") is not None)
+    )
+    await p.intake.on_cancel(msg.msg)
+    assert marked == [True]
+    await asyncio.gather(*(j.task for j in list(p.runner.jobs.values()) if j.task))
+    rec = p.store.load("g1")
+    assert rec is not None
+    assert rec.outcome is not None
+    assert (rec.outcome.state, rec.outcome.reason) == ("cancelled", "user asked")

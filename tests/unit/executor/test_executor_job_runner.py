@@ -1,0 +1,182 @@
+"""The job runner alone, with a stand-in for the process launch: slots, the durable order
+around the spawn, cancels, spawn errors and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+from tests.unit.executor.fakes import NODE, FakeJetStream, FakeLaunch, grant, until
+
+from gpulayer_contracts.subjects import job_events, node_status
+from gpulayer_executor import state as st
+from gpulayer_executor.config import ExecutorConfig
+from gpulayer_executor.job_runner import JobRunner
+from gpulayer_executor.reporter import Reporter
+from gpulayer_executor.runner import SpawnError
+from gpulayer_executor.writer import DurableWriter
+
+
+class Parts:
+    def __init__(self, tmp_path: Path, max_jobs: int) -> None:
+        self.fake = FakeJetStream()
+        self.store = st.StateStore(tmp_path)
+        self.writer = DurableWriter(self.store)
+        self.reporter = Reporter(self.fake.js, NODE, self.writer, asyncio.Event())
+        self.launch = FakeLaunch(self.store)
+        config = ExecutorConfig(
+            node_id=NODE, workdir=tmp_path, base_env={"PATH": os.defpath}, max_jobs=max_jobs
+        )
+        self.runner = JobRunner(
+            self.fake.js, config, self.store, self.writer, self.reporter, launch=self.launch
+        )
+
+    def start(self, grant_id: str) -> st.GrantRecord:
+        """As intake does: the ``received`` record on disk, then the job to the runner."""
+        rec = st.received(grant(grant_id))
+        assert self.store.create(rec)
+        self.runner.launch(rec)
+        return rec
+
+    async def all_done(self) -> None:
+        await asyncio.gather(*(j.task for j in list(self.runner.jobs.values()) if j.task))
+        await self.writer.drain()
+
+    def record(self, grant_id: str) -> st.GrantRecord:
+        rec = self.store.load(grant_id)
+        assert rec is not None
+        return rec
+
+
+async def test_jobs_beyond_the_slots_wait_and_every_job_runs_once(tmp_path: Path) -> None:
+    p = Parts(tmp_path, max_jobs=2)
+    ids = [f"g{i}" for i in range(5)]
+    for grant_id in ids:
+        p.start(grant_id)
+    await until(lambda: p.launch.running == 2)
+    await asyncio.sleep(0.05)  # a third would have started by now
+    assert len(p.launch.spawned) == 2
+    waiting = [g for g in ids if g not in p.launch.spawned]
+    assert {p.record(g).phase for g in waiting} == {"received"}
+    p.launch.finish.set()
+    await p.all_done()
+    assert p.launch.peak == 2
+    assert sorted(p.launch.spawned) == ids
+    assert not p.runner.jobs
+    for grant_id in ids:
+        rec = p.record(grant_id)
+        assert rec.outcome is not None
+        assert (rec.phase, rec.outcome.state, rec.reported) == ("finished", "succeeded", True)
+    assert sorted(p.fake.msg_ids(node_status(NODE))) == sorted(
+        [f"{g}:running" for g in ids] + [f"{g}:succeeded" for g in ids]
+    )
+
+
+async def test_starting_is_on_disk_before_the_spawn(tmp_path: Path) -> None:
+    p = Parts(tmp_path, max_jobs=4)
+    p.launch.finish.set()
+    p.start("g1")
+    await p.all_done()
+    assert p.launch.phase_at_spawn == {"g1": "starting"}
+
+
+async def test_a_cancel_reaches_a_queued_job_which_never_starts(tmp_path: Path) -> None:
+    p = Parts(tmp_path, max_jobs=1)
+    p.start("g1")
+    await until(lambda: p.launch.running == 1)
+    p.start("g2")
+    assert p.runner.cancel("job-g2", "user asked") == 1
+    await until(lambda: p.record("g2").phase == "finished")
+    outcome = p.record("g2").outcome
+    assert outcome is not None
+    assert (outcome.state, outcome.reason) == ("cancelled", "user asked")
+    assert p.fake.msg_ids(job_events("job-g2")) == ["g2:cancelled"]
+    p.launch.finish.set()
+    await p.all_done()
+    assert p.launch.spawned == ["g1"]
+
+
+async def test_a_cancel_recorded_before_the_grant_means_it_never_starts(tmp_path: Path) -> None:
+    p = Parts(tmp_path, max_jobs=1)
+    p.store.mark_cancel("job-g1", "cancelled earlier")
+    p.start("g1")
+    await p.all_done()
+    assert p.launch.spawned == []
+    outcome = p.record("g1").outcome
+    assert outcome is not None
+    assert (outcome.state, outcome.reason) == ("cancelled", "cancelled earlier")
+
+
+async def test_a_spawn_error_fails_the_job_and_frees_its_slot(tmp_path: Path) -> None:
+    p = Parts(tmp_path, max_jobs=1)
+    p.launch.error = SpawnError("could not start 'nope': no such file")
+    p.start("g1")
+    await p.all_done()
+    outcome = p.record("g1").outcome
+    assert outcome is not None
+    assert (outcome.state, outcome.reason) == (
+        "failed",
+        "spawn: could not start 'nope': no such file",
+    )
+    assert p.fake.msg_ids(node_status(NODE)) == ["g1:failed"]  # never said running
+    p.launch.error = None
+    p.launch.finish.set()
+    p.start("g2")
+    await p.all_done()
+    assert p.record("g2").phase == "finished"
+
+
+async def test_an_executor_error_reports_the_job_lost_and_frees_its_slot(tmp_path: Path) -> None:
+    p = Parts(tmp_path, max_jobs=1)
+    p.launch.error = RuntimeError("bug")
+    p.start("g1")
+    await p.all_done()
+    outcome = p.record("g1").outcome
+    assert outcome is not None
+    assert (outcome.state, outcome.reason) == ("lost", "executor error")
+    p.launch.error = None
+    p.launch.finish.set()
+    p.start("g2")
+    await p.all_done()
+    assert p.launch.spawned == ["g1", "g2"]
+
+
+async def test_a_refused_env_fails_the_job_before_anything_starts(tmp_path: Path) -> None:
+    p = Parts(tmp_path, max_jobs=1)
+    rec = st.received(grant("g1", env={"GPULAYER_GRANT_ID": "forged"}))
+    assert p.store.create(rec)
+    p.runner.launch(rec)
+    await p.all_done()
+    assert p.launch.spawned == []
+    outcome = p.record("g1").outcome
+    assert outcome is not None
+    assert outcome.state == "failed"
+    assert "GPULAYER_GRANT_ID" in (outcome.reason or "")
+
+
+async def test_shutdown_stops_running_jobs_lost_and_keeps_queued_ones(tmp_path: Path) -> None:
+    p = Parts(tmp_path, max_jobs=1)
+    p.start("g1")
+    await until(lambda: p.launch.running == 1)
+    p.start("g2")
+    await p.runner.shutdown(0.0, "executor stopped")
+    await p.writer.drain()
+    outcome = p.record("g1").outcome
+    assert outcome is not None
+    assert (outcome.state, outcome.reason) == ("lost", "executor stopped")
+    assert p.record("g2").phase == "received"  # started by the next run
+    assert p.fake.msg_ids(job_events("job-g2")) == []
+    assert p.launch.spawned == ["g1"]
+    assert not p.runner.jobs
+
+
+async def test_shutdown_lets_running_jobs_finish_within_the_drain_time(tmp_path: Path) -> None:
+    p = Parts(tmp_path, max_jobs=1)
+    p.start("g1")
+    await until(lambda: p.launch.running == 1)
+    asyncio.get_running_loop().call_later(0.05, p.launch.finish.set)
+    await p.runner.shutdown(5.0, "executor stopped")
+    outcome = p.record("g1").outcome
+    assert outcome is not None
+    assert outcome.state == "succeeded"
