@@ -144,3 +144,41 @@ def test_no_import_cycle_inside_a_package(package: str) -> None:
             targets.discard(package)
         graph[module] = targets
     assert _cycle(graph) is None, f"import cycle in {package}: {' -> '.join(_cycle(graph) or [])}"
+
+
+# Sizes past which a part of a service is two parts (STYLE.md, lesson 12).
+MAX_SERVICE_FILE_LINES = 500
+MAX_SERVICE_CLASS_LINES = 400
+MAX_SERVICE_FUNCTION_LINES = 60
+
+
+def _oversized(file: Path) -> list[str]:
+    text = file.read_text()
+    found = []
+    if (n := len(text.splitlines())) > MAX_SERVICE_FILE_LINES:
+        found.append(f"the file has {n} lines (> {MAX_SERVICE_FILE_LINES})")
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            limit = (
+                MAX_SERVICE_CLASS_LINES
+                if isinstance(node, ast.ClassDef)
+                else MAX_SERVICE_FUNCTION_LINES
+            )
+            n = (node.end_lineno or node.lineno) - node.lineno + 1
+            if n > limit:
+                found.append(f"{node.name} has {n} lines (> {limit})")
+    return found
+
+
+def test_oversized_finds_a_long_function(tmp_path: Path) -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_SERVICE_FUNCTION_LINES))
+    (tmp_path / "long.py").write_text(f"def f():\n{body}\n")
+    assert _oversized(tmp_path / "long.py") == [
+        f"f has {MAX_SERVICE_FUNCTION_LINES + 1} lines (> {MAX_SERVICE_FUNCTION_LINES})"
+    ]
+
+
+@pytest.mark.parametrize("module", sorted(_modules(SERVICES)))
+def test_service_parts_stay_small(module: str) -> None:
+    file = _modules(SERVICES)[module]
+    assert not _oversized(file), f"{file.relative_to(ROOT)}: {'; '.join(_oversized(file))}"

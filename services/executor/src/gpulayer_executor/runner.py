@@ -238,8 +238,7 @@ async def run_process(
         PipeReader(out_fd, "stdout", sink, max_line_bytes),
         PipeReader(err_fd, "stderr", sink, max_line_bytes),
     ]
-    exit_ = _Exit(proc)
-    waiter = exit_.future
+    waiter = _Exit(proc).future
     try:
         info = ProcessInfo(
             pid=proc.pid,
@@ -248,24 +247,7 @@ async def run_process(
             boot_id=procs.boot_id(),
         )
         await on_started(info)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        either: set[asyncio.Future[Any]] = {waiter, stop}
-        done, _ = await asyncio.wait(either, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
-        if waiter in done:
-            outcome = _exit_outcome(waiter.result())
-            # The main process is done; whatever it left behind goes with it, so no stray
-            # child keeps holding the job's GPUs (or its pipes).
-            await job.kill()
-        elif stop in done:
-            request = stop.result()
-            log.info("stopping pid %s: %s", pgid, request.reason)
-            await _terminate(job, waiter, kill_grace_s)
-            outcome = _stopped_outcome(waiter.result(), request.state, request.reason)
-        else:
-            log.info("pid %s exceeded its timeout of %ss", pgid, timeout_s)
-            await _terminate(job, waiter, kill_grace_s)
-            outcome = _stopped_outcome(waiter.result(), "failed", "timeout")
+        outcome = await _until_end(job, waiter, stop, timeout_s, kill_grace_s)
     except BaseException:
         # Whatever went wrong here (including our own cancellation), the job must not outlive
         # our knowledge of it.
@@ -276,17 +258,47 @@ async def run_process(
             await asyncio.wait_for(asyncio.shield(waiter), 5.0)
         raise
     finally:
-        # Everything of the job is dead by now, so the pipes normally reach EOF at once; a
-        # process we could not find may still hold them, and must not hold up the job's end.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(
-                asyncio.gather(*(asyncio.shield(r.done) for r in readers)), PIPE_DRAIN_S
-            )
-        for reader in readers:
-            reader.close()
+        await _close_readers(readers)
         if cgroup is not None:
             cgroup.remove()
     return outcome
+
+
+async def _close_readers(readers: list[PipeReader]) -> None:
+    # Everything of the job is dead by now, so the pipes normally reach EOF at once; a process
+    # we could not find may still hold them, and must not hold up the job's end.
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(
+            asyncio.gather(*(asyncio.shield(r.done) for r in readers)), PIPE_DRAIN_S
+        )
+    for reader in readers:
+        reader.close()
+
+
+async def _until_end(
+    job: _JobProcesses,
+    waiter: asyncio.Future[int],
+    stop: asyncio.Future[StopRequest],
+    timeout_s: float | None,
+    kill_grace_s: float,
+) -> Outcome:
+    """Wait for the first of: the main process' exit, ``stop``, the timeout; end the job's
+    processes accordingly and say how it ended."""
+    either: set[asyncio.Future[Any]] = {waiter, stop}
+    done, _ = await asyncio.wait(either, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    if waiter in done:
+        # The main process is done; whatever it left behind goes with it, so no stray child
+        # keeps holding the job's GPUs (or its pipes).
+        await job.kill()
+        return _exit_outcome(waiter.result())
+    if stop in done:
+        request = stop.result()
+        log.info("stopping pid %s: %s", job.pgid, request.reason)
+        await _terminate(job, waiter, kill_grace_s)
+        return _stopped_outcome(waiter.result(), request.state, request.reason)
+    log.info("pid %s exceeded its timeout of %ss", job.pgid, timeout_s)
+    await _terminate(job, waiter, kill_grace_s)
+    return _stopped_outcome(waiter.result(), "failed", "timeout")
 
 
 async def _terminate(job: _JobProcesses, waiter: asyncio.Future[int], grace_s: float) -> None:
