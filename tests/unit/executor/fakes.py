@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import nats.errors
+from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
@@ -62,6 +63,17 @@ class FakeJetStream:
     @property
     def js(self) -> JetStreamContext:
         return cast(JetStreamContext, self)
+
+    @property
+    def nc(self) -> Client:
+        """The connection beside it, for plain publishes (recorded with no message id)."""
+        fake = self
+
+        class _Nats:
+            async def publish(self, subject: str, payload: bytes = b"", **_: Any) -> None:
+                fake.published.append((subject, payload, ""))
+
+        return cast(Client, _Nats())
 
 
 class FakeLaunch:

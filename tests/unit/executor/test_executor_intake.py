@@ -54,7 +54,13 @@ class Parts:
         self.launch = FakeLaunch(self.store)
         config = ExecutorConfig(node_id=NODE, workdir=tmp_path, base_env={"PATH": os.defpath})
         self.runner = JobRunner(
-            self.fake.js, config, self.store, self.writer, reporter, launch=self.launch
+            self.fake.nc,
+            self.fake.js,
+            config,
+            self.store,
+            self.writer,
+            reporter,
+            launch=self.launch,
         )
         self.intake = GrantIntake(
             self.fake.js, NODE, self.store, self.writer, self.runner, reporter, asyncio.Event()

@@ -29,7 +29,13 @@ class Parts:
             node_id=NODE, workdir=tmp_path, base_env={"PATH": os.defpath}, max_jobs=max_jobs
         )
         self.runner = JobRunner(
-            self.fake.js, config, self.store, self.writer, self.reporter, launch=self.launch
+            self.fake.nc,
+            self.fake.js,
+            config,
+            self.store,
+            self.writer,
+            self.reporter,
+            launch=self.launch,
         )
 
     def start(self, grant_id: str) -> st.GrantRecord:

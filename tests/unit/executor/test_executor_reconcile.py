@@ -57,7 +57,13 @@ class Parts:
         self.launch.finish.set()
         config = ExecutorConfig(node_id=NODE, workdir=tmp_path, base_env={"PATH": os.defpath})
         self.runner = JobRunner(
-            self.fake.js, config, self.store, self.writer, reporter, launch=self.launch
+            self.fake.nc,
+            self.fake.js,
+            config,
+            self.store,
+            self.writer,
+            reporter,
+            launch=self.launch,
         )
         self.reconciler = Reconciler(
             self.store, self.runner, reporter, node_id=NODE, kill_grace_s=0.5

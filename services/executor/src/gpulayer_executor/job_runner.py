@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from gpulayer_executor import state as st
@@ -74,6 +75,7 @@ class JobRunner:
 
     def __init__(
         self,
+        nc: Client,
         js: JetStreamContext,
         config: ExecutorConfig,
         store: st.StateStore,
@@ -83,6 +85,7 @@ class JobRunner:
         *,
         launch: Launch = run_process,
     ) -> None:
+        self._nc = nc
         self._js = js
         self._config = config
         self._node_id = config.node_id
@@ -217,7 +220,10 @@ class JobRunner:
         self._prepare_dir(cwd)  # mkdir and chmod: no disk flush, cheaper than a thread hand-off
         await self._save(job, st.starting(job.rec))
         sink = LogSink(
-            self._js, grant.job.job_id, max_backlog_bytes=self._config.max_log_backlog_bytes
+            self._nc,
+            self._js,
+            grant.job.job_id,
+            max_backlog_bytes=self._config.max_log_backlog_bytes,
         )
         sink.start()
 

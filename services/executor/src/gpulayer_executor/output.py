@@ -107,6 +107,7 @@ class LogSink:
 
     def __init__(
         self,
+        nc: Client,
         js: JetStreamContext,
         job_id: str,
         *,
@@ -115,8 +116,8 @@ class LogSink:
         max_bytes_per_s: int = 1 << 20,
     ) -> None:
         self._js = js
-        # The JetStream context's own connection, for the publishes that need no ack.
-        self._nc: Client = js._nc
+        # Plain publishes for the lines between acked sync points (they need no ack each).
+        self._nc = nc
         self.job_id = job_id
         self.subject = job_logs(job_id)
         self.max_backlog_bytes = max_backlog_bytes

@@ -58,7 +58,9 @@ class Executor:
             self._stopping,
             publish_timeout_s=config.publish_timeout_s,
         )
-        self.runner = JobRunner(self.js, config, self.store, self.writer, self.reporter, telemetry)
+        self.runner = JobRunner(
+            nc, self.js, config, self.store, self.writer, self.reporter, telemetry
+        )
         self.reconciler = Reconciler(
             self.store,
             self.runner,
