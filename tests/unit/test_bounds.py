@@ -357,3 +357,83 @@ def test_protected_env_name_stays_readable_and_short() -> None:
     errors = validate_job(make_job(env={"GPULAYER_" + "X" * 5000: "1"})).errors
     assert any(e.startswith("$.env['GPULAYER_XXX") and "set by gpulayer" in e for e in errors)
     assert all(len(e) <= b.MAX_MESSAGE_CHARS for e in errors)
+
+
+# --- The job's size against the server's max_payload ---
+
+
+def largest_job(target: int) -> JobRequest:
+    """A job that passes validation and encodes to exactly ``target`` bytes: arguments of
+    control characters (1 byte for execve, 6 once JSON-escaped) fill it, a plain one pads it."""
+    filler = "\x01" * 20_000  # 20_000 bytes raw, 120_002 encoded
+    args = ["prog"]
+
+    def build(pad: int) -> JobRequest:
+        return make_job(
+            job_id="j" * 128,
+            command=[*args, "x" * pad],
+            name="n" * b.MAX_NAME_BYTES,
+            env={"LONG_" + "E" * 200: "\x02" * 10_000},
+        )
+
+    while len(msgspec.json.encode(build(0))) + 120_003 + 10 < target:
+        args.append(filler)
+    job = build(target - len(msgspec.json.encode(build(0))))
+    assert len(msgspec.json.encode(job)) == target
+    assert validate_job(job).errors == []
+    return job
+
+
+def largest_grant(job: JobRequest, accelerator: Any) -> Any:
+    """``job`` in the largest envelope placement can produce: the longest grant id (job id and
+    an int4 attempt), the longest node id, the most devices at the highest indices, the
+    visibility variables listing them, a timestamp with microseconds and a UTC offset."""
+    from datetime import datetime, timedelta, timezone
+
+    from gpulayer_contracts.events import Grant
+    from gpulayer_contracts.validation import visibility_env
+
+    top = b.MAX_DEVICE_INDEX
+    devices = list(range(top - b.MAX_DEVICES_PER_NODE + 1, top + 1))
+    return Grant(
+        grant_id=f"{job.job_id}-{b.INT32_MAX}",
+        job=job,
+        node_id="é" * (b.MAX_NODE_ID_BYTES // 2),
+        accelerator=accelerator,
+        devices=devices,
+        visible_env=visibility_env(accelerator, devices, True),
+        granted_at=datetime(
+            9999, 12, 31, 23, 59, 59, 999_999, tzinfo=timezone(-timedelta(hours=23, minutes=59))
+        ),
+    )
+
+
+@pytest.mark.parametrize("max_payload", [b.MIN_MAX_PAYLOAD, 1024 * 1024])
+@pytest.mark.parametrize("accelerator", ["cuda", "rocm"])
+def test_largest_allowed_job_in_the_largest_grant_fits_max_payload(
+    max_payload: int, accelerator: str
+) -> None:
+    limit = b.max_job_bytes(max_payload)
+    job = largest_job(limit)
+    assert b.job_size_error(len(msgspec.json.encode(job)), max_payload) is None
+    grant = msgspec.json.encode(largest_grant(job, accelerator))
+    assert len(grant) - limit <= b.GRANT_ENVELOPE_BYTES
+    assert len(grant) + b.HEADER_RESERVE_BYTES <= max_payload
+
+
+@pytest.mark.parametrize("max_payload", [b.MIN_MAX_PAYLOAD, 1024 * 1024])
+def test_one_byte_more_is_rejected_naming_the_size(max_payload: int) -> None:
+    limit = b.max_job_bytes(max_payload)
+    job = largest_job(limit + 1)
+    error = b.job_size_error(len(msgspec.json.encode(job)), max_payload)
+    assert error == (
+        f"$: the job is {limit + 1} bytes encoded, over the limit of {limit} bytes "
+        f"(the server's max_payload of {max_payload} bytes, less 40960 kept for the grant "
+        "around the job)"
+    )
+
+
+def test_max_payload_below_the_minimum_is_a_deployment_error() -> None:
+    with pytest.raises(ValueError, match="max_payload is 65536 bytes; gpulayer needs at least"):
+        b.max_job_bytes(64 * 1024)
+    assert b.max_job_bytes(1024 * 1024) == 1024 * 1024 - 40 * 1024

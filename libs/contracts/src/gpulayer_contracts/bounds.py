@@ -279,3 +279,29 @@ def bound_messages(messages: list[str], most: int = MAX_ERRORS) -> list[str]:
     if len(messages) > most:
         clipped.append(f"... and {len(messages) - most} more")
     return clipped
+
+
+def max_job_bytes(max_payload: int) -> int:
+    """The largest job, as placement encodes it (``len(encode(job))``), whose grant fits a
+    server with this ``max_payload``: the grant is the job plus at most GRANT_ENVELOPE_BYTES,
+    sent with at most HEADER_RESERVE_BYTES of headers. Raises ValueError below MIN_MAX_PAYLOAD
+    (a server configured that small is a deployment error, not a job's)."""
+    if max_payload < MIN_MAX_PAYLOAD:
+        raise ValueError(
+            f"the NATS server's max_payload is {max_payload} bytes; gpulayer needs at least "
+            f"{MIN_MAX_PAYLOAD}"
+        )
+    return max_payload - GRANT_ENVELOPE_BYTES - HEADER_RESERVE_BYTES
+
+
+def job_size_error(encoded_len: int, max_payload: int) -> str | None:
+    """The rejection for a job of ``encoded_len`` bytes (``len(encode(job))``, the job as it
+    will sit in its grant) on a server with this ``max_payload``; None when it fits."""
+    limit = max_job_bytes(max_payload)
+    if encoded_len <= limit:
+        return None
+    return (
+        f"$: the job is {encoded_len} bytes encoded, over the limit of {limit} bytes "
+        f"(the server's max_payload of {max_payload} bytes, less "
+        f"{max_payload - limit} kept for the grant around the job)"
+    )
