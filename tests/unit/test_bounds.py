@@ -4,14 +4,33 @@ just inside accepted, no validated job able to break the matcher."""
 from __future__ import annotations
 
 import math
+import re
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from gpulayer_contracts import bounds as b
+from gpulayer_contracts.capabilities import (
+    AcceleratorDevice,
+    GpuApis,
+    Heartbeat,
+    HostInfo,
+    WorkerCapabilities,
+)
+from gpulayer_contracts.codec import (
+    InvalidInput,
+    best_effort_job_id,
+    capabilities_decoder,
+    decode_job_json,
+    decode_job_toml,
+    decode_message,
+    status_decoder,
+)
+from gpulayer_contracts.events import JobStatus
 from gpulayer_contracts.jobs import (
     Distributed,
     GpuUsage,
@@ -20,6 +39,7 @@ from gpulayer_contracts.jobs import (
     Variant,
 )
 from gpulayer_contracts.validation import validate_job
+from gpulayer_matching import NodeView, Placement, explain, match
 
 
 def make_job(**fields: Any) -> JobRequest:
@@ -437,3 +457,385 @@ def test_max_payload_below_the_minimum_is_a_deployment_error() -> None:
     with pytest.raises(ValueError, match="max_payload is 65536 bytes; gpulayer needs at least"):
         b.max_job_bytes(64 * 1024)
     assert b.max_job_bytes(1024 * 1024) == 1024 * 1024 - 40 * 1024
+
+
+# --- Capabilities, heartbeats, executor status ---
+
+NOW = datetime(2025, 1, 1, tzinfo=UTC)
+
+
+def caps(**fields: Any) -> WorkerCapabilities:
+    base: dict[str, Any] = {"node_id": "n1", "agent_version": "0.1.0", "detected_at": NOW}
+    base.update(fields)
+    return WorkerCapabilities(**base)
+
+
+def device(**fields: Any) -> AcceleratorDevice:
+    base: dict[str, Any] = {"accelerator": "cuda", "index": 0, "execution_supported": True}
+    base.update(fields)
+    return AcceleratorDevice(**base)
+
+
+CAPS_OUTSIDE_INSIDE: list[tuple[str, WorkerCapabilities, str, WorkerCapabilities]] = [
+    (
+        "device index 2^40",
+        caps(accelerators=[device(index=2**40)]),
+        "$.accelerators[0].index: 1099511627776 is out of range (0 <= x <= 65535)",
+        caps(accelerators=[device(index=b.MAX_DEVICE_INDEX)]),
+    ),
+    (
+        "negative device index",
+        caps(accelerators=[device(index=-1)]),
+        "$.accelerators[0].index: -1 is out of range (0 <= x <= 65535)",
+        caps(accelerators=[device(index=0)]),
+    ),
+    (
+        "device memory",
+        caps(accelerators=[device(memory_mib=b.MAX_DEVICE_MEMORY_MIB + 1)]),
+        "$.accelerators[0].memory_mib: 67108865 is out of range (0 <= x <= 67108864)",
+        caps(accelerators=[device(memory_mib=b.MAX_DEVICE_MEMORY_MIB)]),
+    ),
+    (
+        "device count",
+        caps(accelerators=[device(index=i) for i in range(b.MAX_DEVICES_PER_NODE + 1)]),
+        "$.accelerators: 1025 entries, over the limit of 1024",
+        caps(accelerators=[device(index=i) for i in range(b.MAX_DEVICES_PER_NODE)]),
+    ),
+    (
+        "compute capability",
+        caps(accelerators=[device(compute_capability="100.0")]),
+        "$.accelerators[0].compute_capability: '100.0' is out of range",
+        caps(accelerators=[device(compute_capability="99.0")]),
+    ),
+    (
+        "device name NUL",
+        caps(accelerators=[device(name="H100\x00")]),
+        "$.accelerators[0].name: contains a NUL character (\\x00)",
+        caps(accelerators=[device(name="H100")]),
+    ),
+    (
+        "device notes",
+        caps(accelerators=[device(notes=["n"] * (b.MAX_NOTES + 1))]),
+        "$.accelerators[0].notes: 257 entries, over the limit of 256",
+        caps(accelerators=[device(notes=["n"] * b.MAX_NOTES)]),
+    ),
+    (
+        "cores",
+        caps(host=HostInfo(cpu_cores=b.MAX_CPU_CORES + 1)),
+        "$.host.cpu_cores: 65537 is out of range (0 <= x <= 65536)",
+        caps(host=HostInfo(cpu_cores=b.MAX_CPU_CORES)),
+    ),
+    (
+        "RAM",
+        caps(host=HostInfo(memory_bytes=b.MAX_HOST_BYTES + 1)),
+        "$.host.memory_bytes: 1152921504606846977 is out of range (0 <= x <= 1152921504606846976)",
+        caps(host=HostInfo(memory_bytes=b.MAX_HOST_BYTES)),
+    ),
+    (
+        "disk",
+        caps(host=HostInfo(disk_free_bytes=-1)),
+        "$.host.disk_free_bytes: -1 is out of range",
+        caps(host=HostInfo(disk_free_bytes=0)),
+    ),
+    (
+        "host string",
+        caps(host=HostInfo(hostname="h" * (b.MAX_SHORT_TEXT_BYTES + 1))),
+        "$.host.hostname: 257 bytes, over the limit of 256 bytes",
+        caps(host=HostInfo(hostname="h" * b.MAX_SHORT_TEXT_BYTES)),
+    ),
+    (
+        "notes count",
+        caps(notes=["n"] * (b.MAX_NOTES + 1)),
+        "$.notes: 257 entries, over the limit of 256",
+        caps(notes=["n"] * b.MAX_NOTES),
+    ),
+    (
+        "note size",
+        caps(notes=["n" * (b.MAX_NOTE_BYTES + 1)]),
+        "$.notes[0]: 1025 bytes, over the limit of 1024 bytes",
+        caps(notes=["n" * b.MAX_NOTE_BYTES]),
+    ),
+    (
+        "frameworks count",
+        caps(frameworks={f"f{i}": "1" for i in range(b.MAX_CAP_FRAMEWORKS + 1)}),
+        "$.frameworks: 1025 entries, over the limit of 1024",
+        caps(frameworks={f"f{i}": "1" for i in range(b.MAX_CAP_FRAMEWORKS)}),
+    ),
+    (
+        "framework version NUL",
+        caps(frameworks={"torch": "2.5\x00"}),
+        "$.frameworks.torch: contains a NUL character (\\x00)",
+        caps(frameworks={"torch": "2.5"}),
+    ),
+    (
+        "api evidence",
+        caps(gpu_apis=GpuApis(host=["vulkan"], evidence={"vulkan": "e" * 1025})),
+        "$.gpu_apis.evidence.vulkan: 1025 bytes, over the limit of 1024 bytes",
+        caps(gpu_apis=GpuApis(host=["vulkan"], evidence={"vulkan": "e" * 1024})),
+    ),
+    (
+        "workload python path",
+        caps(workload_python="/" * (b.MAX_PATH_BYTES + 1)),
+        "$.workload_python: 4097 bytes, over the limit of 4096 bytes",
+        caps(workload_python="/" * b.MAX_PATH_BYTES),
+    ),
+    (
+        "launchers",
+        caps(launchers=["torchrun"] * (b.MAX_LIST_ITEMS + 1)),
+        "$.launchers: 65 entries, over the limit of 64",
+        caps(launchers=["torchrun"] * b.MAX_LIST_ITEMS),
+    ),
+    (
+        "node id length",
+        caps(node_id="n" * (b.MAX_NODE_ID_BYTES + 1)),
+        "$.node_id: 129 bytes, over the limit of 128 bytes",
+        caps(node_id="n" * b.MAX_NODE_ID_BYTES),
+    ),
+    (
+        "node id with a dot",
+        caps(node_id="a.b"),
+        "$.node_id: 'a.b' is not a subject token",
+        caps(node_id="a-b"),
+    ),
+    (
+        "node id with a control character",
+        caps(node_id="a\x01"),
+        "$.node_id: 'a\\x01' is not a subject token",
+        caps(node_id="a_1"),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("outside", "expected", "inside"),
+    [pytest.param(o, e, i, id=name) for name, o, e, i in CAPS_OUTSIDE_INSIDE],
+)
+def test_capability_bound_is_named_and_just_inside_passes(
+    outside: WorkerCapabilities, expected: str, inside: WorkerCapabilities
+) -> None:
+    errors = b.validate_capabilities(outside)
+    assert any(expected in e for e in errors), errors
+    assert b.validate_capabilities(inside) == []
+
+
+def status(**fields: Any) -> JobStatus:
+    base: dict[str, Any] = {"job_id": "j1", "grant_id": "j1-1", "node_id": "n1", "state": "failed"}
+    base.update(fields)
+    return JobStatus(**base)
+
+
+@pytest.mark.parametrize(
+    ("outside", "expected", "inside"),
+    [
+        (
+            status(exit_code=2**31),
+            "$.exit_code: 2147483648 is out of range (-2147483648 <= x <= 2147483647)",
+            status(exit_code=2**31 - 1),
+        ),
+        (
+            status(exit_code=-(2**31) - 1),
+            "$.exit_code: -2147483649 is out of range",
+            status(exit_code=-(2**31)),
+        ),
+        (status(pid=2**31), "$.pid: 2147483648 is out of range", status(pid=4_194_304)),
+        (status(signal=2**40), "$.signal: 1099511627776 is out of range", status(signal=9)),
+        (
+            status(reason="r" * (b.MAX_REASON_BYTES + 1)),
+            "$.reason: 4097 bytes, over the limit of 4096 bytes",
+            status(reason="r" * b.MAX_REASON_BYTES),
+        ),
+        (
+            status(reason="boom\x00"),
+            "$.reason: contains a NUL character (\\x00)",
+            status(reason="boom"),
+        ),
+        (status(job_id="j\n"), "$.job_id: 'j\\n' is not a job id", status(job_id="j")),
+        (
+            status(grant_id="g\x00"),
+            "$.grant_id: contains a NUL character (\\x00)",
+            status(grant_id="g"),
+        ),
+        (status(node_id="n*"), "$.node_id: 'n*' is not a subject token", status(node_id="n")),
+    ],
+)
+def test_job_status_bounds(outside: JobStatus, expected: str, inside: JobStatus) -> None:
+    errors = b.validate_job_status(outside)
+    assert any(expected in e for e in errors), errors
+    assert b.validate_job_status(inside) == []
+
+
+def test_heartbeat_bounds() -> None:
+    good = Heartbeat(node_id="n1", sent_at=NOW, agent_version="0.1.0")
+    assert b.validate_heartbeat(good) == []
+    bad = Heartbeat(node_id="", sent_at=NOW, source="s\x00", agent_version="v" * 300)
+    assert b.validate_heartbeat(bad) == [
+        "$.node_id: empty",
+        "$.source: contains a NUL character (\\x00)",
+        "$.agent_version: 300 bytes, over the limit of 256 bytes",
+    ]
+
+
+# --- No job that passes validation breaks the matcher, against a fleet at the bounds ---
+
+
+def _fleet() -> list[NodeView]:
+    extreme = [
+        device(
+            index=b.MAX_DEVICE_INDEX - i,
+            memory_mib=b.MAX_DEVICE_MEMORY_MIB - i,
+            compute_capability="99.99",
+            memory_kind="dedicated",
+        )
+        for i in range(4)
+    ]
+    small = [device(index=i, memory_mib=0, compute_capability="0.0") for i in range(2)]
+    unknown = [device(index=0)]
+    nodes = [
+        caps(node_id="big", accelerators=extreme, host=HostInfo(platform="linux-x86_64")),
+        caps(node_id="small", accelerators=small),
+        caps(node_id="unknown", accelerators=unknown),
+        caps(node_id="cpu"),
+    ]
+    for c in nodes:
+        assert b.validate_capabilities(c) == []
+    return [NodeView(node_id=c.node_id, capabilities=c) for c in nodes]
+
+
+FLEET = _fleet()
+_numbers = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0.0, 1e-300, 65536.0, 65536.0001, 1e308, 2.0**64]),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    # Mostly values near and inside the bounds, so that many jobs pass validation.
+    gb=st.one_of(st.none(), st.floats(1e-300, 65536.0), _numbers),
+    count=st.one_of(st.integers(0, 8), st.integers(1000, 1030), st.integers(0, 2**70)),
+    cc=st.one_of(
+        st.none(),
+        st.from_regex(r"\A[0-9]{1,2}(\.[0-9]{1,2})?\Z"),
+        st.from_regex(r"\A[0-9]{1,30}(\.[0-9]{1,30})?\Z"),
+        _numbers,
+    ),
+    acc=st.sampled_from([None, "cuda", "cuda", "mps"]),
+    timeout=st.one_of(st.none(), st.floats(0.001, b.MAX_TIMEOUT_S), _numbers),
+)
+def test_no_validated_job_breaks_the_matcher(
+    gb: float | None, count: int, cc: float | str | None, acc: Any, timeout: float | None
+) -> None:
+    job = make_job(
+        timeout_s=timeout,
+        requirements=Requirements(
+            accelerator=acc, gpu_count=count, gpu_memory_gb=gb, min_cuda_compute_capability=cc
+        ),
+    )
+    if validate_job(job).errors:
+        event("refused")
+        return
+    event("validated")
+    assert gb is None or (0 < gb <= b.MAX_GPU_MEMORY_GB)
+    assert count <= b.MAX_GPU_COUNT
+    decision = match(job, FLEET)  # must not raise (OverflowError, ValueError, ...)
+    explain(job, FLEET)
+    if isinstance(decision, Placement):
+        assert len(decision.devices) <= b.MAX_DEVICES_PER_NODE
+
+
+@pytest.mark.parametrize(
+    "requirements",
+    [
+        Requirements(accelerator="cuda", gpu_count=b.MAX_GPU_COUNT, gpu_memory_gb=65536.0),
+        Requirements(gpu_count=4, gpu_memory_gb=65536.0, min_cuda_compute_capability="99.99"),
+        Requirements(gpu_count=1, gpu_memory_gb=1e-300, min_cuda_compute_capability=0.0),
+    ],
+)
+def test_jobs_at_the_bounds_match_without_error(requirements: Requirements) -> None:
+    job = make_job(requirements=requirements)
+    assert validate_job(job).errors == []
+    match(job, FLEET)
+    explain(job, FLEET)
+
+
+def test_the_largest_request_fits_the_largest_device() -> None:
+    job = make_job(requirements=Requirements(accelerator="cuda", gpu_memory_gb=65536.0))
+    decision = match(job, FLEET)
+    assert isinstance(decision, Placement)
+    assert decision.node_id == "big"
+
+
+# --- Reading a job id from anything ---
+
+DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        pytest.param(b'{"job_id": "ok-1", "command": 5}', "ok-1", id="object, rest invalid"),
+        pytest.param(b'{"job_id": "ok-1", "x": ' + DEEP + b"}", "ok-1", id="deep nesting after"),
+        pytest.param(b'{"x": ' + DEEP + b', "job_id": "ok-1"}', "ok-1", id="deep nesting before"),
+        pytest.param(DEEP, None, id="deep array"),
+        pytest.param(b"{" * 100_000, None, id="deep unclosed"),
+        pytest.param(b'{"a":' * 100_000 + b'"job_id": "x"', "x", id="deep objects, broken"),
+        pytest.param(b'{"job_id": "ok-1", "timeout_s": NaN}', "ok-1", id="NaN"),
+        pytest.param(b'{"job_id": "ok-1", "name": "\xff\xfe"}', "ok-1", id="invalid UTF-8"),
+        pytest.param(b'{"job_id": "ok-1", "command": ["x"', "ok-1", id="truncated"),
+        pytest.param(b'{\n  "job_id"  :\t"ok-1" ,,}', "ok-1", id="broken, whitespace"),
+        pytest.param(b'[{"job_id": "ok-1"}]', "ok-1", id="array holding the id"),
+        pytest.param(b"not json", None, id="not JSON"),
+        pytest.param(b"", None, id="empty"),
+        pytest.param(b"[]", None, id="array"),
+        pytest.param(b'{"job_id": 42}', None, id="integer id"),
+        pytest.param(b'{"job_id": 42, "x": NaN}', None, id="integer id, broken"),
+        pytest.param(b'{"job_id": "a\\u0000b"}', None, id="NUL in id"),
+        pytest.param(b'{"job_id": "a\\u0000b", "x": NaN}', None, id="NUL in id, broken"),
+        pytest.param(b'{"job_id": "a\\n"}', None, id="newline in id"),
+        pytest.param(b'{"job_id": "a.b"}', None, id="dot in id"),
+        pytest.param(b'{"job_id": "' + b"a" * 129 + b'"}', None, id="id too long"),
+        pytest.param(b'{"job_id": "' + b"a" * 129 + b'", x}', None, id="id too long, broken"),
+        pytest.param(b'{"job_id": "' + b"a" * 128 + b'", x}', "a" * 128, id="longest id, broken"),
+        pytest.param(b'{"env": {"X": "\\"job_id\\": \\"v\\""}, x}', None, id="id inside a string"),
+        pytest.param(b'{"job_id": "\\u0061"}', "a", id="escaped id, valid JSON"),
+        pytest.param(b" " * (1 << 20) + b'{"job_id": "late", x', None, id="id past the scan"),
+        pytest.param(b'{"job_id": "big", "x": "' + b"y" * 20_000_000 + b'"', "big", id="20 MB"),
+    ],
+)
+def test_best_effort_job_id_never_fails(data: bytes, expected: str | None) -> None:
+    assert best_effort_job_id(data) == expected
+
+
+@given(st.binary(max_size=512))
+def test_best_effort_job_id_never_raises_on_any_bytes(data: bytes) -> None:
+    result = best_effort_job_id(data)
+    assert result is None or re.fullmatch(r"[A-Za-z0-9_-]{1,128}", result)
+
+
+def test_msgspec_itself_raises_recursion_error_on_deep_nesting() -> None:
+    # Why decode_message exists: a Wire decoder skipping an unknown field recurses, and the
+    # error is not a DecodeError.
+    data = b'{"node_id": "n", "agent_version": "1", "detected_at": "2025-01-01T00:00:00Z", "x": '
+    with pytest.raises(RecursionError):
+        capabilities_decoder.decode(data + DEEP + b"}")
+    with pytest.raises(InvalidInput, match="nested too deeply"):
+        decode_message(capabilities_decoder, data + DEEP + b"}")
+    with pytest.raises(InvalidInput, match="not valid JSON"):
+        decode_message(status_decoder, b"\xff")
+
+
+def test_a_job_id_with_a_trailing_newline_is_refused_at_decoding() -> None:
+    # msgspec checks a pattern with re.search, where $ matches before a final newline.
+    with pytest.raises(InvalidInput, match=r"^\$\.job_id: Expected `str` matching regex"):
+        decode_job_json(b'{"job_id": "a\\n", "command": ["x"]}')
+    with pytest.raises(InvalidInput, match=r"^\$\.job_id: Expected `str` matching regex"):
+        decode_job_toml('job_id = "a\\n"\ncommand = ["x"]\n')
+
+
+def test_decode_errors_are_printable_and_short() -> None:
+    with pytest.raises(InvalidInput) as err:
+        decode_job_json(b'{"job_id": "a", "command": ["x"], "a\\u0000' + b"b" * 100_000 + b'": 1}')
+    text = str(err.value)
+    assert text.startswith("$: Object contains unknown field `a\\x00bbb")
+    assert "\x00" not in text
+    assert len(text) <= b.MAX_MESSAGE_CHARS

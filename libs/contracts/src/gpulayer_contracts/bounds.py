@@ -17,6 +17,8 @@ import re
 from collections.abc import Iterator, Sized
 from typing import Final
 
+from gpulayer_contracts.capabilities import Heartbeat, WorkerCapabilities
+from gpulayer_contracts.events import JobStatus
 from gpulayer_contracts.jobs import JOB_ID_PATTERN, GpuUsage, JobRequest
 
 KIB: Final = 1024
@@ -185,7 +187,7 @@ def job_bound_errors(job: JobRequest) -> list[str]:
 
 def _job_bounds(job: JobRequest) -> Iterator[str]:
     # Constructed in Python, a JobRequest skips msgspec's constraints: check the id here too.
-    if not isinstance(job.job_id, str) or not _JOB_ID.match(job.job_id):
+    if not isinstance(job.job_id, str) or not _JOB_ID.fullmatch(job.job_id):
         yield f"$.job_id: {_show(job.job_id)} is not a job id ({JOB_ID_PATTERN})"
     yield from _text("$.name", job.name, MAX_NAME_BYTES)
 
@@ -305,3 +307,115 @@ def job_size_error(encoded_len: int, max_payload: int) -> str | None:
         f"(the server's max_payload of {max_payload} bytes, less "
         f"{max_payload - limit} kept for the grant around the job)"
     )
+
+
+# --- Capabilities, heartbeats, executor status ---
+
+
+def _opt_text(path: str, value: str | None, max_bytes: int) -> Iterator[str]:
+    if value is not None:
+        yield from _text(path, value, max_bytes)
+
+
+def _opt_range(path: str, value: int | None, low: int, high: int) -> Iterator[str]:
+    if value is not None:
+        error = _range(path, value, low, high)
+        if error:
+            yield error
+
+
+def node_id_errors(node_id: str, path: str = "$.node_id") -> list[str]:
+    """A node id is one NATS subject token: 1 to MAX_NODE_ID_BYTES bytes, no ``.``, ``*``,
+    ``>``, whitespace or control characters (it also sits in every grant's envelope)."""
+    errors = list(_text(path, node_id, MAX_NODE_ID_BYTES))
+    if not node_id:
+        errors.append(f"{path}: empty")
+    elif any(c in ".*>" or c.isspace() or not c.isprintable() for c in node_id):
+        errors.append(
+            f"{path}: {_show(node_id)} is not a subject token (no . * > whitespace or "
+            "control characters)"
+        )
+    return errors
+
+
+def validate_capabilities(caps: WorkerCapabilities) -> list[str]:
+    """Every hard bound a capabilities report breaks. Placement drops a report with errors and
+    keeps the node's last good capabilities (a report is all or nothing)."""
+    return bound_messages(list(_capabilities(caps)))
+
+
+def _capabilities(caps: WorkerCapabilities) -> Iterator[str]:
+    yield from node_id_errors(caps.node_id)
+    yield from _text("$.agent_version", caps.agent_version, MAX_SHORT_TEXT_BYTES)
+    host = caps.host
+    for field in ("hostname", "os", "os_release", "platform", "arch", "python_version"):
+        yield from _opt_text(f"$.host.{field}", getattr(host, field), MAX_SHORT_TEXT_BYTES)
+    yield from _opt_range("$.host.cpu_cores", host.cpu_cores, 0, MAX_CPU_CORES)
+    yield from _opt_range("$.host.memory_bytes", host.memory_bytes, 0, MAX_HOST_BYTES)
+    yield from _opt_range("$.host.disk_free_bytes", host.disk_free_bytes, 0, MAX_HOST_BYTES)
+
+    yield from _count("$.accelerators", caps.accelerators, MAX_DEVICES_PER_NODE)
+    for i, d in enumerate(caps.accelerators[: MAX_DEVICES_PER_NODE + 1]):
+        p = f"$.accelerators[{i}]"
+        yield from _opt_range(f"{p}.index", d.index, 0, MAX_DEVICE_INDEX)
+        yield from _opt_range(f"{p}.memory_mib", d.memory_mib, 0, MAX_DEVICE_MEMORY_MIB)
+        for field in (
+            "vendor",
+            "name",
+            "uuid",
+            "driver_version",
+            "cuda_driver_version",
+            "mig_mode",
+        ):
+            yield from _opt_text(f"{p}.{field}", getattr(d, field), MAX_SHORT_TEXT_BYTES)
+        if d.compute_capability is not None:
+            yield from _compute_capability(f"{p}.compute_capability", d.compute_capability)
+        yield from _texts(f"{p}.notes", d.notes, MAX_NOTES, MAX_NOTE_BYTES)
+
+    yield from _opt_text("$.workload_python", caps.workload_python, MAX_PATH_BYTES)
+    yield from _opt_text(
+        "$.workload_python_version", caps.workload_python_version, MAX_SHORT_TEXT_BYTES
+    )
+    yield from _text_map(
+        "$.frameworks",
+        caps.frameworks,
+        MAX_CAP_FRAMEWORKS,
+        MAX_SHORT_TEXT_BYTES,
+        MAX_SHORT_TEXT_BYTES,
+    )
+    for field in ("framework_capabilities", "distributed_backends", "launchers"):
+        yield from _texts(f"$.{field}", getattr(caps, field), MAX_LIST_ITEMS, MAX_SHORT_TEXT_BYTES)
+    apis = caps.gpu_apis
+    yield from _texts("$.gpu_apis.host", apis.host, MAX_LIST_ITEMS, MAX_SHORT_TEXT_BYTES)
+    yield from _texts(
+        "$.gpu_apis.containers", apis.containers, MAX_LIST_ITEMS, MAX_SHORT_TEXT_BYTES
+    )
+    yield from _text_map(
+        "$.gpu_apis.evidence", apis.evidence, MAX_LIST_ITEMS, MAX_SHORT_TEXT_BYTES, MAX_NOTE_BYTES
+    )
+    yield from _opt_text("$.advertise_address", caps.advertise_address, MAX_SHORT_TEXT_BYTES)
+    yield from _text("$.origin", caps.origin, MAX_SHORT_TEXT_BYTES)
+    yield from _texts("$.notes", caps.notes, MAX_NOTES, MAX_NOTE_BYTES)
+
+
+def validate_heartbeat(beat: Heartbeat) -> list[str]:
+    """Every hard bound a heartbeat breaks (its strings end up in logs and the node's row)."""
+    errors = node_id_errors(beat.node_id)
+    errors += _text("$.source", beat.source, MAX_SHORT_TEXT_BYTES)
+    errors += _opt_text("$.agent_version", beat.agent_version, MAX_SHORT_TEXT_BYTES)
+    return bound_messages(errors)
+
+
+def validate_job_status(status: JobStatus) -> list[str]:
+    """Every hard bound an executor's status message breaks: ids, exit code and pid within
+    PostgreSQL's int4, the reason's size, NUL anywhere."""
+    errors: list[str] = []
+    if not _JOB_ID.fullmatch(status.job_id):
+        errors.append(f"$.job_id: {_show(status.job_id)} is not a job id ({JOB_ID_PATTERN})")
+    errors += _text("$.grant_id", status.grant_id, MAX_GRANT_ID_BYTES)
+    errors += node_id_errors(status.node_id)
+    errors += _opt_range("$.pid", status.pid, 0, INT32_MAX)
+    errors += _opt_range("$.exit_code", status.exit_code, INT32_MIN, INT32_MAX)
+    errors += _opt_range("$.signal", status.signal, 0, INT32_MAX)
+    errors += _opt_text("$.reason", status.reason, MAX_REASON_BYTES)
+    return bound_messages(errors)
