@@ -30,7 +30,7 @@ from gpulayer_contracts.codec import (
     decode_message,
     status_decoder,
 )
-from gpulayer_contracts.events import JobStatus
+from gpulayer_contracts.events import Accepted, Failed, JobStatus, Pending, Rejected
 from gpulayer_contracts.jobs import (
     Distributed,
     GpuUsage,
@@ -839,3 +839,40 @@ def test_decode_errors_are_printable_and_short() -> None:
     assert text.startswith("$: Object contains unknown field `a\\x00bbb")
     assert "\x00" not in text
     assert len(text) <= b.MAX_MESSAGE_CHARS
+
+
+# --- Every event fits ---
+
+_texts_st = st.lists(
+    st.one_of(st.text(max_size=50), st.just("\x01" * 10_000), st.just("é" * 30_000)),
+    max_size=60,
+)
+
+
+@settings(max_examples=30, deadline=None)
+@given(reasons=_texts_st, summary=st.one_of(st.text(), st.just("\x02" * 100_000)))
+def test_bound_event_keeps_every_event_under_the_limit(reasons: list[str], summary: str) -> None:
+    for ev in (
+        Pending(job_id="j" * 128, summary=summary, reasons=reasons),
+        Rejected(job_id="j" * 128, reasons=reasons),
+        Accepted(job_id="j" * 128, warnings=reasons),
+        Failed(job_id="j" * 128, node_id="n" * 128, reason=summary, exit_code=-(2**31)),
+    ):
+        bounded = b.bound_event(ev)
+        assert type(bounded) is type(ev)
+        assert len(msgspec.json.encode(bounded)) <= b.MAX_EVENT_BYTES
+        if len(msgspec.json.encode(ev)) <= b.MAX_EVENT_BYTES:
+            assert bounded == ev
+
+
+def test_bound_event_says_how_many_lines_it_dropped() -> None:
+    event = Rejected(job_id="j", reasons=["\x01" * 1000] * 100)
+    bounded = b.bound_event(event)
+    assert len(msgspec.json.encode(bounded)) <= b.MAX_EVENT_BYTES
+    last = bounded.reasons[-1]
+    assert last == f"... and {100 - (len(bounded.reasons) - 1)} more"
+    assert all(r == "\x01" * 497 + "..." for r in bounded.reasons[:-1])
+
+
+def test_events_fit_below_the_smallest_max_payload() -> None:
+    assert b.MAX_EVENT_BYTES + b.HEADER_RESERVE_BYTES <= b.MIN_MAX_PAYLOAD

@@ -15,10 +15,12 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterator, Sized
-from typing import Final
+from typing import Final, TypeVar
+
+import msgspec
 
 from gpulayer_contracts.capabilities import Heartbeat, WorkerCapabilities
-from gpulayer_contracts.events import JobStatus
+from gpulayer_contracts.events import JobEvent, JobStatus
 from gpulayer_contracts.jobs import JOB_ID_PATTERN, GpuUsage, JobRequest
 
 KIB: Final = 1024
@@ -419,3 +421,42 @@ def validate_job_status(status: JobStatus) -> list[str]:
     errors += _opt_range("$.signal", status.signal, 0, INT32_MAX)
     errors += _opt_text("$.reason", status.reason, MAX_REASON_BYTES)
     return bound_messages(errors)
+
+
+# --- Events placement publishes ---
+
+E = TypeVar("E", bound=JobEvent)
+_TEXT_FIELDS = ("summary", "reason")
+_LIST_FIELDS = ("reasons", "warnings")
+_encoder = msgspec.json.Encoder()
+
+
+def bound_event(event: E) -> E:
+    """``event`` with its texts (``summary``, ``reason``, ``reasons``, ``warnings``) clipped so
+    that it encodes to at most MAX_EVENT_BYTES, whatever the job, the matcher or an executor
+    put in them. Placement calls it on every event before publishing; unchanged when it fits."""
+    if len(_encoder.encode(event)) <= MAX_EVENT_BYTES:
+        return event
+    changes: dict[str, object] = {}
+    for name in _TEXT_FIELDS:
+        value = getattr(event, name, None)
+        if isinstance(value, str):
+            changes[name] = clip_text(value, 4 * MAX_MESSAGE_CHARS)
+    lists: dict[str, list[str]] = {}
+    for name in _LIST_FIELDS:
+        value = getattr(event, name, None)
+        if isinstance(value, list):
+            lists[name] = bound_messages(value)
+    clipped = msgspec.structs.replace(event, **changes, **lists)
+    # Each line is short now, but up to MAX_ERRORS of them, escaped, can still be too much:
+    # drop lines from the end, saying how many.
+    while len(_encoder.encode(clipped)) > MAX_EVENT_BYTES:
+        candidates = [n for n in lists if lists[n]]
+        if not candidates:
+            break  # pragma: no cover - ids and clipped texts alone are far under the limit
+        name = max(candidates, key=lambda n: len(lists[n]))
+        kept = [line for line in lists[name] if not line.startswith("... and ")][:-1]
+        dropped = len(getattr(event, name)) - len(kept)
+        lists[name] = [*kept, f"... and {dropped} more"]
+        clipped = msgspec.structs.replace(event, **changes, **lists)
+    return clipped
