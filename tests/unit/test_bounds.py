@@ -876,3 +876,20 @@ def test_bound_event_says_how_many_lines_it_dropped() -> None:
 
 def test_events_fit_below_the_smallest_max_payload() -> None:
     assert b.MAX_EVENT_BYTES + b.HEADER_RESERVE_BYTES <= b.MIN_MAX_PAYLOAD
+
+
+def test_operations_lists_every_bound_with_its_value() -> None:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs/operations.md").read_text()
+    section = text.split("## Bounds", 1)[1].split("\n## ", 1)[0]
+    for name, value in vars(b).items():
+        if not name.isupper() or not isinstance(value, int | str):
+            continue
+        if name in {"KIB", "INT32_MIN", "INT32_MAX"}:
+            continue
+        assert f"`{name}`" in section, f"docs/operations.md (Bounds) does not name {name}"
+        if isinstance(value, int):
+            assert str(value) in section, f"docs/operations.md (Bounds): {name} = {value} missing"
+        elif isinstance(value, str):
+            assert value in section, f"docs/operations.md (Bounds): {name} = {value} missing"
