@@ -893,3 +893,19 @@ def test_operations_lists_every_bound_with_its_value() -> None:
             assert str(value) in section, f"docs/operations.md (Bounds): {name} = {value} missing"
         elif isinstance(value, str):
             assert value in section, f"docs/operations.md (Bounds): {name} = {value} missing"
+
+
+def test_integers_of_any_size_are_refused_without_overflow() -> None:
+    errors = errors_of(req(gpu_count=10**5000))
+    assert (
+        "$.requirements.gpu_count: an integer of 16610 bits is out of range (0 <= x <= 1024)"
+        in (errors)
+    )
+    assert b.validate_capabilities(caps(accelerators=[device(index=-(10**400))])) != []
+
+
+def test_lone_surrogate_is_refused() -> None:
+    # Not from JSON (msgspec refuses it), but possible from Python; it can't be encoded.
+    assert errors_of(make_job(name="a\ud800")) == [
+        "$.name: contains a lone surrogate (not valid Unicode)"
+    ]

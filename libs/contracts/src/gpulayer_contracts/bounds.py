@@ -111,7 +111,7 @@ def env_path(name: str) -> str:
 
 def _utf8(text: str) -> int:
     # A lone surrogate (possible from Python, not from JSON) counts as 3 bytes, as it would
-    # be escaped; it is refused separately.
+    # be escaped; _text refuses it.
     return len(text.encode("utf-8", "surrogatepass"))
 
 
@@ -120,10 +120,20 @@ def _range(
 ) -> str | None:
     """An error when ``value`` is not finite or outside [low, high] (low excluded if open)."""
     op = "<" if low_open else "<="
-    inside = math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
+    if isinstance(value, int):
+        # Any size: msgspec decodes integers beyond 64 bits, too big for a float.
+        inside = value > low if low_open else value >= low
+        inside = inside and value <= high
+        shown = (
+            repr(value) if value.bit_length() <= 128 else f"an integer of {value.bit_length()} bits"
+        )
+    else:
+        inside = math.isfinite(value) and (value > low if low_open else value >= low)
+        inside = inside and value <= high
+        shown = repr(value)
     if inside:
         return None
-    return f"{path}: {value!r} is out of range ({_num(low)} {op} x <= {_num(high)})"
+    return f"{path}: {shown} is out of range ({_num(low)} {op} x <= {_num(high)})"
 
 
 def _num(x: float) -> str:
@@ -133,9 +143,11 @@ def _num(x: float) -> str:
 def _text(path: str, text: str, max_bytes: int) -> Iterator[str]:
     if "\x00" in text:
         yield f"{path}: contains a NUL character (\\x00)"
-    if any("\ud800" <= c <= "\udfff" for c in text):
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
         yield f"{path}: contains a lone surrogate (not valid Unicode)"
-    size = _utf8(text)
+        size = _utf8(text)
     if size > max_bytes:
         yield f"{path}: {size} bytes, over the limit of {max_bytes} bytes"
 
