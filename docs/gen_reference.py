@@ -39,6 +39,8 @@ the `Nats-Msg-Id` header set to the job id), or a job file (`.toml` or `.json`) 
 nested objects (`[requirements]`, `[gpu]`, `[sandbox.devices]`, `[variants.darwin.gpu]`, ...);
 see `examples/`. Decoding is strict: an unknown or mistyped field is rejected with its path
 (`$.requirements.gpu_cont: unknown field`). `gpulayer schema` prints the full JSON Schema.
+Every field also has a hard bound (ranges, sizes, no NUL), listed under
+[Bounds](operations.md#bounds).
 
 What happens to a job is published as events on `{events}` (stream `{events_stream}`), and its
 output lines on `{logs}` (stream `{logs_stream}`). Events and log lines are service messages:

@@ -4,6 +4,14 @@ No I/O here. Users publish these, so they are the product's API: fields are only
 each with a default.
 """
 
+from gpulayer_contracts.bounds import (
+    bound_event,
+    job_size_error,
+    max_job_bytes,
+    validate_capabilities,
+    validate_heartbeat,
+    validate_job_status,
+)
 from gpulayer_contracts.capabilities import (
     AcceleratorDevice,
     GpuApis,
@@ -80,11 +88,17 @@ __all__ = [
     "Variant",
     "WorkerCapabilities",
     "__version__",
+    "bound_event",
     "decode_job_json",
     "decode_job_toml",
     "encode",
     "is_terminal",
     "job_schema",
+    "job_size_error",
     "load_job_file",
+    "max_job_bytes",
+    "validate_capabilities",
+    "validate_heartbeat",
     "validate_job",
+    "validate_job_status",
 ]

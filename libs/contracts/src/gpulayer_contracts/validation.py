@@ -9,6 +9,7 @@ import msgspec
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from gpulayer_contracts.bounds import bound_messages, env_path, job_bound_errors
 from gpulayer_contracts.jobs import Accelerator, GpuUsage, GpuUse, JobRequest
 from gpulayer_contracts.matrix import is_schedulable, support_level
 from gpulayer_contracts.version import __version__
@@ -95,8 +96,9 @@ def _check_specifier(path: str, spec: str, errors: list[str]) -> None:
 
 
 def validate_job(job: JobRequest, core_version: str = __version__) -> Validation:
-    """Everything that makes a decoded job invalid whatever the fleet looks like."""
-    errors: list[str] = []
+    """Everything that makes a decoded job invalid whatever the fleet looks like, hard bounds
+    (``bounds.job_bound_errors``) first. At most ``bounds.MAX_ERRORS`` errors are listed."""
+    errors: list[str] = job_bound_errors(job)
     warnings: list[str] = []
     req = job.requirements
 
@@ -104,7 +106,7 @@ def validate_job(job: JobRequest, core_version: str = __version__) -> Validation
         errors.append("$.command[0]: the program name is empty")
 
     for name in protected_env_names(job.env):
-        errors.append(f"$.env.{name}: set by gpulayer, a job may not set it")
+        errors.append(f"{env_path(name)}: set by gpulayer, a job may not set it")
 
     if req.accelerator == "cpu":
         if req.gpu_count > 0:
@@ -187,7 +189,7 @@ def validate_job(job: JobRequest, core_version: str = __version__) -> Validation
             f"$.requirements.accelerator: {req.accelerator} is {level} in the support matrix"
         )
 
-    return Validation(errors=errors, warnings=warnings)
+    return Validation(errors=bound_messages(errors), warnings=bound_messages(warnings))
 
 
 def visibility_env(
