@@ -909,3 +909,56 @@ def test_lone_surrogate_is_refused() -> None:
     assert errors_of(make_job(name="a\ud800")) == [
         "$.name: contains a lone surrogate (not valid Unicode)"
     ]
+
+
+# Strings near each limit: short, at it, over it, with NUL, non-ASCII, a lone surrogate.
+def _near(limit: int) -> st.SearchStrategy[str]:
+    return st.one_of(
+        st.text(max_size=8),
+        st.sampled_from(["", "a" * limit, "a" * (limit + 1), "é" * (limit // 2 + 1)]),
+        st.sampled_from(["x\x00y", "\ud800", "A=B", "ÿ" * 3]),
+    )
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    name=_near(b.MAX_NAME_BYTES),
+    command=st.lists(_near(64), min_size=1, max_size=4),
+    env=st.dictionaries(
+        st.one_of(st.from_regex(r"\A[A-Z_]{1,8}\Z"), _near(b.MAX_ENV_NAME_BYTES)),
+        _near(b.MAX_ENV_VALUE_BYTES),
+        max_size=3,
+    ),
+    frameworks=st.dictionaries(
+        _near(b.MAX_SHORT_TEXT_BYTES), _near(b.MAX_SHORT_TEXT_BYTES), max_size=2
+    ),
+    apis=st.lists(_near(b.MAX_SHORT_TEXT_BYTES), max_size=3),
+    count=st.sampled_from([0, 1, b.MAX_GPU_COUNT, b.MAX_GPU_COUNT + 1, -1]),
+    gb=st.one_of(st.none(), _numbers),
+    timeout=st.one_of(st.none(), _numbers),
+    python=st.one_of(st.none(), _near(b.MAX_SHORT_TEXT_BYTES)),
+)
+def test_the_fast_check_agrees_with_the_detailed_one(
+    name: str,
+    command: list[str],
+    env: dict[str, str],
+    frameworks: dict[str, str],
+    apis: list[str],
+    count: int,
+    gb: float | None,
+    timeout: float | None,
+    python: str | None,
+) -> None:
+    job = make_job(
+        name=name,
+        command=command,
+        env=env,
+        timeout_s=timeout,
+        gpu=GpuUsage(use="shared", apis_any=apis),
+        requirements=Requirements(
+            gpu_count=count, gpu_memory_gb=gb, frameworks=frameworks, python=python
+        ),
+    )
+    detailed = list(b._job_bounds(job))
+    event("within bounds" if not detailed else "out of bounds")
+    assert b._within_bounds(job) == (not detailed), detailed

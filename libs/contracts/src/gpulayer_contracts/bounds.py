@@ -123,16 +123,16 @@ def _range(
     if isinstance(value, int):
         # Any size: msgspec decodes integers beyond 64 bits, too big for a float.
         inside = value > low if low_open else value >= low
-        inside = inside and value <= high
+        if inside and value <= high:
+            return None
         shown = (
             repr(value) if value.bit_length() <= 128 else f"an integer of {value.bit_length()} bits"
         )
     else:
         inside = math.isfinite(value) and (value > low if low_open else value >= low)
-        inside = inside and value <= high
+        if inside and value <= high:
+            return None
         shown = repr(value)
-    if inside:
-        return None
     return f"{path}: {shown} is out of range ({_num(low)} {op} x <= {_num(high)})"
 
 
@@ -196,7 +196,87 @@ def _compute_capability(path: str, value: float | str) -> Iterator[str]:
 
 def job_bound_errors(job: JobRequest) -> list[str]:
     """Every hard bound ``job`` breaks, each naming the field path and the limit."""
+    if _within_bounds(job):
+        return []  # the common case, without building a path per field
     return list(_job_bounds(job))
+
+
+def _fits(text: str, max_bytes: int) -> bool:
+    """No NUL, valid Unicode, at most ``max_bytes`` in UTF-8 (a character is <= 4 bytes, so
+    most strings need no encoding to tell)."""
+    if "\x00" in text:
+        return False
+    if len(text) * 4 <= max_bytes and text.isascii():
+        return True
+    try:
+        return len(text.encode("utf-8")) <= max_bytes
+    except UnicodeEncodeError:
+        return False
+
+
+def _within_bounds(job: JobRequest) -> bool:
+    """True when ``_job_bounds`` would find nothing; False means: look closer. Checked on every
+    submit, so it is the fast mirror of ``_job_bounds`` (tests/unit/test_bounds.py compares the
+    two on generated jobs)."""
+    if not isinstance(job.job_id, str) or not _JOB_ID.fullmatch(job.job_id):
+        return False
+    if job.name is not None and not _fits(job.name, MAX_NAME_BYTES):
+        return False
+    command, env = job.command, job.env
+    if len(command) > MAX_ARGV_ITEMS or len(env) > MAX_ENV_VARS:
+        return False
+    argv_bytes = 0
+    for arg in command:
+        if not _fits(arg, MAX_ARG_BYTES):
+            return False
+        argv_bytes += len(arg) if arg.isascii() else _utf8(arg)
+    if argv_bytes > MAX_ARGV_BYTES:
+        return False
+    env_bytes = 0
+    for name, value in env.items():
+        if not _ENV_NAME.fullmatch(name) or len(name) > MAX_ENV_NAME_BYTES:
+            return False
+        if not _fits(value, MAX_ENV_VALUE_BYTES):
+            return False
+        env_bytes += len(name) + 1 + (len(value) if value.isascii() else _utf8(value))
+    if env_bytes > MAX_ENV_BYTES:
+        return False
+    return _numbers_and_short_texts_fit(job)
+
+
+def _numbers_and_short_texts_fit(job: JobRequest) -> bool:
+    if job.timeout_s is not None and _range("", job.timeout_s, 0, MAX_TIMEOUT_S, low_open=True):
+        return False
+    req = job.requirements
+    if _range("", req.gpu_count, 0, MAX_GPU_COUNT):
+        return False
+    if req.gpu_memory_gb is not None and _range(
+        "", req.gpu_memory_gb, 0, MAX_GPU_MEMORY_GB, low_open=True
+    ):
+        return False
+    if req.min_cuda_compute_capability is not None and any(
+        _compute_capability("", req.min_cuda_compute_capability)
+    ):
+        return False
+    short = MAX_SHORT_TEXT_BYTES
+    texts: list[str] = [*req.frameworks, *req.frameworks.values(), *req.framework_capabilities]
+    lists: list[Sized] = [req.frameworks, req.framework_capabilities]
+    if req.python is not None:
+        texts.append(req.python)
+    gpus = [job.gpu or GpuUsage(), *(v.gpu for v in job.variants.values())]
+    for gpu in gpus:
+        texts += gpu.apis_any
+        lists.append(gpu.apis_any)
+    dist = job.distributed
+    if dist is not None:
+        if _range("", dist.nodes, 1, MAX_DISTRIBUTED_NODES) or _range(
+            "", dist.processes_per_node, 1, MAX_PROCESSES_PER_NODE
+        ):
+            return False
+        texts += [v for v in (dist.backend, dist.launcher) if v is not None]
+    if job.requires_core is not None:
+        texts.append(job.requires_core)
+    return all(len(x) <= MAX_LIST_ITEMS for x in lists) and all(_fits(x, short) for x in texts)
 
 
 def _job_bounds(job: JobRequest) -> Iterator[str]:
