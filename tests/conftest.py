@@ -13,12 +13,15 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
 from nats.aio.client import Client
 
+from gpulayer_runtime.auth import AuthStore
 from gpulayer_runtime.nats import connect
+from gpulayer_runtime.roles import Role
 from gpulayer_runtime.servers import EmbeddedNats, EmbeddedPostgres
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -99,3 +102,36 @@ async def nc(nats_url: str) -> AsyncIterator[Client]:
     client = await connect(nats_url, "test")
     yield client
     await client.drain()
+
+
+@pytest.fixture(scope="session")
+def auth_store(tmp_path_factory: pytest.TempPathFactory) -> AuthStore:
+    """One operator and account for the session; credentials are minted on first use."""
+    return AuthStore(tmp_path_factory.mktemp("auth") / "auth").init()
+
+
+class SecureNats:
+    """A nats-server started with gpulayer's generated auth config."""
+
+    def __init__(self, server: EmbeddedNats, store: AuthStore) -> None:
+        self.server = server
+        self.store = store
+        self.url = server.url
+
+    def creds(self, role: Role, name: str = "") -> str:
+        """The path of a credential of ``role`` (minted when missing)."""
+        return str(self.store.ensure(role, name))
+
+    async def connect(self, role: Role, name: str = "", **kwargs: Any) -> Client:
+        return await connect(
+            self.url, f"test-{role}-{name}", creds=self.creds(role, name), **kwargs
+        )
+
+
+@pytest.fixture
+async def secure_nats(tmp_path: Path, auth_store: AuthStore) -> AsyncIterator[SecureNats]:
+    server = EmbeddedNats(tmp_path / "nats-auth", auth_conf=auth_store.server_conf).start()
+    try:
+        yield SecureNats(server, auth_store)
+    finally:
+        server.stop()

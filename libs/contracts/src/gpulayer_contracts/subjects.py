@@ -11,7 +11,12 @@ import msgspec
 
 PREFIX = "gpulayer"
 
+# Bare: owner "anonymous" (auth off, or an admin); with a last token: that owner's submits.
 JOBS_SUBMIT = f"{PREFIX}.jobs.submit"
+JOBS_SUBMIT_OWNED = f"{PREFIX}.jobs.submit.*"
+# Both of the above, as one consumer filter.
+JOBS_SUBMIT_ALL = f"{PREFIX}.jobs.>"
+ANONYMOUS = "anonymous"
 
 NODE_WILDCARD_CAPABILITIES = f"{PREFIX}.node.*.capabilities"
 NODE_WILDCARD_HEARTBEAT = f"{PREFIX}.node.*.heartbeat"
@@ -37,6 +42,21 @@ def _token(value: str, what: str) -> str:
     if not value or any(c in value for c in ".*> \t\r\n"):
         raise ValueError(f"{what} {value!r} cannot be used in a NATS subject")
     return value
+
+
+def jobs_submit(owner: str = ANONYMOUS) -> str:
+    """Where ``owner`` submits jobs; the owner's credentials are the only ones that may."""
+    return JOBS_SUBMIT if owner == ANONYMOUS else f"{JOBS_SUBMIT}.{_token(owner, 'owner')}"
+
+
+def owner_from_submit(subject: str) -> str:
+    """The owner a submit subject names: ``anonymous`` for the bare subject."""
+    if subject == JOBS_SUBMIT:
+        return ANONYMOUS
+    head, _, owner = subject.rpartition(".")
+    if head != JOBS_SUBMIT or not owner:
+        raise ValueError(f"not a submit subject: {subject!r}")
+    return owner
 
 
 def node_capabilities(node_id: str) -> str:
@@ -108,7 +128,7 @@ STREAMS: tuple[StreamSpec, ...] = (
     ),
     StreamSpec(
         name="JOBS",
-        subjects=[JOBS_SUBMIT],
+        subjects=[JOBS_SUBMIT, JOBS_SUBMIT_OWNED],
         retention="workqueue",
         # Within this window JetStream drops a re-published job id itself; after it, placement's
         # primary key on job_id still makes a second submission the same job.

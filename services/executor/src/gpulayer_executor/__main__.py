@@ -14,13 +14,13 @@ from pathlib import Path
 
 from gpulayer_executor.env import RunAs, base_environment
 from gpulayer_executor.service import ExecutorConfig
-from gpulayer_runtime.nats import connect, ensure_streams
+from gpulayer_runtime.nats import connect, wait_for_streams
 from gpulayer_runtime.settings import (
     ConfigError,
     env_float,
     env_int,
     env_str,
-    nats_url,
+    nats_settings,
     node_id,
     run_service,
 )
@@ -71,11 +71,11 @@ def settings(env: Mapping[str, str]) -> ExecutorConfig:
 
 async def _amain() -> None:
     env = os.environ
-    url = nats_url(env)
+    nats = nats_settings(env)
     config = settings(env)
     log.info(
         "settings: nats=%s node=%s workdir=%s user=%s kill_grace_s=%s max_jobs=%s drain_s=%s",
-        url,
+        nats,
         config.node_id,
         config.workdir,
         config.run_as.name if config.run_as else "(executor's own)",
@@ -99,9 +99,12 @@ async def _amain() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     telemetry = setup_telemetry("gpulayer-executor", env)
-    nc = await connect(url, f"gpulayer-executor-{config.node_id}")
+    nc = await connect(nats.url, f"gpulayer-executor-{config.node_id}", **nats.connect_args())
     try:
-        await ensure_streams(nc.jetstream())
+        # Placement declares the streams; a node's credential may not (docs/security.md).
+        await wait_for_streams(
+            nc.jetstream(), ["GRANTS", "CONTROL", "STATUS", "JOB_EVENTS", "LOGS"]
+        )
         await Executor(nc, config, telemetry).run(stop)
     finally:
         await nc.drain()

@@ -14,7 +14,7 @@ from gpulayer_runtime.settings import (
     database_url,
     env_float,
     env_int,
-    nats_url,
+    nats_settings,
     run_service,
 )
 from gpulayer_runtime.telemetry import setup_telemetry
@@ -27,14 +27,14 @@ async def _amain() -> None:
     from gpulayer_placement.store import create_pool
 
     env = os.environ
-    url = nats_url(env)
+    nats = nats_settings(env)
     db = database_url(env)
     settings = Settings(
         node_timeout_s=env_float(env, "GPULAYER_NODE_TIMEOUT_S", 15.0),
         resend_after_s=env_float(env, "GPULAYER_GRANT_RESEND_S", 30.0),
         batch_size=env_int(env, "GPULAYER_PLACEMENT_BATCH", 256),
     )
-    log.info("settings: nats=%s database=%s %s", url, _redact(db), settings)
+    log.info("settings: nats=%s database=%s %s", nats, _redact(db), settings)
     telemetry = setup_telemetry("gpulayer-placement", env)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -42,7 +42,7 @@ async def _amain() -> None:
         loop.add_signal_handler(sig, stop.set)
     async with AsyncExitStack() as stack:
         stack.callback(telemetry.shutdown)
-        nc = await connect(url, "gpulayer-placement")
+        nc = await connect(nats.url, "gpulayer-placement", **nats.connect_args())
         stack.push_async_callback(nc.drain)
         await ensure_streams(nc.jetstream())
         pool = await create_pool(db)
