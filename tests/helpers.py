@@ -101,7 +101,7 @@ async def events_until(
             if all(set(types) & terminal for types in seen.values()):
                 done.set()
 
-    sub = await nc.subscribe("gpulayer.job.*.events", cb=cb)
+    sub = await nc.subscribe("gpulayer.job.*.*.events", cb=cb)
     try:
         await asyncio.wait_for(done.wait(), timeout)
     finally:

@@ -16,7 +16,7 @@ import nats
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.api import ConsumerConfig
+from nats.js.api import ConsumerConfig, DeliverPolicy
 from tests.conftest import SecureNats
 
 from gpulayer_contracts.subjects import (
@@ -29,7 +29,7 @@ from gpulayer_contracts.subjects import (
 )
 from gpulayer_runtime.auth import AuthError, AuthStore, decode_jwt_claims, identity_of
 from gpulayer_runtime.nats import connect, ensure_streams
-from gpulayer_runtime.roles import ROLES, permissions
+from gpulayer_runtime.roles import ROLES, inbox_prefix, permissions
 from gpulayer_runtime.servers import EmbeddedNats, NatsTls
 
 pytestmark = pytest.mark.integration
@@ -222,6 +222,53 @@ async def test_user_cannot_submit_as_another_user(secure_nats: SecureNats, admin
     assert await stored(admin, "JOBS", jobs_submit("bob")) == 0
     assert await stored(admin, "JOBS", jobs_submit()) == 0
     assert await stored(admin, "JOBS", jobs_submit("alice")) == 1
+
+
+async def test_user_cannot_read_another_users_events_or_logs(
+    secure_nats: SecureNats, admin: Client
+) -> None:
+    js_admin = admin.jetstream()
+    await js_admin.publish("gpulayer.job.bob.j1.events", b'{"type": "accepted"}')
+    await js_admin.publish("gpulayer.job.bob.j1.logs", b'{"line": "HF_TOKEN=secret"}')
+    await js_admin.publish("gpulayer.job.alice.j2.events", b'{"type": "accepted"}')
+    async with client(secure_nats, "user", "alice") as alice:
+        js = alice.nc.jetstream()
+        for subject in ("gpulayer.job.bob.>", "gpulayer.job.>", "_INBOX.>", "_INBOX.user-bob.>"):
+            await alice.nc.subscribe(subject)
+            await alice.violation("Subscription", subject)
+        for stream, subject in (
+            ("JOB_EVENTS", "gpulayer.job.bob.j1.events"),
+            ("LOGS", "gpulayer.job.bob.j1.logs"),
+        ):
+            # An ordered consumer (no filter in the API subject) is not allowed at all.
+            with pytest.raises((nats.errors.TimeoutError, nats.js.errors.Error)):
+                await js.add_consumer(stream, ConsumerConfig(filter_subject=subject), timeout=1)
+            await alice.violation("Publish", f"$JS.API.CONSUMER.CREATE.{stream}")
+            with pytest.raises((nats.errors.TimeoutError, nats.js.errors.Error)):
+                await js.add_consumer(
+                    stream, ConsumerConfig(name="peek", filter_subject=subject), timeout=1
+                )
+            await alice.violation("Publish", f"$JS.API.CONSUMER.CREATE.{stream}.peek.{subject}")
+            with pytest.raises((nats.errors.TimeoutError, nats.js.errors.Error)):
+                await js.get_last_msg(stream, subject)
+        # Its own job's events: a named consumer filtered to its own prefix, on its inbox.
+        inbox = alice.nc.new_inbox()
+        assert inbox.startswith(inbox_prefix("user", "alice") + ".")
+        sub = await alice.nc.subscribe(inbox)
+        await js.add_consumer(
+            "JOB_EVENTS",
+            ConsumerConfig(
+                name="own",
+                filter_subject="gpulayer.job.alice.j2.events",
+                deliver_subject=inbox,
+                deliver_policy=DeliverPolicy.ALL,
+            ),
+        )
+        msg = await sub.next_msg(timeout=5)
+        assert msg.data == b'{"type": "accepted"}'
+    consumers = (await js_admin.stream_info("JOB_EVENTS")).state.consumer_count
+    assert consumers == 1  # only alice's own
+    assert (await js_admin.stream_info("LOGS")).state.consumer_count == 0
 
 
 async def test_user_cannot_purge_or_delete_a_stream(secure_nats: SecureNats, admin: Client) -> None:

@@ -215,7 +215,7 @@ async def test_silent_node_goes_offline_and_its_jobs_are_lost(
 
     try:
         js = nc.jetstream()
-        await nc.subscribe("gpulayer.job.*.events", cb=on_event)
+        await nc.subscribe("gpulayer.job.*.*.events", cb=on_event)
         placed = asyncio.Event()
 
         async def on_grant(msg: object) -> None:

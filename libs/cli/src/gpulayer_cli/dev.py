@@ -342,7 +342,7 @@ async def _serve(nc: object, stack: Stack, console: Console) -> None:
         with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
             print_event(console, event_decoder.decode(msg.data))  # type: ignore[attr-defined]
 
-    await nc.subscribe("gpulayer.job.*.events", cb=cb)  # type: ignore[attr-defined]
+    await nc.subscribe("gpulayer.job.*.*.events", cb=cb)  # type: ignore[attr-defined]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -29,6 +29,9 @@ class Grant(Wire, frozen=True):
     devices: list[int] = []
     visible_env: dict[str, str] = {}
     granted_at: datetime = msgspec.field(default_factory=utcnow)
+    # Who submitted the job (placement takes it from the submit subject, never the payload):
+    # the executor publishes the job's events and logs under it.
+    owner: str = "anonymous"
 
 
 ExecState = Literal["running", "succeeded", "failed", "cancelled", "lost"]
@@ -56,7 +59,7 @@ class CancelJob(Wire, frozen=True):
 
 
 class LogLine(Wire, frozen=True):
-    """One output line of a job on ``gpulayer.job.<job>.logs``."""
+    """One output line of a job on ``gpulayer.job.<owner>.<job>.logs``."""
 
     job_id: str
     stream: Literal["stdout", "stderr"]
@@ -64,12 +67,14 @@ class LogLine(Wire, frozen=True):
     at: datetime = msgspec.field(default_factory=utcnow)
 
 
-# --- Job events: one tagged union on gpulayer.job.<job>.events, tag field "type". ---
+# --- Job events: one tagged union on gpulayer.job.<owner>.<job>.events, tag field "type". ---
 
 
 class JobEvent(Wire, frozen=True, tag_field="type"):
     job_id: str
     at: datetime = msgspec.field(default_factory=utcnow)
+    # The job's owner: its events are published on gpulayer.job.<owner>.<job>.events.
+    owner: str = "anonymous"
 
 
 class Accepted(JobEvent, frozen=True, tag="accepted", kw_only=True):

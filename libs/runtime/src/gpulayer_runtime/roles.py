@@ -159,10 +159,7 @@ def _user(name: str) -> Permissions:
     for stream, kind in (("JOB_EVENTS", "events"), ("LOGS", "logs")):
         # Its own jobs only: the filter (in the subject) starts with its own owner token. The
         # consumer's name is free (clients use a random one); the filter is what limits reading.
-        js_api += [
-            f"{_JS}.CONSUMER.CREATE.{stream}.*.{own_jobs}.*.{kind}",
-            f"$JS.FC.{stream}.>",
-        ]
+        js_api.append(f"{_JS}.CONSUMER.CREATE.{stream}.*.{own_jobs}.*.{kind}")
     return Permissions(
         publish=(
             f"{PREFIX}.jobs.submit.{name}",

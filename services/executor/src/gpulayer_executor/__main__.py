@@ -101,10 +101,9 @@ async def _amain() -> None:
     telemetry = setup_telemetry("gpulayer-executor", env)
     nc = await connect(nats.url, f"gpulayer-executor-{config.node_id}", **nats.connect_args())
     try:
-        # Placement declares the streams; a node's credential may not (docs/security.md).
-        await wait_for_streams(
-            nc.jetstream(), ["GRANTS", "CONTROL", "STATUS", "JOB_EVENTS", "LOGS"]
-        )
+        # Placement declares the streams (all at once); a node's credential may not, and may
+        # look up only those it consumes (docs/security.md).
+        await wait_for_streams(nc.jetstream(), ["GRANTS", "CONTROL"])
         await Executor(nc, config, telemetry).run(stop)
     finally:
         await nc.drain()

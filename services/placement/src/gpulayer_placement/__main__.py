@@ -11,9 +11,11 @@ from contextlib import AsyncExitStack
 
 from gpulayer_runtime.nats import connect, ensure_streams
 from gpulayer_runtime.settings import (
+    ConfigError,
     database_url,
     env_float,
     env_int,
+    env_str,
     nats_settings,
     run_service,
 )
@@ -33,6 +35,7 @@ async def _amain() -> None:
         node_timeout_s=env_float(env, "GPULAYER_NODE_TIMEOUT_S", 15.0),
         resend_after_s=env_float(env, "GPULAYER_GRANT_RESEND_S", 30.0),
         batch_size=env_int(env, "GPULAYER_PLACEMENT_BATCH", 256),
+        admins=_admins(env_str(env, "GPULAYER_ADMINS", "admin")),
     )
     log.info("settings: nats=%s database=%s %s", nats, _redact(db), settings)
     telemetry = setup_telemetry("gpulayer-placement", env)
@@ -61,6 +64,14 @@ async def _amain() -> None:
         if service.stop.is_set() and not stop.is_set():
             raise SystemExit("placement stopped after an internal failure (see log)")
         log.info("stopping")
+
+
+def _admins(raw: str) -> frozenset[str]:
+    names = frozenset(n.strip() for n in raw.split(",") if n.strip())
+    for name in names:
+        if any(c in name for c in ".*> \t"):
+            raise ConfigError(f"GPULAYER_ADMINS: {name!r} is not a valid identity name")
+    return names
 
 
 def _redact(url: str) -> str:

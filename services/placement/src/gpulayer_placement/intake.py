@@ -21,7 +21,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from gpulayer_contracts import Accepted, JobEvent, JobRequest, Rejected, encode, validate_job
 from gpulayer_contracts.codec import InvalidInput, best_effort_job_id, decode_job_json
-from gpulayer_contracts.subjects import JOBS_SUBMIT
+from gpulayer_contracts.subjects import ANONYMOUS, JOBS_SUBMIT_ALL, owner_from_submit
 from gpulayer_placement.loops import consume
 from gpulayer_placement.outcome import Outcome
 from gpulayer_placement.publisher import ANNOUNCE_AGAIN_WITHIN_S, Publisher
@@ -48,6 +48,8 @@ class Batch:
     rejections: dict[str, list[str]] = field(default_factory=dict)
     origin: dict[str, Msg] = field(default_factory=dict)
     submitted: dict[str, float] = field(default_factory=dict)  # stream time, with telemetry on
+    # From the submit subject, which only the owner's credential may publish on.
+    owners: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -84,14 +86,18 @@ class Intake:
         self.tel = telemetry
 
     async def subscribe(self) -> JetStreamContext.PullSubscription:
-        """The durable pull consumer on the JOBS work queue."""
-        return await self.js.pull_subscribe(
-            JOBS_SUBMIT,
-            durable="placement-jobs",
-            config=ConsumerConfig(
-                ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_ack_pending=20_000
-            ),
+        """The durable pull consumer on the JOBS work queue, every owner's submit subject."""
+        config = ConsumerConfig(
+            name="placement-jobs",
+            durable_name="placement-jobs",
+            filter_subject=JOBS_SUBMIT_ALL,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=30,
+            max_ack_pending=20_000,
         )
+        # Created or updated: a consumer made before owners filtered on the bare subject only.
+        await self.js.add_consumer("JOBS", config)
+        return await self.js.pull_subscribe_bind("placement-jobs", stream="JOBS")
 
     async def run(self, sub: JetStreamContext.PullSubscription) -> None:
         """Ingest batches from ``sub`` until the service stops."""
@@ -142,6 +148,7 @@ class Intake:
             if job.job_id in b.rows:
                 continue  # the same id twice in one batch is one job
             b.origin[job.job_id] = msg
+            b.owners[job.job_id] = _owner(msg)
             result = validate_job(job)
             body = encode(job).decode()
             if result.errors:
@@ -173,6 +180,7 @@ class Intake:
         )
         if job_id is not None and job_id not in b.rows:
             b.origin[job_id] = msg
+            b.owners[job_id] = _owner(msg)
             b.rejections[job_id] = [str(err)]
             b.rows[job_id] = (job_id, msg.data.decode("utf-8", "replace"), "rejected", traceparent)
 
@@ -191,8 +199,9 @@ class Intake:
         )
         try:
             async with self.pool.acquire() as conn, conn.transaction():
+                owners = [b.owners.get(i, ANONYMOUS) for i in ids]
                 inserted = await Store.fetch(
-                    conn, "insert_jobs", ids, bodies, states, reasons, parents
+                    conn, "insert_jobs", ids, bodies, states, reasons, parents, owners
                 )
                 stored.new = {r["job_id"] for r in inserted}
                 stored.fresh = [j for j in b.accepted if j in stored.new]
@@ -229,10 +238,11 @@ class Intake:
                     job_id,
                     extra=job_context(job_id, traceparent=b.rows[job_id][3]),
                 )
+            owner = b.owners.get(job_id, ANONYMOUS)
             if job_id in b.rejections:
-                events.append(Rejected(job_id=job_id, reasons=b.rejections[job_id]))
+                events.append(Rejected(job_id=job_id, reasons=b.rejections[job_id], owner=owner))
             else:
-                events.append(Accepted(job_id=job_id, warnings=b.warnings[job_id]))
+                events.append(Accepted(job_id=job_id, warnings=b.warnings[job_id], owner=owner))
         return events
 
     async def _announce_again(self, job_ids: list[str]) -> set[str]:
@@ -241,6 +251,14 @@ class Intake:
         async with self.pool.acquire() as conn:
             rows = await Store.fetch(conn, "job_ages", job_ids)
         return {r["job_id"] for r in rows if r["age_s"] < ANNOUNCE_AGAIN_WITHIN_S}
+
+
+def _owner(msg: Msg) -> str:
+    """The job's owner, from the subject it was submitted on (never from the payload)."""
+    try:
+        return owner_from_submit(msg.subject)
+    except ValueError:  # not a submit subject: the stream holds none, so nobody's in particular
+        return ANONYMOUS
 
 
 def _redelivered(msg: Msg) -> bool:

@@ -27,7 +27,13 @@ from gpulayer_contracts import (
     validate_job,
 )
 from gpulayer_contracts.codec import job_request_decoder
-from gpulayer_contracts.subjects import MSG_ID_HEADER, STREAMS, job_events, node_grants
+from gpulayer_contracts.subjects import (
+    ANONYMOUS,
+    MSG_ID_HEADER,
+    STREAMS,
+    job_events,
+    node_grants,
+)
 from gpulayer_placement.outcome import Outcome, PlacedJob, make_grant
 from gpulayer_placement.settings import Settings
 from gpulayer_placement.store import Store
@@ -109,7 +115,7 @@ class Publisher:
                 f"{event.job_id}:{tag}" if once else f"{event.job_id}:{tag}:{event.at.timestamp()}"
             )
         headers = {MSG_ID_HEADER: msg_id}
-        return job_events(event.job_id), encode(event), headers
+        return job_events(event.job_id, event.owner), encode(event), headers
 
     @staticmethod
     def grant_item(grant: Grant, headers: dict[str, str] | None = None) -> Item:
@@ -127,6 +133,7 @@ class Publisher:
             node_id=grant.node_id,
             accelerator=grant.accelerator,
             devices=grant.devices,
+            owner=grant.owner,
         )
         return Publisher.event_item(placed, msg_id=f"{grant.grant_id}:placed")
 
@@ -144,11 +151,18 @@ class Publisher:
                 pl.grant_id,
                 pl.placement.accelerator,
                 pl.placement.devices,
+                pl.owner,
             )
             for pl in outcome.placements
         ]
         waiting: list[JobEvent] = [
-            Pending(job_id=j, summary=d.summary, reasons=d.reasons, unsatisfiable=d.unsatisfiable)
+            Pending(
+                job_id=j,
+                summary=d.summary,
+                reasons=d.reasons,
+                unsatisfiable=d.unsatisfiable,
+                owner=outcome.owners.get(j, ANONYMOUS),
+            )
             for j, d in outcome.waiting
         ]
         # Events first: a user watching the job sees "placed" before the executor's "running".
@@ -265,8 +279,9 @@ class Publisher:
                 r["node_id"],
                 extra=job_context(r["job_id"], r["node_id"], r["traceparent"]),
             )
+            owner = r.get("owner") or ANONYMOUS
             grant = make_grant(
-                job, r["node_id"], r["grant_id"], r["accelerator"], list(r["devices"])
+                job, r["node_id"], r["grant_id"], r["accelerator"], list(r["devices"]), owner
             )
             items = [
                 self.placed_item(grant),
@@ -277,7 +292,8 @@ class Publisher:
             if r["age_s"] < ANNOUNCE_AGAIN_WITHIN_S:
                 # Placed where it was ingested, so its "accepted" went out (or not) with this
                 # grant; only a copy this young is sure to be dropped if it was stored before.
-                accepted = Accepted(job_id=job.job_id, warnings=validate_job(job).warnings)
+                warnings = validate_job(job).warnings
+                accepted = Accepted(job_id=job.job_id, warnings=warnings, owner=owner)
                 items.insert(0, self.event_item(accepted))
             if await self.publish(items):
                 self._resent[grant.job.job_id] = grant.grant_id

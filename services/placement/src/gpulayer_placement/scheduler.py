@@ -23,6 +23,7 @@ import asyncpg
 
 from gpulayer_contracts import JobRequest, encode
 from gpulayer_contracts.codec import job_request_decoder
+from gpulayer_contracts.subjects import ANONYMOUS
 from gpulayer_contracts.validation import requested_gpu_count
 from gpulayer_matching import NoPlacement, Placement, match
 from gpulayer_placement import waiting
@@ -190,6 +191,7 @@ class Scheduler:
         either."""
         for row in rows:
             job_id = row["job_id"]
+            owner = row.get("owner") or ANONYMOUS
             job = self._jobs.get(job_id)
             if job is None:
                 job = job_request_decoder.decode(row["request"])
@@ -214,6 +216,7 @@ class Scheduler:
                         traceparent=row["traceparent"],
                         submitted=submitted,
                         match_ns=(t0, t1),
+                        owner=owner,
                     )
                 )
                 # Held at once, so later jobs of this batch see the devices taken.
@@ -224,6 +227,7 @@ class Scheduler:
                     self._deviceless_waiting.add(job_id)
                 if decision.summary != row["reason"]:
                     outcome.waiting.append((job_id, decision))
+                    outcome.owners[job_id] = owner
 
     async def persist(self, conn: Any, outcome: Outcome) -> None:
         """Allocations and job rows of ``outcome`` in one statement each, on ``conn``."""

@@ -122,7 +122,13 @@ class PlacementService:
             telemetry=telemetry,
         )
         self.api = Api(
-            nc=nc, js=js, pool=pool, fleet=fleet, publisher=self.publisher, forget=self.forget
+            nc=nc,
+            js=js,
+            pool=pool,
+            fleet=fleet,
+            publisher=self.publisher,
+            forget=self.forget,
+            admins=s.admins,
         )
         self.gauges = Gauges(pool, fleet, telemetry)
 
