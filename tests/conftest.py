@@ -5,6 +5,10 @@
 - ``GPULAYER_NATS_URL`` / ``GPULAYER_DATABASE_URL``: use existing servers instead (streams are
   deleted before each test; each test still gets its own database).
 - ``GPULAYER_TEST_BACKEND=containers``: testcontainers starts both, where Docker exists.
+- Auth is on by default: the embedded nats-server runs with a generated operator config, the
+  ``nc`` fixture and every process the tests start (which inherit ``GPULAYER_NATS_CREDS``) are
+  the admin ``admin``, and ``tests.helpers.Services`` gives each service its own role's
+  credential. ``GPULAYER_TEST_AUTH=off`` (or an existing server) runs without.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 import asyncpg
 import pytest
 from nats.aio.client import Client
+from tests import helpers
 
 from gpulayer_runtime.auth import AuthStore
 from gpulayer_runtime.nats import connect
@@ -66,6 +71,34 @@ async def database_url(postgres_admin_url: str) -> AsyncIterator[str]:
         await admin.close()
 
 
+TEST_ADMIN = "admin"
+
+
+def _auth_on() -> bool:
+    if os.environ.get("GPULAYER_TEST_AUTH", "on").strip().lower() == "off":
+        return False
+    return not os.environ.get("GPULAYER_NATS_URL") and _backend() != "containers"
+
+
+@pytest.fixture(scope="session")
+def nats_creds(auth_store: AuthStore) -> Iterator[str | None]:
+    """The admin credential the tests act as (None with auth off). Set as
+    ``GPULAYER_NATS_CREDS`` for the session, so processes the tests start inherit it."""
+    if not _auth_on():
+        yield None
+        return
+    creds = str(auth_store.ensure("admin", TEST_ADMIN))
+    before = os.environ.get("GPULAYER_NATS_CREDS")
+    os.environ["GPULAYER_NATS_CREDS"] = creds
+    helpers.AUTH_STORE, helpers.TEST_CREDS = auth_store, creds
+    yield creds
+    helpers.AUTH_STORE, helpers.TEST_CREDS = None, None
+    if before is None:
+        os.environ.pop("GPULAYER_NATS_CREDS", None)
+    else:
+        os.environ["GPULAYER_NATS_CREDS"] = before
+
+
 @pytest.fixture(scope="session")
 def _nats_container() -> Iterator[str | None]:
     if _backend() != "containers" or os.environ.get("GPULAYER_NATS_URL"):
@@ -78,8 +111,11 @@ def _nats_container() -> Iterator[str | None]:
 
 
 @pytest.fixture
-async def nats_url(tmp_path: Path, _nats_container: str | None) -> AsyncIterator[str]:
-    """A NATS server with JetStream and no gpulayer streams in it yet."""
+async def nats_url(
+    tmp_path: Path, _nats_container: str | None, auth_store: AuthStore, nats_creds: str | None
+) -> AsyncIterator[str]:
+    """A NATS server with JetStream and no gpulayer streams in it yet (with auth on: the
+    generated auth config, see ``nats_creds``)."""
     existing = os.environ.get("GPULAYER_NATS_URL") or _nats_container
     if existing:
         nc = await connect(existing, "test-cleanup")
@@ -90,7 +126,8 @@ async def nats_url(tmp_path: Path, _nats_container: str | None) -> AsyncIterator
         await nc.close()
         yield existing
         return
-    server = EmbeddedNats(tmp_path / "nats").start()
+    auth_conf = auth_store.server_conf if nats_creds else None
+    server = EmbeddedNats(tmp_path / "nats", auth_conf=auth_conf).start()
     try:
         yield server.url
     finally:
@@ -98,8 +135,9 @@ async def nats_url(tmp_path: Path, _nats_container: str | None) -> AsyncIterator
 
 
 @pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[Client]:
-    client = await connect(nats_url, "test")
+async def nc(nats_url: str, nats_creds: str | None) -> AsyncIterator[Client]:
+    """A connection as the test admin (anonymous with auth off)."""
+    client = await connect(nats_url, "test", creds=nats_creds)
     yield client
     await client.drain()
 

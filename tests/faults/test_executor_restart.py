@@ -15,7 +15,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from tests.helpers import pid_alive, reason
+from tests.helpers import pid_alive, reason, role_creds
 
 from gpulayer_contracts.codec import encode, event_decoder, status_decoder
 from gpulayer_contracts.events import AnyJobEvent, Grant, JobStatus, is_terminal
@@ -115,6 +115,8 @@ class ExecutorProcess:
             "GPULAYER_EXECUTOR_WORKDIR": str(workdir),
             "GPULAYER_KILL_GRACE_S": "0.5",
         }
+        if creds := role_creds("node", NODE):  # auth on: the node's own credential
+            self.env["GPULAYER_NATS_CREDS"] = creds
         self.workdir = workdir
         self.log = log
         self.proc: asyncio.subprocess.Process | None = None

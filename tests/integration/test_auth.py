@@ -372,3 +372,30 @@ async def test_a_list_of_servers_is_accepted(secure_nats: SecureNats) -> None:
         assert nc.connected_url.port == secure_nats.server.port
     finally:
         await nc.close()
+
+
+async def test_the_auth_command_mints_credentials_a_running_server_accepts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`gpulayer auth init` once, then nodes and users added while the server runs: no config
+    change, no restart."""
+    from gpulayer_cli.main import main
+
+    folder = tmp_path / "auth"
+    assert main(["auth", "--dir", str(folder), "init"]) == 0
+    store = AuthStore(folder)
+    with EmbeddedNats(tmp_path / "nats", auth_conf=store.server_conf) as server:
+        assert main(["auth", "--dir", str(folder), "add-node", "gpu-7"]) == 0
+        node_creds = capsys.readouterr().out.strip().splitlines()[-1]
+        assert main(["auth", "--dir", str(folder), "add-user", "carol"]) == 0
+        assert main(["auth", "--dir", str(folder), "add-user", "bad.name"]) == 2
+        assert "bad.name" in capsys.readouterr().err
+        nc = await connect(server.url, "minted", creds=node_creds)
+        try:
+            assert identity_of(node_creds) == ("node", "gpu-7")
+            await nc.publish("gpulayer.node.gpu-7.heartbeat", b"{}")
+            await nc.flush()
+            assert nc.is_connected
+        finally:
+            await nc.close()
+    assert main(["auth", "--dir", str(tmp_path / "none"), "add-user", "dave"]) == 2

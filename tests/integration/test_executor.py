@@ -16,7 +16,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from tests.helpers import pid_alive, reason
+from tests.helpers import connect_args, pid_alive, reason
 
 from gpulayer_cli.logs import run_logs
 from gpulayer_contracts.codec import encode, event_decoder, status_decoder
@@ -512,7 +512,12 @@ async def test_logs_of_a_finished_job_and_following_a_running_one(
     await publish_grant(js, done)
     await job_events_until_terminal(js, done.job.job_id)
     out = io.StringIO()
-    assert await run_logs(nats_url, done.job.job_id, follow=False, out=out) == 0
+    assert (
+        await run_logs(
+            nats_url, done.job.job_id, follow=False, out=out, connect_args=connect_args()
+        )
+        == 0
+    )
     assert sorted(out.getvalue().splitlines()) == ["no newline", "one", "two"]
 
     # Follow: the job prints, waits for a go file, prints again; run_logs returns at its end.
@@ -522,7 +527,9 @@ async def test_logs_of_a_finished_job_and_following_a_running_one(
     )
     await publish_grant(js, live)
     followed = io.StringIO()
-    follower = asyncio.create_task(run_logs(nats_url, live.job.job_id, follow=True, out=followed))
+    follower = asyncio.create_task(
+        run_logs(nats_url, live.job.job_id, follow=True, out=followed, connect_args=connect_args())
+    )
 
     async def printed_first() -> bool:
         return "first" in followed.getvalue()
@@ -536,7 +543,12 @@ async def test_logs_of_a_finished_job_and_following_a_running_one(
 
 async def test_unknown_job_logs_say_so(nats_url: str, js: JetStreamContext) -> None:
     out, err = io.StringIO(), io.StringIO()
-    assert await run_logs(nats_url, "no-such-job", follow=False, out=out, err=err) == 1
+    assert (
+        await run_logs(
+            nats_url, "no-such-job", follow=False, out=out, err=err, connect_args=connect_args()
+        )
+        == 1
+    )
     assert "no-such-job" in err.getvalue()
 
 
@@ -555,7 +567,12 @@ async def test_a_flood_of_output_is_bounded(
     events = await job_events_until_terminal(js, grant.job.job_id, timeout=40)
     assert events[-1].__struct_config__.tag == "succeeded"
     out = io.StringIO()
-    assert await run_logs(nats_url, grant.job.job_id, follow=False, out=out) == 0
+    assert (
+        await run_logs(
+            nats_url, grant.job.job_id, follow=False, out=out, connect_args=connect_args()
+        )
+        == 0
+    )
     lines = out.getvalue().splitlines()
     assert lines[0] == "y" * 1000 + " [gpulayer: line truncated, 999000 bytes dropped]"
     # Dropped and counted, not buffered: far fewer lines stored, with markers saying so.

@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 
 import pytest
 from nats.aio.client import Client
+from tests.helpers import role_creds
 
 from gpulayer_contracts import (
     AcceleratorDevice,
@@ -78,7 +79,7 @@ async def replicas(
     started: list[tuple[PlacementService, Client]] = []
     for i in range(3):
         # Each replica has its own NATS connection and pool, as separate processes would.
-        conn = await connect(nats_url, f"placement-{i}")
+        conn = await connect(nats_url, f"placement-{i}", creds=role_creds("placement"))
         pool = await create_pool(database_url, min_size=1, max_size=4)
         svc = PlacementService(
             conn, pool, Settings(node_timeout_s=30, resend_after_s=60, batch_size=64)

@@ -64,6 +64,7 @@ def cmd_dev_up(args: argparse.Namespace) -> int:
         data_dir=Path(args.data_dir),
         timeout_s=args.timeout,
         console=_console(),
+        auth=not args.no_auth,
     )
 
 
@@ -369,7 +370,16 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--examples", default="examples", help="folder of example job files")
     up.add_argument("--data-dir", default=".gpulayer", help="where servers keep their data")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the examples")
+    up.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="NATS without credentials: anyone who reaches it may do anything (GPULAYER_AUTH=off)",
+    )
     up.set_defaults(fn=cmd_dev_up)
+
+    from gpulayer_cli.auth_cmd import add_parser as add_auth_parser
+
+    add_auth_parser(sub)
 
     sub.add_parser("schema", help="print the JSON Schema of a job request").set_defaults(
         fn=cmd_schema
