@@ -251,6 +251,17 @@ async def test_user_cannot_read_another_users_events_or_logs(
             await alice.violation("Publish", f"$JS.API.CONSUMER.CREATE.{stream}.peek.{subject}")
             with pytest.raises((nats.errors.TimeoutError, nats.js.errors.Error)):
                 await js.get_last_msg(stream, subject)
+        # Its own consumer subject, someone else's filter in the body: the server refuses both a
+        # different filter and a list of filters (which the subject could not name).
+        own = "$JS.API.CONSUMER.CREATE.JOB_EVENTS.sly.gpulayer.job.alice.j2.events"
+        for config in (
+            {"name": "sly", "filter_subject": "gpulayer.job.bob.j1.events"},
+            {"name": "sly", "filter_subjects": ["gpulayer.job.bob.j1.events"]},
+            {"name": "sly"},
+        ):
+            body = {"stream_name": "JOB_EVENTS", "config": {**config, "deliver_subject": "x"}}
+            reply = await alice.nc.request(own, json.dumps(body).encode(), timeout=5)
+            assert "error" in json.loads(reply.data), config
         # Its own job's events: a named consumer filtered to its own prefix, on its inbox.
         inbox = alice.nc.new_inbox()
         assert inbox.startswith(inbox_prefix("user", "alice") + ".")
