@@ -286,6 +286,21 @@ def cmd_logs(args: argparse.Namespace) -> int:
     return int(asyncio.run(run_logs(_nats_url(), args.job_id, follow=args.follow, out=sys.stdout)))
 
 
+def cmd_dlq(args: argparse.Namespace) -> int:
+    """The newest dead letters, from the DLQ stream."""
+    from gpulayer_cli.dlq import dead_letters, dlq_table
+
+    async def go(nc: Any) -> int:
+        entries = await dead_letters(nc.jetstream(), args.limit)
+        if args.json:
+            print(json.dumps(entries, indent=2))
+        else:
+            _console().print(dlq_table(entries))
+        return 0
+
+    return asyncio.run(_with_nats(go))
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from gpulayer_cli.check import run_check
 
@@ -364,6 +379,11 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("job_id")
     lg.add_argument("-f", "--follow", action="store_true")
     lg.set_defaults(fn=cmd_logs)
+
+    dl = sub.add_parser("dlq", help="messages placement could not handle (the dead letters)")
+    dl.add_argument("--limit", type=int, default=50, help="the newest N entries")
+    dl.add_argument("--json", action="store_true")
+    dl.set_defaults(fn=cmd_dlq)
 
     ck = sub.add_parser(
         "check", help="would this machine get this job? (0 yes, 1 no, 2 invalid job file)"

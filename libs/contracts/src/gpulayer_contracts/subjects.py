@@ -21,6 +21,7 @@ NODE_WILDCARD_CONTROL = f"{PREFIX}.node.*.control"
 NODE_WILDCARD_DOCTOR = f"{PREFIX}.node.*.doctor"
 JOB_WILDCARD_EVENTS = f"{PREFIX}.job.*.events"
 JOB_WILDCARD_LOGS = f"{PREFIX}.job.*.logs"
+DLQ_WILDCARD = f"{PREFIX}.dlq.>"
 
 API_NODES = f"{PREFIX}.api.nodes"
 API_JOBS = f"{PREFIX}.api.jobs"
@@ -31,6 +32,22 @@ API_MATRIX = f"{PREFIX}.api.matrix"
 
 # Header names. Nats-Msg-Id is JetStream's own dedupe header.
 MSG_ID_HEADER = "Nats-Msg-Id"
+
+# A dead letter carries the original body and headers, plus these (docs/operations.md, "Dead
+# letters"). The original's Nats-Msg-Id moves to DLQ_MSG_ID_HEADER: the entry's own id is
+# ``<stream>:<sequence>``, so dead-lettering one message twice keeps one entry.
+DLQ_REASON_HEADER = "Gpulayer-Dlq-Reason"
+DLQ_CLASS_HEADER = "Gpulayer-Dlq-Class"
+DLQ_STREAM_HEADER = "Gpulayer-Dlq-Stream"
+DLQ_SUBJECT_HEADER = "Gpulayer-Dlq-Subject"
+DLQ_SEQUENCE_HEADER = "Gpulayer-Dlq-Sequence"
+DLQ_DELIVERIES_HEADER = "Gpulayer-Dlq-Deliveries"
+DLQ_JOB_ID_HEADER = "Gpulayer-Dlq-Job-Id"
+DLQ_SIZE_HEADER = "Gpulayer-Dlq-Size"
+DLQ_TRUNCATED_HEADER = "Gpulayer-Dlq-Truncated"
+DLQ_MSG_ID_HEADER = "Gpulayer-Dlq-Msg-Id"
+# The JetStream advisory sent when a message reaches a consumer's max_deliver.
+MAX_DELIVERIES_ADVISORY = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.>"
 
 
 def _token(value: str, what: str) -> str:
@@ -70,6 +87,11 @@ def job_events(job_id: str) -> str:
 
 def job_logs(job_id: str) -> str:
     return f"{PREFIX}.job.{_token(job_id, 'job id')}.logs"
+
+
+def dlq_subject(stream: str) -> str:
+    """Where messages of ``stream`` that can't be handled go (the DLQ stream)."""
+    return f"{PREFIX}.dlq.{_token(stream, 'stream name')}"
 
 
 def node_from_subject(subject: str) -> str:
@@ -146,5 +168,12 @@ STREAMS: tuple[StreamSpec, ...] = (
         max_bytes=1 << 30,
         max_age_s=7 * 24 * 3600.0,
         description="Job output lines; bounded per job and in total.",
+    ),
+    StreamSpec(
+        name="DLQ",
+        subjects=[DLQ_WILDCARD],
+        max_age_s=14 * 24 * 3600.0,
+        max_bytes=256 << 20,
+        description="Dead letters: messages of JOBS and STATUS that could not be handled.",
     ),
 )

@@ -19,7 +19,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from gpulayer_contracts.codec import cancel_decoder, grant_decoder
+from gpulayer_contracts.codec import InvalidInput, cancel_decoder, decode_message, grant_decoder
 from gpulayer_contracts.events import Grant
 from gpulayer_contracts.subjects import node_control, node_grants
 from gpulayer_executor import state as st
@@ -135,8 +135,8 @@ class GrantIntake:
 
     async def on_grant(self, msg: Msg) -> None:
         try:
-            grant = grant_decoder.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as err:
+            grant = decode_message(grant_decoder, msg.data)
+        except InvalidInput as err:
             log.error("malformed grant on %s dropped: %s", msg.subject, err)
             await msg.ack()
             return
@@ -180,8 +180,8 @@ class GrantIntake:
 
     async def on_cancel(self, msg: Msg) -> None:
         try:
-            cancel = cancel_decoder.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as err:
+            cancel = decode_message(cancel_decoder, msg.data)
+        except InvalidInput as err:
             log.error("malformed cancel on %s dropped: %s", msg.subject, err)
             await msg.ack()
             return

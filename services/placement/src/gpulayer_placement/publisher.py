@@ -18,6 +18,7 @@ from nats.js import JetStreamContext
 
 from gpulayer_contracts import (
     Accepted,
+    Failed,
     Grant,
     JobEvent,
     Pending,
@@ -26,6 +27,7 @@ from gpulayer_contracts import (
     encode,
     validate_job,
 )
+from gpulayer_contracts.bounds import MAX_EVENT_BYTES, bound_event
 from gpulayer_contracts.codec import job_request_decoder
 from gpulayer_contracts.subjects import MSG_ID_HEADER, STREAMS, job_events, node_grants
 from gpulayer_placement.outcome import Outcome, PlacedJob, make_grant
@@ -60,6 +62,9 @@ class Publisher:
         self.settings = settings
         self.tel = telemetry
         self.placed_total = 0
+        # The server's max_payload (set from its INFO when wired): a message over it would make
+        # the server close this connection, so none is sent.
+        self.max_payload = 1 << 20
         self._resent: dict[str, str] = {}  # job id -> grant this replica re-sent (stored)
         # Jobs stored but whose accepted/rejected event failed to publish: said again first,
         # before any later event of theirs from this replica.
@@ -87,6 +92,11 @@ class Publisher:
         ``resend`` loop; a lost event is only a gap in a job's history."""
         if not items:
             return True
+        too_big = [it for it in items if not self._fits(it)]
+        for subject, data, _ in too_big:
+            log.error("not publishing %d bytes on %s: over max_payload", len(data), subject)
+        if too_big:
+            items = [it for it in items if self._fits(it)]
         try:
             futures = [
                 await self.js.publish_async(subj, data, headers=h) for subj, data, h in items
@@ -95,7 +105,12 @@ class Publisher:
         except Exception as err:
             log.warning("publishing %d messages failed: %r", len(items), err)
             return False
-        return True
+        return not too_big
+
+    def _fits(self, item: Item) -> bool:
+        subject, data, headers = item
+        size = len(data) + len(subject) + sum(len(k) + len(v) + 4 for k, v in headers.items())
+        return size + 64 <= self.max_payload
 
     @staticmethod
     def event_item(event: JobEvent, msg_id: str | None = None) -> Item:
@@ -109,7 +124,10 @@ class Publisher:
                 f"{event.job_id}:{tag}" if once else f"{event.job_id}:{tag}:{event.at.timestamp()}"
             )
         headers = {MSG_ID_HEADER: msg_id}
-        return job_events(event.job_id), encode(event), headers
+        data = encode(event)
+        if len(data) > MAX_EVENT_BYTES:  # one encode on the common path: clip only when needed
+            data = encode(bound_event(event))
+        return job_events(event.job_id), data, headers
 
     @staticmethod
     def grant_item(grant: Grant, headers: dict[str, str] | None = None) -> Item:
@@ -151,6 +169,7 @@ class Publisher:
             Pending(job_id=j, summary=d.summary, reasons=d.reasons, unsatisfiable=d.unsatisfiable)
             for j, d in outcome.waiting
         ]
+        waiting += [Failed(job_id=j, reason=why) for j, why in outcome.failed]
         # Events first: a user watching the job sees "placed" before the executor's "running".
         owed = [
             self._unannounced[j]
@@ -254,30 +273,68 @@ class Publisher:
             rows = await Store.fetch(conn, "stale_placed", self.settings.resend_after_s)
             if rows:
                 await Store.execute(conn, "touch_jobs", [r["job_id"] for r in rows])
+        unsendable: list[tuple[Any, str]] = []
         for r in rows:
             if self._resent.get(r["job_id"]) == r["grant_id"]:
                 continue
-            job = job_request_decoder.decode(r["request"])
-            log.info(
-                "re-sending grant %s of job %s to %s",
-                r["grant_id"],
-                r["job_id"],
-                r["node_id"],
-                extra=job_context(r["job_id"], r["node_id"], r["traceparent"]),
-            )
-            grant = make_grant(
-                job, r["node_id"], r["grant_id"], r["accelerator"], list(r["devices"])
-            )
-            items = [
-                self.placed_item(grant),
-                self.grant_item(
-                    grant, {"traceparent": r["traceparent"]} if r["traceparent"] else None
-                ),
-            ]
-            if r["age_s"] < ANNOUNCE_AGAIN_WITHIN_S:
-                # Placed where it was ingested, so its "accepted" went out (or not) with this
-                # grant; only a copy this young is sure to be dropped if it was stored before.
-                accepted = Accepted(job_id=job.job_id, warnings=validate_job(job).warnings)
-                items.insert(0, self.event_item(accepted))
+            try:
+                items = self._resend_items(r)
+            except Exception as err:
+                # A stored job that no longer makes a grant (one from before a bound): failed,
+                # or every start would try again.
+                unsendable.append((r, f"its grant can't be sent: {err}"))
+                continue
             if await self.publish(items):
-                self._resent[grant.job.job_id] = grant.grant_id
+                self._resent[r["job_id"]] = r["grant_id"]
+        if unsendable:
+            await self._fail_unsendable(unsendable)
+
+    def _resend_items(self, r: Any) -> list[Item]:
+        job = job_request_decoder.decode(r["request"])
+        log.info(
+            "re-sending grant %s of job %s to %s",
+            r["grant_id"],
+            r["job_id"],
+            r["node_id"],
+            extra=job_context(r["job_id"], r["node_id"], r["traceparent"]),
+        )
+        grant = make_grant(job, r["node_id"], r["grant_id"], r["accelerator"], list(r["devices"]))
+        items = [
+            self.placed_item(grant),
+            self.grant_item(grant, {"traceparent": r["traceparent"]} if r["traceparent"] else None),
+        ]
+        if not self._fits(items[1]):
+            raise ValueError(
+                f"the grant is {len(items[1][1])} bytes, over the server's max_payload of "
+                f"{self.max_payload} bytes"
+            )
+        if r["age_s"] < ANNOUNCE_AGAIN_WITHIN_S:
+            # Placed where it was ingested, so its "accepted" went out (or not) with this
+            # grant; only a copy this young is sure to be dropped if it was stored before.
+            accepted = Accepted(job_id=job.job_id, warnings=validate_job(job).warnings)
+            items.insert(0, self.event_item(accepted))
+        return items
+
+    async def _fail_unsendable(self, failed: list[tuple[Any, str]]) -> None:
+        """Placed jobs whose grant can't be sent: failed, devices released, ``failed`` event.
+        The release is announced under a tag no replica has, so this one reloads the node's
+        allocations too (the publisher holds no fleet)."""
+        for r, reason in failed:
+            log.error("job %s: %s; failed", r["job_id"], reason, extra=job_context(r["job_id"]))
+        async with self.pool.acquire() as conn:
+            await Store.fetch(
+                conn,
+                "apply_status",
+                [r["job_id"] for r, _ in failed],
+                [r["grant_id"] for r, _ in failed],
+                [r["node_id"] for r, _ in failed],
+                ["failed"] * len(failed),
+                [None] * len(failed),
+                [reason for _, reason in failed],
+                "resend",
+            )
+        for r, _ in failed:
+            self.forget(r["job_id"])
+        await self.publish_events(
+            [Failed(job_id=r["job_id"], node_id=r["node_id"], reason=why) for r, why in failed]
+        )

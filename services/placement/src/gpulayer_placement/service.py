@@ -29,7 +29,9 @@ from typing import Any
 import asyncpg
 from nats.aio.client import Client
 
+from gpulayer_contracts.bounds import max_job_bytes
 from gpulayer_placement.api import Api
+from gpulayer_placement.dead_letters import DeadLetters
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.intake import Intake
 from gpulayer_placement.liveness import Liveness
@@ -42,6 +44,7 @@ from gpulayer_placement.settings import Settings
 from gpulayer_placement.status import ExecutorStatus
 from gpulayer_placement.store import migrate
 from gpulayer_placement.wake import Wake
+from gpulayer_runtime.settings import ConfigError
 from gpulayer_runtime.telemetry import DISABLED, Telemetry
 
 __all__ = ["PlacementService", "Settings"]
@@ -76,6 +79,9 @@ class PlacementService:
         """Build the parts, each given the collaborators it calls."""
         nc, js, pool, s = self.nc, self.js, self.pool, self.settings
         fleet, stop, wake = self.fleet, self.stop, self.wake
+        # The server's limit, from its INFO (NATS' default before a connection says otherwise).
+        max_payload = nc.max_payload or (1 << 20)
+        self.dead = DeadLetters(js, telemetry, max_payload)
         self.sync = ReplicaSync(pool, fleet, wake, stop, self.replica_id)
         self.publisher = Publisher(js, pool, s, telemetry)
         self.scheduler = Scheduler(
@@ -97,6 +103,8 @@ class PlacementService:
             settings=s,
             stop=stop,
             telemetry=telemetry,
+            dead=self.dead,
+            max_payload=max_payload,
         )
         self.status = ExecutorStatus(
             js=js,
@@ -108,6 +116,7 @@ class PlacementService:
             stop=stop,
             replica_id=self.replica_id,
             telemetry=telemetry,
+            dead=self.dead,
         )
         self.liveness = Liveness(
             nc=nc,
@@ -124,6 +133,7 @@ class PlacementService:
         self.api = Api(
             nc=nc, js=js, pool=pool, fleet=fleet, publisher=self.publisher, forget=self.forget
         )
+        self.publisher.max_payload = self.api.max_payload = max_payload
         self.gauges = Gauges(pool, fleet, telemetry)
 
     def forget(self, job_id: str) -> None:
@@ -132,7 +142,12 @@ class PlacementService:
         self.scheduler.forget(job_id)
 
     async def start(self) -> None:
-        """Migrate, load the fleet, subscribe, and start every task."""
+        """Check the server's max_payload, migrate, load the fleet, subscribe, and start every
+        task. Raises ConfigError when the server's max_payload is too small for any job."""
+        try:
+            max_job_bytes(self.dead.max_payload)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         async with self.pool.acquire() as conn:
             await migrate(conn)
             await self.liveness.load_nodes(conn)
@@ -143,6 +158,7 @@ class PlacementService:
         status = await self.status.subscribe()
         self._subs += [jobs, status]
         self._subs += await self.api.subscribe()
+        self._subs.append(await self.dead.watch_advisories(self.nc))
         self.wake.capacity()
         s, stop = self.settings, self.stop
         self._spawn("ingest", self.intake.run(jobs))
