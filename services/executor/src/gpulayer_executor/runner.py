@@ -189,6 +189,8 @@ def _spawn(
             env=dict(env),
             start_new_session=True,
             close_fds=True,
+            # What the job creates is its own account's alone, whatever the executor's umask.
+            umask=0o077,
             **kwargs,
         )
     except BaseException:
