@@ -31,6 +31,10 @@ def service_env(
         GPULAYER_NODE_ID=node_id,
         GPULAYER_EXECUTOR_WORKDIR=str(workdir),
         GPULAYER_HEARTBEAT_S="1",
+        # These stacks' jobs run this interpreter and write into the test's own (private)
+        # folders, which a job user can't reach: as root, jobs run as root here. Jobs running
+        # unprivileged are tested in tests/integration/test_executor_unprivileged.py.
+        GPULAYER_EXECUTOR_ALLOW_ROOT_JOBS="1",
     )
     env.update(extra)
     return env

@@ -56,7 +56,10 @@ async def fleet(
     await ensure_streams(nc.jetstream())
     base = dict(os.environ)
     base.update(
-        GPULAYER_NATS_URL=nats_url, GPULAYER_DATABASE_URL=database_url, GPULAYER_HEARTBEAT_S="1"
+        GPULAYER_NATS_URL=nats_url,
+        GPULAYER_DATABASE_URL=database_url,
+        GPULAYER_HEARTBEAT_S="1",
+        GPULAYER_EXECUTOR_ALLOW_ROOT_JOBS="1",  # as in tests.helpers.service_env
     )
     async with Services() as services:
         await services.start("gpulayer-placement", base, tmp_path / "placement.log")

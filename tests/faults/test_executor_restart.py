@@ -114,6 +114,8 @@ class ExecutorProcess:
             "GPULAYER_NODE_ID": NODE,
             "GPULAYER_EXECUTOR_WORKDIR": str(workdir),
             "GPULAYER_KILL_GRACE_S": "0.5",
+            # Its jobs write into this test's private folders: as root, they run as root.
+            "GPULAYER_EXECUTOR_ALLOW_ROOT_JOBS": "1",
         }
         self.workdir = workdir
         self.log = log

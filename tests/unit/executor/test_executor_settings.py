@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pwd
 import re
 from pathlib import Path
 
@@ -13,7 +14,8 @@ from gpulayer_runtime.settings import ConfigError
 
 
 def test_defaults() -> None:
-    config = settings({"GPULAYER_NODE_ID": "n1", "PATH": "/bin", "HOME": "/home/x"})
+    # Not root: jobs run as the executor's own account (as root, see the tests below).
+    config = settings({"GPULAYER_NODE_ID": "n1", "PATH": "/bin", "HOME": "/home/x"}, euid=4321)
     assert config.node_id == "n1"
     assert config.workdir == Path(".gpulayer/executor/n1").resolve()
     assert (config.kill_grace_s, config.max_jobs, config.drain_s) == (5.0, 64, 0.0)
@@ -43,7 +45,8 @@ def test_overrides() -> None:
 @pytest.mark.parametrize(
     ("env", "match"),
     [
-        ({"GPULAYER_EXECUTOR_USER": "no-such-user-gpulayer"}, "no such user"),
+        ({"GPULAYER_EXECUTOR_ALLOW_ROOT_JOBS": "maybe"}, "expected 1 or 0"),
+        ({"GPULAYER_EXECUTOR_USER_MAP": "/no/such/map.toml"}, "USER_MAP='/no/such/map.toml'"),
         ({"GPULAYER_EXECUTOR_MAX_JOBS": "0"}, "positive integer"),
         ({"GPULAYER_KILL_GRACE_S": "soon"}, "number"),
         ({"GPULAYER_NODE_ID": "a.b"}, "may not contain"),
@@ -58,6 +61,68 @@ def test_bad_settings_are_config_errors(env: dict[str, str], match: str) -> None
 def test_root_is_not_an_unprivileged_user() -> None:
     with pytest.raises(ConfigError, match="unprivileged"):
         settings({"GPULAYER_NODE_ID": "n1", "GPULAYER_EXECUTOR_USER": "root"})
+    with pytest.raises(ConfigError, match="unprivileged"):
+        settings({"GPULAYER_NODE_ID": "n1", "GPULAYER_EXECUTOR_JOB_USER": "root"}, euid=0)
+
+
+def _nobody() -> pwd.struct_passwd:
+    try:
+        return pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no 'nobody' account here")
+
+
+def test_as_root_jobs_run_as_nobody_unless_told_otherwise(tmp_path: Path) -> None:
+    nobody = _nobody()
+    config = settings({"GPULAYER_NODE_ID": "n1"}, euid=0)
+    assert config.run_as is not None
+    assert (config.run_as.name, config.run_as.uid) == ("nobody", nobody.pw_uid)
+    allowed = settings({"GPULAYER_NODE_ID": "n1", "GPULAYER_EXECUTOR_ALLOW_ROOT_JOBS": "1"}, euid=0)
+    assert allowed.run_as is None
+    with pytest.raises(ConfigError, match="no such user"):
+        settings(
+            {"GPULAYER_NODE_ID": "n1", "GPULAYER_EXECUTOR_JOB_USER": "no-such-user-gl"}, euid=0
+        )
+    with pytest.raises(ConfigError, match="disagree"):
+        settings(
+            {
+                "GPULAYER_NODE_ID": "n1",
+                "GPULAYER_EXECUTOR_JOB_USER": "nobody",
+                "GPULAYER_EXECUTOR_USER": "someone",
+            },
+            euid=0,
+        )
+    # The setting's earlier name still works.
+    old = settings({"GPULAYER_NODE_ID": "n1", "GPULAYER_EXECUTOR_USER": "nobody"}, euid=0)
+    assert old.run_as == config.run_as
+
+
+def test_the_user_map_is_read_from_its_file(tmp_path: Path) -> None:
+    _nobody()
+    path = tmp_path / "users.toml"
+    path.write_text('alice = "nobody"\n')
+    env = {"GPULAYER_NODE_ID": "n1", "GPULAYER_EXECUTOR_USER_MAP": str(path)}
+    config = settings(env, euid=0)
+    assert config.user_map["alice"].name == "nobody"
+    path.write_text('alice = "no-such-user-gl"\n')
+    with pytest.raises(ConfigError, match="alice='no-such-user-gl': no such user"):
+        settings(env, euid=0)
+    # A non-root executor can't switch to anyone: the mapping is refused, not ignored.
+    path.write_text('alice = "nobody"\n')
+    with pytest.raises(ConfigError, match="only when the executor runs as root"):
+        settings(env, euid=4321)
+
+
+def test_credentials_a_job_user_could_read_are_refused(tmp_path: Path) -> None:
+    _nobody()
+    creds = tmp_path / "node.creds"
+    creds.write_text("-----BEGIN NATS USER JWT-----")
+    creds.chmod(0o644)
+    env = {"GPULAYER_NODE_ID": "n1", "GPULAYER_NATS_CREDS": str(creds)}
+    with pytest.raises(ConfigError, match=re.escape("readable by the job user(s) nobody")):
+        settings(env, euid=0)
+    creds.chmod(0o600)
+    assert settings(env, euid=0).run_as is not None
 
 
 def test_the_default_node_id_is_the_host_name_up_to_its_first_dot(

@@ -29,6 +29,9 @@ class Grant(Wire, frozen=True):
     devices: list[int] = []
     visible_env: dict[str, str] = {}
     granted_at: datetime = msgspec.field(default_factory=utcnow)
+    # Who submitted the job, as placement established it (never the job's own payload): the
+    # executor picks the local account the job runs as by it. "anonymous" without auth.
+    owner: str = "anonymous"
 
 
 ExecState = Literal["running", "succeeded", "failed", "cancelled", "lost"]

@@ -15,7 +15,10 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
     node_id: str
     workdir: Path
     base_env: dict[str, str]
+    # The account jobs run as (None: the executor's own), and per job owner, the account that
+    # owner's jobs run as instead (``users.run_as_for``).
     run_as: RunAs | None = None
+    user_map: dict[str, RunAs] = {}
     kill_grace_s: float = 5.0
     max_jobs: int = 64
     drain_s: float = 0.0

@@ -197,6 +197,8 @@ def _spawn(
                 env=dict(env),
                 start_new_session=True,
                 close_fds=True,
+                # What the job creates is its own account's alone, whatever the executor's umask.
+                umask=0o077,
                 **kwargs,
             )
         if cgroup is not None and not inside:

@@ -84,8 +84,6 @@ class Executor:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set, then shut down (see docs/executor.md, "Stopping")."""
-        self.store.root.chmod(0o711)
-        self.store.jobs_dir.chmod(0o711)
         await self.intake.subscribe()
         await self.reconciler.reconcile()
         self._side_tasks = [
