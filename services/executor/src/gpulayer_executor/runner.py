@@ -194,16 +194,51 @@ def _as_account(
     setpriv = _setpriv()
     if setpriv is None:  # not Linux with util-linux: the slower, equally correct way
         return list(argv), {"user": run_as.uid, "group": run_as.gid, "extra_groups": []}
-    program = argv[0]
-    found = (
-        os.path.exists(program)
-        if os.sep in program
-        else shutil.which(program, path=env.get("PATH", os.defpath)) is not None
-    )
-    if not found:
-        raise FileNotFoundError(errno.ENOENT, "No such file or directory", program)
+    program = _resolve(argv[0], env.get("PATH", os.defpath), run_as)
     ids = [f"--reuid={run_as.uid}", f"--regid={run_as.gid}", "--clear-groups"]
-    return [setpriv, *ids, "--", *argv], {}
+    return [setpriv, *ids, "--", program, *argv[1:]], {}
+
+
+def _resolve(program: str, path: str, run_as: RunAs) -> str:
+    """``program`` as the job's account would find it on ``path``: the first candidate that
+    account may execute, judged by mode bits (as Popen's own search skips a directory it may
+    not enter, e.g. a shim under /root). setpriv is then given that path, so its own search,
+    made with credentials half changed, never picks a different file. Raises
+    FileNotFoundError when no candidate exists; when candidates exist but none passes (an ACL
+    may still allow it), the name is left for setpriv to try."""
+    if os.sep in program:
+        if not os.path.exists(program):
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", program)
+        return program
+    candidates = [
+        c
+        for d in path.split(os.pathsep)
+        if (c := os.path.join(d or ".", program)) and os.path.isfile(c)
+    ]
+    if not candidates:
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", program)
+    return next((c for c in candidates if _may_execute(c, run_as)), program)
+
+
+def _may_execute(file: str, run_as: RunAs) -> bool:
+    """Whether ``run_as`` (its uid and primary gid: jobs get no other groups) may search every
+    directory down to ``file`` and execute it, by the mode bits."""
+
+    def allowed(st: os.stat_result, bits: tuple[int, int, int]) -> bool:
+        if st.st_uid == run_as.uid:
+            return bool(st.st_mode & bits[0])
+        if st.st_gid == run_as.gid:
+            return bool(st.st_mode & bits[1])
+        return bool(st.st_mode & bits[2])
+
+    x = (0o100, 0o010, 0o001)
+    real = os.path.realpath(file)
+    # The folders of the name as given and of what its symlinks lead to are both searched.
+    folders = {*Path(os.path.abspath(file)).parents, *Path(real).parents}
+    try:
+        return all(allowed(os.stat(d), x) for d in folders) and allowed(os.stat(real), x)
+    except OSError:
+        return False
 
 
 def _spawn(
