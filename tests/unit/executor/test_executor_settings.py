@@ -7,19 +7,42 @@ import re
 from pathlib import Path
 
 import pytest
+from tests.helpers import TEST_SIGNER
 
 from gpulayer_executor.__main__ import settings
 from gpulayer_runtime.settings import ConfigError
 
+KEYS = {"GPULAYER_PLACEMENT_PUBLIC_KEYS": TEST_SIGNER.public_key}
+
 
 def test_defaults() -> None:
-    config = settings({"GPULAYER_NODE_ID": "n1", "PATH": "/bin", "HOME": "/home/x"})
+    config = settings({"GPULAYER_NODE_ID": "n1", "PATH": "/bin", "HOME": "/home/x", **KEYS})
     assert config.node_id == "n1"
     assert config.workdir == Path(".gpulayer/executor/n1").resolve()
     assert (config.kill_grace_s, config.max_jobs, config.drain_s) == (5.0, 64, 0.0)
     assert config.run_as is None
     assert config.base_env["PATH"] == "/bin"
     assert config.base_env["HOME"] == "/home/x"
+    assert config.require_signatures
+    assert config.placement_public_keys == (TEST_SIGNER.public_key,)
+    assert config.grant_max_age_s == 24 * 3600
+
+
+def test_signing_settings() -> None:
+    base = {"GPULAYER_NODE_ID": "n1"}
+    # Secure by default: no keys is an error naming the setting, not an executor that runs
+    # whatever it is sent.
+    with pytest.raises(ConfigError, match="GPULAYER_PLACEMENT_PUBLIC_KEYS is not set"):
+        settings(base)
+    off = settings({**base, "GPULAYER_GRANT_SIGNING": "off"})
+    assert (off.require_signatures, off.placement_public_keys) == (False, ())
+    two = f"{TEST_SIGNER.public_key},{TEST_SIGNER.public_key[::-1]}"
+    rotating = settings({**base, "GPULAYER_PLACEMENT_PUBLIC_KEYS": two})
+    assert len(rotating.placement_public_keys) == 2
+    assert settings({**base, **KEYS, "GPULAYER_GRANT_MAX_AGE_S": "60"}).grant_max_age_s == 60
+    # Older than the records' retention, a replay would find no record to stop it.
+    with pytest.raises(ConfigError, match="below the grant record retention"):
+        settings({**base, **KEYS, "GPULAYER_GRANT_MAX_AGE_S": str(8 * 24 * 3600)})
 
 
 def test_overrides() -> None:
@@ -30,6 +53,7 @@ def test_overrides() -> None:
             "GPULAYER_KILL_GRACE_S": "0.5",
             "GPULAYER_EXECUTOR_MAX_JOBS": "3",
             "GPULAYER_EXECUTOR_DRAIN_S": "30",
+            **KEYS,
         }
     )
     assert (config.workdir, config.kill_grace_s, config.max_jobs, config.drain_s) == (
@@ -51,19 +75,19 @@ def test_overrides() -> None:
 )
 def test_bad_settings_are_config_errors(env: dict[str, str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        settings({"GPULAYER_NODE_ID": "n1", **env})
+        settings({"GPULAYER_NODE_ID": "n1", **KEYS, **env})
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="root is refused only when it exists by that name")
 def test_root_is_not_an_unprivileged_user() -> None:
     with pytest.raises(ConfigError, match="unprivileged"):
-        settings({"GPULAYER_NODE_ID": "n1", "GPULAYER_EXECUTOR_USER": "root"})
+        settings({"GPULAYER_NODE_ID": "n1", "GPULAYER_EXECUTOR_USER": "root", **KEYS})
 
 
 def test_the_default_node_id_is_the_host_name_up_to_its_first_dot(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr("socket.gethostname", lambda: "gpu-01.rack7.example.com")
-    assert settings({"PATH": "/bin", "HOME": "/home/x"}).node_id == "gpu-01"
+    assert settings({"PATH": "/bin", "HOME": "/home/x", **KEYS}).node_id == "gpu-01"
     with pytest.raises(ConfigError, match=re.escape("may not contain '.'")):
         settings({"GPULAYER_NODE_ID": "gpu-01.example", "PATH": "/bin", "HOME": "/home/x"})

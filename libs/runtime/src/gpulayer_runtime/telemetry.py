@@ -43,6 +43,9 @@ METRICS: dict[str, tuple[str, str, str]] = {
     "gpulayer.probe.detection.duration": ("histogram", "s", "Detection time per source"),
     "gpulayer.consumer.redeliveries": ("counter", "{message}", "Messages delivered more than once"),
     "gpulayer.messages.rejected": ("counter", "{message}", "Messages rejected as malformed or invalid"),
+    "gpulayer.executor.grants.refused": (
+        "counter", "{message}", "Grants and cancels the executor refused (unsigned, forged, replayed...) by reason",
+    ),
 }  # fmt: skip
 
 

@@ -18,6 +18,7 @@ from nats.js import JetStreamContext
 
 from gpulayer_contracts import (
     Accepted,
+    CancelJob,
     Grant,
     JobEvent,
     Pending,
@@ -27,11 +28,18 @@ from gpulayer_contracts import (
     validate_job,
 )
 from gpulayer_contracts.codec import job_request_decoder
-from gpulayer_contracts.subjects import MSG_ID_HEADER, STREAMS, job_events, node_grants
+from gpulayer_contracts.subjects import (
+    MSG_ID_HEADER,
+    STREAMS,
+    job_events,
+    node_control,
+    node_grants,
+)
 from gpulayer_placement.outcome import Outcome, PlacedJob, make_grant
 from gpulayer_placement.settings import Settings
 from gpulayer_placement.store import Store
 from gpulayer_runtime.logs import job_context
+from gpulayer_runtime.signing import Signer
 from gpulayer_runtime.telemetry import DISABLED, Telemetry, extract, inject
 
 if TYPE_CHECKING:
@@ -54,11 +62,15 @@ class Publisher:
         pool: asyncpg.Pool,
         settings: Settings,
         telemetry: Telemetry = DISABLED,
+        signer: Signer | None = None,
     ) -> None:
         self.js = js
         self.pool = pool
         self.settings = settings
         self.tel = telemetry
+        # Signs every grant and cancel (executors refuse unsigned ones); None only when signing
+        # was explicitly turned off.
+        self.signer = signer
         self.placed_total = 0
         self._resent: dict[str, str] = {}  # job id -> grant this replica re-sent (stored)
         # Jobs stored but whose accepted/rejected event failed to publish: said again first,
@@ -112,12 +124,27 @@ class Publisher:
         return job_events(event.job_id), encode(event), headers
 
     @staticmethod
-    def grant_item(grant: Grant, headers: dict[str, str] | None = None) -> Item:
-        """A grant on its node's subject, named by its grant id (plus any trace headers)."""
+    def grant_item(
+        grant: Grant, headers: dict[str, str] | None = None, signer: Signer | None = None
+    ) -> Item:
+        """A grant on its node's subject, named by its grant id (plus any trace headers), signed
+        by ``signer`` over the exact bytes sent."""
         h = {MSG_ID_HEADER: grant.grant_id}
         if headers:
             h.update(headers)
-        return node_grants(grant.node_id), encode(grant), h
+        data = encode(grant)
+        if signer is not None:
+            h.update(signer.headers("grant", grant.node_id, grant.grant_id, data))
+        return node_grants(grant.node_id), data, h
+
+    def cancel_item(self, node_id: str, cancel: CancelJob) -> Item:
+        """A cancel for the executor of ``node_id``, signed and bound to the cancelled grant;
+        named ``cancel:<grant id>`` so a repeat is dropped."""
+        data = encode(cancel)
+        h = {MSG_ID_HEADER: f"cancel:{cancel.grant_id}"}
+        if self.signer is not None:
+            h.update(self.signer.headers("cancel", node_id, cancel.grant_id, data))
+        return node_control(node_id), data, h
 
     @staticmethod
     def placed_item(grant: Grant) -> Item:
@@ -166,7 +193,9 @@ class Publisher:
         if not self.tel.enabled:
             # No spans here, but the submitter's context still travels on to the executor.
             items += [
-                self.grant_item(g, {"traceparent": pl.traceparent} if pl.traceparent else None)
+                self.grant_item(
+                    g, {"traceparent": pl.traceparent} if pl.traceparent else None, self.signer
+                )
                 for pl, g in zip(outcome.placements, grants, strict=True)
             ]
             published = await self.publish(items)
@@ -176,7 +205,8 @@ class Publisher:
                 for pl, g in zip(outcome.placements, grants, strict=True)
             ]
             items += [
-                self.grant_item(g, inject({}, span)) for g, span in zip(grants, spans, strict=True)
+                self.grant_item(g, inject({}, span), self.signer)
+                for g, span in zip(grants, spans, strict=True)
             ]
             sent_ns = time.time_ns()
             published = await self.publish(items)
@@ -270,8 +300,12 @@ class Publisher:
             )
             items = [
                 self.placed_item(grant),
+                # Signed anew: a resent grant carries a fresh issued-at, so a grant that waited
+                # for its executor is not refused as expired once re-sent.
                 self.grant_item(
-                    grant, {"traceparent": r["traceparent"]} if r["traceparent"] else None
+                    grant,
+                    {"traceparent": r["traceparent"]} if r["traceparent"] else None,
+                    self.signer,
                 ),
             ]
             if r["age_s"] < ANNOUNCE_AGAIN_WITHIN_S:

@@ -42,6 +42,7 @@ from gpulayer_placement.settings import Settings
 from gpulayer_placement.status import ExecutorStatus
 from gpulayer_placement.store import migrate
 from gpulayer_placement.wake import Wake
+from gpulayer_runtime.signing import Signer
 from gpulayer_runtime.telemetry import DISABLED, Telemetry
 
 __all__ = ["PlacementService", "Settings"]
@@ -56,6 +57,7 @@ class PlacementService:
         pool: asyncpg.Pool,
         settings: Settings | None = None,
         telemetry: Telemetry = DISABLED,
+        signer: Signer | None = None,
     ) -> None:
         self.nc = nc
         self.pool = pool
@@ -67,6 +69,7 @@ class PlacementService:
         self.fleet = Fleet()
         self.stop = asyncio.Event()
         self.wake = Wake()
+        self.signer = signer
         self._wire(telemetry)
         self._tasks: list[asyncio.Task[None]] = []
         # Unsubscribed on close, or draining the connection would wait out its timeout.
@@ -77,7 +80,7 @@ class PlacementService:
         nc, js, pool, s = self.nc, self.js, self.pool, self.settings
         fleet, stop, wake = self.fleet, self.stop, self.wake
         self.sync = ReplicaSync(pool, fleet, wake, stop, self.replica_id)
-        self.publisher = Publisher(js, pool, s, telemetry)
+        self.publisher = Publisher(js, pool, s, telemetry, self.signer)
         self.scheduler = Scheduler(
             pool=pool,
             fleet=fleet,

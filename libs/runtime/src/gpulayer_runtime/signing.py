@@ -1,0 +1,300 @@
+"""Placement's signature on grants and cancels (ed25519), and the executor's check of it.
+
+Placement signs the exact bytes it publishes, bound to what they are (a grant or a cancel), the
+node they are for, the grant id, when they were issued and which key signed them. The signature
+travels in NATS headers, so the executor verifies the payload as received and decodes it once,
+never re-encoding anything. A signature copied onto another node's subject, onto another
+message, or from a cancel onto a grant no longer verifies.
+
+Keys: a seed file (32 random bytes, base64url on one line, or an ed25519 PKCS#8 PEM as
+``openssl genpkey -algorithm ed25519`` writes) for placement; public keys as base64url text
+(43 characters) for executors, several at once so that keys can be rotated.
+
+Pure functions and small classes; reading files and the environment stays with the callers.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import os
+import stat
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from gpulayer_runtime.settings import ConfigError
+
+SIGNATURE_HEADER = "Gpulayer-Signature"
+KEY_ID_HEADER = "Gpulayer-Key-Id"
+ISSUED_AT_HEADER = "Gpulayer-Issued-At"  # integer milliseconds since the Unix epoch
+
+Kind = Literal["grant", "cancel"]
+_DOMAIN: dict[str, bytes] = {"grant": b"gpulayer-grant-v1", "cancel": b"gpulayer-cancel-v1"}
+
+# A grant stays in GRANTS until its executor takes it, so a genuine one may be old when it is
+# read (the executor was down). Replays of a grant the executor still has a record of are
+# ignored whatever their age; this bound covers records pruned since (kept 7 days by default),
+# so it must stay below the executor's record retention.
+DEFAULT_MAX_AGE_S = 24 * 3600.0
+# Clocks of placement and executor hosts differ a little; more than this is refused, since a
+# date far ahead would stretch the window in which a copy could be replayed.
+MAX_FUTURE_S = 300.0
+
+RefusalReason = Literal[
+    "unsigned", "malformed", "unknown_key", "bad_signature", "expired", "future", "wrong_node"
+]
+
+
+class SigningKeyError(ValueError):
+    """A key or key file that can't be used; the message names what is wrong."""
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    reason: RefusalReason  # a short, fixed word: the metric's label
+    detail: str  # for the log
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def key_id(public: Ed25519PublicKey) -> str:
+    """A short name for a public key (16 hex digits of its SHA-256), sent with each signature so
+    the executor picks the key without trying each."""
+    raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+def public_key_text(public: Ed25519PublicKey) -> str:
+    """The public key as executors are given it (``GPULAYER_PLACEMENT_PUBLIC_KEYS``)."""
+    return _b64(public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw))
+
+
+def parse_public_keys(text: str) -> list[Ed25519PublicKey]:
+    """Comma-separated base64url public keys; a bad one is an error naming it."""
+    keys = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            raw = _unb64(part)
+        except (binascii.Error, ValueError):
+            raise SigningKeyError(f"public key {part[:60]!r} is not base64url") from None
+        if len(raw) != 32:
+            raise SigningKeyError(
+                f"public key {part[:60]!r} is {len(raw)} bytes, expected 32 (ed25519)"
+            )
+        keys.append(Ed25519PublicKey.from_public_bytes(raw))
+    return keys
+
+
+def seed_text(key: Ed25519PrivateKey) -> str:
+    raw = key.private_bytes(
+        serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+    )
+    return _b64(raw)
+
+
+def parse_seed(text: str) -> Ed25519PrivateKey:
+    """A private key from a seed file's text: base64url of 32 bytes, or an ed25519 PKCS#8 PEM."""
+    text = text.strip()
+    if text.startswith("-----BEGIN"):
+        try:
+            key = serialization.load_pem_private_key(text.encode(), password=None)
+        except (ValueError, TypeError) as err:
+            raise SigningKeyError(f"not a usable PEM private key: {err}") from None
+        if not isinstance(key, Ed25519PrivateKey):
+            raise SigningKeyError(f"PEM key is {type(key).__name__}, expected an ed25519 key")
+        return key
+    try:
+        raw = _unb64(text)
+    except (binascii.Error, ValueError):
+        raise SigningKeyError("seed is neither base64url nor PEM") from None
+    if len(raw) != 32:
+        raise SigningKeyError(f"seed is {len(raw)} bytes, expected 32")
+    return Ed25519PrivateKey.from_private_bytes(raw)
+
+
+def load_seed_file(path: Path) -> Ed25519PrivateKey:
+    """Placement's signing key. Refused when others than its owner may read it (as ssh does)."""
+    try:
+        mode = path.stat().st_mode
+        text = path.read_text()
+    except OSError as err:
+        raise SigningKeyError(f"{path}: {err.strerror or err}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise SigningKeyError(f"{path}: mode {stat.S_IMODE(mode):04o}, must be 0600 (owner only)")
+    try:
+        return parse_seed(text)
+    except SigningKeyError as err:
+        raise SigningKeyError(f"{path}: {err}") from None
+
+
+def write_seed(path: Path, key: Ed25519PrivateKey) -> None:
+    """Write ``key`` as a new seed file, readable by its owner only. Never overwrites."""
+    # O_EXCL and the mode at creation: the seed is never readable by others, not even between
+    # create and chmod, and a concurrent first run can't overwrite it.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(seed_text(key) + "\n")
+
+
+def generate_key_pair(folder: Path, name: str = "placement") -> tuple[Path, str]:
+    """A new signing key as ``folder/<name>.seed`` (mode 0600) unless one is there already;
+    returns the seed file and its public key text. Never overwrites a key."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.seed"
+    if not path.exists():
+        write_seed(path, Ed25519PrivateKey.generate())
+    return path, public_key_text(load_seed_file(path).public_key())
+
+
+def _message(
+    kind: Kind, node_id: str, grant_id: str, issued_at: str, kid: str, data: bytes
+) -> bytes:
+    # Each field length-prefixed: no choice of ids can make two different tuples sign the same.
+    parts = (_DOMAIN[kind], node_id.encode(), grant_id.encode(), issued_at.encode(), kid.encode())
+    head = b"".join(len(p).to_bytes(4, "big") + p for p in parts)
+    return head + data
+
+
+class Signer:
+    """Placement's side: headers carrying the signature of one message."""
+
+    def __init__(self, key: Ed25519PrivateKey, clock: Callable[[], float] = time.time) -> None:
+        self._key = key
+        self._clock = clock
+        self.key_id = key_id(key.public_key())
+        self.public_key = public_key_text(key.public_key())
+
+    def headers(self, kind: Kind, node_id: str, grant_id: str, data: bytes) -> dict[str, str]:
+        issued_at = str(int(self._clock() * 1000))
+        sig = self._key.sign(_message(kind, node_id, grant_id, issued_at, self.key_id, data))
+        return {
+            SIGNATURE_HEADER: _b64(sig),
+            KEY_ID_HEADER: self.key_id,
+            ISSUED_AT_HEADER: issued_at,
+        }
+
+
+class Verifier:
+    """The executor's side: why a message must be refused, or None when placement signed it
+    for this node, recently enough."""
+
+    def __init__(
+        self,
+        keys: Iterable[Ed25519PublicKey],
+        *,
+        max_age_s: float = DEFAULT_MAX_AGE_S,
+        max_future_s: float = MAX_FUTURE_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._keys = {key_id(k): k for k in keys}
+        if not self._keys:
+            raise SigningKeyError("no public key to verify with")
+        self._max_age_ms = max_age_s * 1000
+        self._max_future_ms = max_future_s * 1000
+        self._clock = clock
+
+    def refusal(
+        self,
+        kind: Kind,
+        node_id: str,
+        grant_id: str,
+        data: bytes,
+        headers: Mapping[str, str] | None,
+    ) -> Refusal | None:
+        h = headers or {}
+        sig_text = h.get(SIGNATURE_HEADER)
+        kid = h.get(KEY_ID_HEADER)
+        issued_at = h.get(ISSUED_AT_HEADER)
+        if sig_text is None and kid is None and issued_at is None:
+            return Refusal("unsigned", f"{kind} is not signed")
+        if not sig_text or not kid or not issued_at:
+            return Refusal("malformed", f"{kind} signature headers incomplete")
+        # Cheap checks first: a flood of junk costs a dict lookup and an int parse each.
+        key = self._keys.get(kid)
+        if key is None:
+            return Refusal("unknown_key", f"{kind} signed by unknown key id {kid[:32]!r}")
+        if len(issued_at) > 16 or not issued_at.isdigit() or len(sig_text) != 86:
+            return Refusal("malformed", f"{kind} signature headers malformed")
+        age_ms = self._clock() * 1000 - int(issued_at)
+        if age_ms > self._max_age_ms:
+            return Refusal("expired", f"{kind} issued {age_ms / 1000:.0f} s ago, over the bound")
+        if -age_ms > self._max_future_ms:
+            return Refusal("future", f"{kind} issued {-age_ms / 1000:.0f} s in the future")
+        try:
+            sig = _unb64(sig_text)
+            key.verify(sig, _message(kind, node_id, grant_id, issued_at, kid, data))
+        except (InvalidSignature, binascii.Error, ValueError):
+            return Refusal(
+                "bad_signature", f"{kind} signature does not verify for node {node_id!r}"
+            )
+        return None
+
+
+# --- settings: called from a service's __main__ only ---------------------------------------
+
+SIGNING_SETTING = "GPULAYER_GRANT_SIGNING"
+SIGNING_KEY_SETTING = "GPULAYER_PLACEMENT_SIGNING_KEY"
+PUBLIC_KEYS_SETTING = "GPULAYER_PLACEMENT_PUBLIC_KEYS"
+MAX_AGE_SETTING = "GPULAYER_GRANT_MAX_AGE_S"
+
+
+def signing_required(env: Mapping[str, str]) -> bool:
+    """Signing is on unless ``GPULAYER_GRANT_SIGNING=off`` (unsafe: any NATS client can then
+    make a node run a command)."""
+    raw = env.get(SIGNING_SETTING, "").strip().lower()
+    if raw in ("", "on"):
+        return True
+    if raw == "off":
+        return False
+    raise ConfigError(f"{SIGNING_SETTING}={raw!r}: expected 'on' or 'off'")
+
+
+def signer_from_env(env: Mapping[str, str]) -> Signer | None:
+    """Placement's signer from ``GPULAYER_PLACEMENT_SIGNING_KEY``; None when signing is off."""
+    if not signing_required(env):
+        return None
+    path = env.get(SIGNING_KEY_SETTING, "").strip()
+    if not path:
+        raise ConfigError(
+            f"{SIGNING_KEY_SETTING} is not set: placement signs every grant with it "
+            f"(`gpulayer keys generate DIR` makes one; {SIGNING_SETTING}=off disables signing, "
+            "which is unsafe)"
+        )
+    try:
+        return Signer(load_seed_file(Path(path)))
+    except SigningKeyError as err:
+        raise ConfigError(f"{SIGNING_KEY_SETTING}: {err}") from None
+
+
+def public_keys_from_env(env: Mapping[str, str]) -> tuple[str, ...]:
+    """The executor's accepted placement keys (checked here, kept as text); () when signing is
+    off."""
+    if not signing_required(env):
+        return ()
+    raw = env.get(PUBLIC_KEYS_SETTING, "").strip()
+    if not raw:
+        raise ConfigError(
+            f"{PUBLIC_KEYS_SETTING} is not set: executors run only grants placement signed "
+            f"({SIGNING_SETTING}=off disables the check, which is unsafe)"
+        )
+    try:
+        parse_public_keys(raw)
+    except SigningKeyError as err:
+        raise ConfigError(f"{PUBLIC_KEYS_SETTING}: {err}") from None
+    return tuple(p.strip() for p in raw.split(",") if p.strip())

@@ -1,0 +1,174 @@
+"""Signing and verifying grants and cancels (pure): what verifies, and each way a message is
+refused, with the reason the executor counts it under."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from gpulayer_runtime.settings import ConfigError
+from gpulayer_runtime.signing import (
+    ISSUED_AT_HEADER,
+    KEY_ID_HEADER,
+    SIGNATURE_HEADER,
+    Signer,
+    SigningKeyError,
+    Verifier,
+    generate_key_pair,
+    load_seed_file,
+    parse_public_keys,
+    parse_seed,
+    public_keys_from_env,
+    signer_from_env,
+    signing_required,
+)
+
+NOW = 1_700_000_000.0
+KEY = Ed25519PrivateKey.generate()
+SIGNER = Signer(KEY, clock=lambda: NOW)
+DATA = b'{"grant_id":"g-1","node_id":"node-a","job":{"job_id":"j"}}'
+
+
+def verifier(*signers: Signer, max_age_s: float = 3600.0, now: float = NOW) -> Verifier:
+    keys = parse_public_keys(",".join(s.public_key for s in signers or (SIGNER,)))
+    return Verifier(keys, max_age_s=max_age_s, clock=lambda: now)
+
+
+def reason(v: Verifier, headers: dict[str, str] | None, **over: str | bytes) -> str | None:
+    kind = str(over.get("kind", "grant"))
+    assert kind in ("grant", "cancel")
+    data = over.get("data", DATA)
+    assert isinstance(data, bytes)
+    refusal = v.refusal(
+        kind,  # type: ignore[arg-type]
+        str(over.get("node", "node-a")),
+        str(over.get("grant_id", "g-1")),
+        data,
+        headers,
+    )
+    return None if refusal is None else refusal.reason
+
+
+def test_a_signed_grant_verifies_for_its_node_grant_and_kind() -> None:
+    h = SIGNER.headers("grant", "node-a", "g-1", DATA)
+    assert set(h) == {SIGNATURE_HEADER, KEY_ID_HEADER, ISSUED_AT_HEADER}
+    assert h[ISSUED_AT_HEADER] == str(int(NOW * 1000))
+    assert reason(verifier(), h) is None
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"node": "node-b"}, "bad_signature"),  # moved to another node's subject
+        ({"grant_id": "g-2"}, "bad_signature"),  # bound to another grant
+        ({"kind": "cancel"}, "bad_signature"),  # a grant's signature on a cancel
+        ({"data": DATA.replace(b'"j"', b'"k"')}, "bad_signature"),  # bytes tampered
+        ({"data": DATA + b" "}, "bad_signature"),
+    ],
+)
+def test_a_signature_does_not_move(change: dict[str, str | bytes], expected: str) -> None:
+    h = SIGNER.headers("grant", "node-a", "g-1", DATA)
+    assert reason(verifier(), h, **change) == expected
+
+
+def test_unsigned_forged_and_malformed_are_refused_by_reason() -> None:
+    v = verifier()
+    assert reason(v, None) == "unsigned"
+    assert reason(v, {"traceparent": "x"}) == "unsigned"
+    good = SIGNER.headers("grant", "node-a", "g-1", DATA)
+    # Another key, unknown to the executor.
+    other = Signer(Ed25519PrivateKey.generate(), clock=lambda: NOW)
+    assert reason(v, other.headers("grant", "node-a", "g-1", DATA)) == "unknown_key"
+    # Another key claiming to be placement's key id.
+    forged = {**other.headers("grant", "node-a", "g-1", DATA), KEY_ID_HEADER: SIGNER.key_id}
+    assert reason(v, forged) == "bad_signature"
+    # A header missing, or junk in one.
+    assert reason(v, {k: x for k, x in good.items() if k != SIGNATURE_HEADER}) == "malformed"
+    assert reason(v, {**good, ISSUED_AT_HEADER: "soon"}) == "malformed"
+    assert reason(v, {**good, ISSUED_AT_HEADER: "9" * 400}) == "malformed"
+    assert reason(v, {**good, SIGNATURE_HEADER: "A" * 86}) == "bad_signature"
+    assert reason(v, {**good, SIGNATURE_HEADER: "!" * 86}) == "bad_signature"
+    assert reason(v, {**good, SIGNATURE_HEADER: "short"}) == "malformed"
+    # The issued-at time is signed: moving it breaks the signature.
+    later = str(int(NOW * 1000) + 1)
+    assert reason(v, {**good, ISSUED_AT_HEADER: later}) == "bad_signature"
+
+
+def test_an_old_grant_is_expired_and_one_from_the_far_future_refused() -> None:
+    h = SIGNER.headers("grant", "node-a", "g-1", DATA)
+    assert reason(verifier(max_age_s=60, now=NOW + 59), h) is None
+    assert reason(verifier(max_age_s=60, now=NOW + 61), h) == "expired"
+    # A little clock skew is fine; far ahead would stretch the replay window.
+    assert reason(verifier(now=NOW - 10), h) is None
+    assert reason(verifier(now=NOW - 3600), h) == "future"
+
+
+def test_several_keys_allow_rotation() -> None:
+    new = Signer(Ed25519PrivateKey.generate(), clock=lambda: NOW)
+    v = verifier(SIGNER, new)
+    assert reason(v, SIGNER.headers("grant", "node-a", "g-1", DATA)) is None
+    assert reason(v, new.headers("grant", "node-a", "g-1", DATA)) is None
+
+
+def test_public_keys_parse_and_bad_ones_are_named() -> None:
+    assert len(parse_public_keys(f" {SIGNER.public_key} ,, ")) == 1
+    with pytest.raises(SigningKeyError, match="expected 32"):
+        parse_public_keys("abcd")
+    with pytest.raises(SigningKeyError, match="not base64url"):
+        parse_public_keys("a")
+    with pytest.raises(SigningKeyError, match="no public key"):
+        Verifier([])
+
+
+def test_key_files(tmp_path: Path) -> None:
+    seed, public = generate_key_pair(tmp_path / "keys")
+    assert stat.S_IMODE(seed.stat().st_mode) == 0o600
+    again, same = generate_key_pair(tmp_path / "keys")  # kept, not replaced
+    assert (again, same) == (seed, public)
+    assert Signer(load_seed_file(seed)).public_key == public
+    seed.chmod(0o644)
+    with pytest.raises(SigningKeyError, match="must be 0600"):
+        load_seed_file(seed)
+    with pytest.raises(SigningKeyError, match="No such file"):
+        load_seed_file(tmp_path / "missing")
+    # openssl's PEM works too; a PEM of another key type is named.
+    pem = KEY.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    ).decode()
+    assert Signer(parse_seed(pem)).public_key == SIGNER.public_key
+    with pytest.raises(SigningKeyError, match="expected 32"):
+        parse_seed("abcd")
+
+
+def test_settings(tmp_path: Path) -> None:
+    seed, public = generate_key_pair(tmp_path)
+    assert signing_required({})
+    assert not signing_required({"GPULAYER_GRANT_SIGNING": "off"})
+    with pytest.raises(ConfigError, match="GPULAYER_GRANT_SIGNING"):
+        signing_required({"GPULAYER_GRANT_SIGNING": "maybe"})
+    # Secure by default: nothing configured is an error naming the setting, not a silent "off".
+    with pytest.raises(ConfigError, match="GPULAYER_PLACEMENT_SIGNING_KEY is not set"):
+        signer_from_env({})
+    with pytest.raises(ConfigError, match="GPULAYER_PLACEMENT_PUBLIC_KEYS is not set"):
+        public_keys_from_env({})
+    assert signer_from_env({"GPULAYER_GRANT_SIGNING": "off"}) is None
+    assert public_keys_from_env({"GPULAYER_GRANT_SIGNING": "off"}) == ()
+    signer = signer_from_env({"GPULAYER_PLACEMENT_SIGNING_KEY": str(seed)})
+    assert signer is not None
+    assert signer.public_key == public
+    keys = public_keys_from_env(
+        {"GPULAYER_PLACEMENT_PUBLIC_KEYS": f"{public}, {SIGNER.public_key}"}
+    )
+    assert keys == (public, SIGNER.public_key)
+    with pytest.raises(ConfigError, match="GPULAYER_PLACEMENT_PUBLIC_KEYS: public key 'x"):
+        public_keys_from_env({"GPULAYER_PLACEMENT_PUBLIC_KEYS": "xyz"})
+    os.chmod(seed, 0o640)
+    with pytest.raises(ConfigError, match=r"GPULAYER_PLACEMENT_SIGNING_KEY: .*0640"):
+        signer_from_env({"GPULAYER_PLACEMENT_SIGNING_KEY": str(seed)})
