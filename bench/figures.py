@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -49,6 +49,7 @@ from bench.harness import (
     publish_all,
     publish_capabilities,
     rss_sampler,
+    signing_env,
     tail,
     wait_for_consumer,
     wait_for_count,
@@ -544,6 +545,7 @@ async def full_loop(s: Scenario, burst: int, paced: int, time_limit: float) -> F
             "GPULAYER_NATS_URL": s.nats.url,
             "GPULAYER_NODE_ID": node,
             "GPULAYER_EXECUTOR_WORKDIR": str(s.workdir / "executor"),
+            **signing_env(s.workdir.parent),
         },
         s.workdir / "executor.log",
     ).start()
@@ -656,6 +658,44 @@ def telemetry_noop_cost(placement_jobs_per_s: float | None, loops: int = 2_000_0
     return figs
 
 
+def signing_cost(loops: int = 2_000) -> list[Figure]:
+    """Microseconds to sign one grant (placement, headers included) and to verify it (the
+    executor's whole check: headers, age, signature), on a typical encoded CUDA grant."""
+    import timeit
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from gpulayer_contracts.events import Grant
+    from gpulayer_runtime.signing import Signer, Verifier
+
+    key = Ed25519PrivateKey.generate()
+    signer, verifier = Signer(key), Verifier([key.public_key()])
+    grant = Grant(
+        grant_id="bench-sign-1",
+        job=cuda_job("bench-sign"),
+        node_id="bench-node",
+        accelerator="cuda",
+        devices=[3],
+        visible_env={"CUDA_VISIBLE_DEVICES": "3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"},
+    )
+    data = encode(grant)
+    headers = signer.headers("grant", "bench-node", grant.grant_id, data)
+    assert verifier.refusal("grant", "bench-node", grant.grant_id, data, headers) is None
+
+    def best_us(fn: Callable[[], object]) -> float:
+        return min(timeit.repeat(fn, number=loops, repeat=5)) / loops * 1e6
+
+    sign_us = best_us(lambda: signer.headers("grant", "bench-node", grant.grant_id, data))
+    verify_us = best_us(
+        lambda: verifier.refusal("grant", "bench-node", grant.grant_id, data, headers)
+    )
+    note = f"{len(data)}-byte grant, ed25519 (cryptography/OpenSSL)"
+    return [
+        Figure("grant_sign_us", sign_us, "us", note=note),
+        Figure("grant_verify_us", verify_us, "us", note=note),
+    ]
+
+
 # --- executor output --------------------------------------------------------------------------
 
 FLOOD_BYTES = 200 * 1000 * 1000
@@ -678,8 +718,10 @@ async def output_flood(root: Path, rounds: int = 3) -> list[Figure]:
     from gpulayer_contracts.jobs import JobRequest
     from gpulayer_contracts.subjects import job_events, node_grants
     from gpulayer_runtime.nats import ensure_streams
+    from gpulayer_runtime.signing import SIGNING_KEY_SETTING, Signer, load_seed_file
 
     names = [("executor_output_flood_200mb", "s"), ("executor_output_devnull_200mb", "s")]
+    signer = Signer(load_seed_file(Path(signing_env(root)[SIGNING_KEY_SETTING])))
     node = "bench-flood"
     server = EmbeddedNats(root / "flood-nats").start()
     executor = ServiceProcess(
@@ -688,6 +730,7 @@ async def output_flood(root: Path, rounds: int = 3) -> list[Figure]:
             "GPULAYER_NATS_URL": server.url,
             "GPULAYER_NODE_ID": node,
             "GPULAYER_EXECUTOR_WORKDIR": str(root / "flood-executor"),
+            **signing_env(root),
         },
         root / "flood-executor.log",
     )
@@ -715,7 +758,12 @@ async def output_flood(root: Path, rounds: int = 3) -> list[Figure]:
                     )
                     sub = await nc.subscribe(job_events(job_id))
                     t0 = time.perf_counter()
-                    await js.publish(node_grants(node), encode(grant))
+                    data = encode(grant)
+                    await js.publish(
+                        node_grants(node),
+                        data,
+                        headers=signer.headers("grant", node, grant.grant_id, data),
+                    )
                     while True:
                         event = event_decoder.decode((await sub.next_msg(timeout=600)).data)
                         if is_terminal(event):
