@@ -282,8 +282,8 @@ async def telemetry_group(run: Run) -> None:
     await _guard(run, names, work)
 
 
-# Rounds of the signing A/B: each is two 1k placement runs.
-SIGNING_ROUNDS = 3
+# Rounds of the signing A/B: each is two 1k placement runs (about 10 s).
+SIGNING_ROUNDS = ROUNDS
 
 
 async def signing_group(run: Run) -> None:
@@ -309,6 +309,7 @@ async def signing_group(run: Run) -> None:
                         raise BenchError(f"signing {variant}: {tp.granted}/{tp.submitted} granted")
                     rates[variant].append(tp.rate)
         on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
+        print(f"# signing runs, jobs/s: on {rates['on']}, off {rates['off']}", flush=True)
         run.add(
             Figure("placement_signing_on_jobs_per_s", on, "jobs/s", note=f"runs {rates['on']}"),
             Figure("placement_signing_off_jobs_per_s", off, "jobs/s", note=f"runs {rates['off']}"),

@@ -172,3 +172,20 @@ def test_settings(tmp_path: Path) -> None:
     os.chmod(seed, 0o640)
     with pytest.raises(ConfigError, match=r"GPULAYER_PLACEMENT_SIGNING_KEY: .*0640"):
         signer_from_env({"GPULAYER_PLACEMENT_SIGNING_KEY": str(seed)})
+
+
+def test_keys_generate_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gpulayer_cli.main import main
+
+    assert main(["keys", "generate", str(tmp_path / "k")]) == 0
+    lines = dict(line.split("=", 1) for line in capsys.readouterr().out.splitlines() if "=" in line)
+    seed = Path(lines["GPULAYER_PLACEMENT_SIGNING_KEY"])
+    assert seed == (tmp_path / "k" / "placement.seed").resolve()
+    assert stat.S_IMODE(seed.stat().st_mode) == 0o600
+    # The printed public key is the seed's: what the executors need to accept its grants.
+    signer = signer_from_env(lines)
+    assert signer is not None
+    assert public_keys_from_env(lines) == (signer.public_key,)
+    # Run again: the key is kept, the same settings printed.
+    assert main(["keys", "generate", str(tmp_path / "k")]) == 0
+    assert lines["GPULAYER_PLACEMENT_PUBLIC_KEYS"] in capsys.readouterr().out
