@@ -475,7 +475,7 @@ async def test_grant_for_another_node_is_refused_and_malformed_grants_are_droppe
     js: JetStreamContext, start_executor: StartExecutor, tmp_path: Path
 ) -> None:
     # Signing off (unsafe): the payload's node is still checked, and the refusal reported.
-    # With signing on, such a grant is dropped unreported (tests/integration/test_signing.py).
+    # With signing on, such a grant is dropped unreported (tests/integration/test_signed_grants.py).
     await start_executor(require_signatures=False, placement_public_keys=())
     await js.publish(node_grants(NODE), b"{not json")
     await js.publish(node_grants(NODE), b'{"grant_id": "x"}')

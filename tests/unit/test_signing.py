@@ -189,3 +189,36 @@ def test_keys_generate_command(tmp_path: Path, capsys: pytest.CaptureFixture[str
     # Run again: the key is kept, the same settings printed.
     assert main(["keys", "generate", str(tmp_path / "k")]) == 0
     assert lines["GPULAYER_PLACEMENT_PUBLIC_KEYS"] in capsys.readouterr().out
+
+
+def test_placement_signs_the_grant_and_cancel_bytes_it_publishes() -> None:
+    from typing import Any, cast
+
+    from gpulayer_contracts import CancelJob, Grant, JobRequest
+    from gpulayer_contracts.subjects import MSG_ID_HEADER, node_control, node_grants
+    from gpulayer_placement.publisher import Publisher
+    from gpulayer_placement.settings import Settings
+
+    grant = Grant(
+        grant_id="j-1",
+        job=JobRequest(job_id="j", command=["true"]),
+        node_id="node-a",
+        accelerator="cpu",
+    )
+    subject, data, headers = Publisher.grant_item(grant, {"traceparent": "t"}, SIGNER)
+    assert subject == node_grants("node-a")
+    assert (headers[MSG_ID_HEADER], headers["traceparent"]) == ("j-1", "t")
+    assert reason(verifier(), headers, data=data, grant_id="j-1") is None
+    # Without a signer (signing off) nothing is added, and an executor that checks refuses it.
+    _, data, headers = Publisher.grant_item(grant)
+    assert SIGNATURE_HEADER not in headers
+    assert reason(verifier(), headers, data=data, grant_id="j-1") == "unsigned"
+
+    publisher = Publisher(cast(Any, None), cast(Any, None), Settings(), signer=SIGNER)
+    cancel = CancelJob(job_id="j", reason="user asked", grant_id="j-1")
+    subject, data, headers = publisher.cancel_item("node-a", cancel)
+    assert subject == node_control("node-a")
+    assert headers[MSG_ID_HEADER] == "cancel:j-1"
+    assert reason(verifier(), headers, kind="cancel", data=data, grant_id="j-1") is None
+    # Bound to the grant it cancels: useless against another grant of the same job.
+    assert reason(verifier(), headers, kind="cancel", data=data, grant_id="j-2") == "bad_signature"
