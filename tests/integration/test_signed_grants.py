@@ -47,8 +47,6 @@ from gpulayer_placement.store import create_pool
 from gpulayer_runtime.nats import ensure_streams
 from gpulayer_runtime.signing import (
     DEFAULT_MAX_AGE_S,
-    ISSUED_AT_HEADER,
-    KEY_ID_HEADER,
     SIGNATURE_HEADER,
     Signer,
     Verifier,
@@ -130,16 +128,15 @@ def forged(grant: Grant, benign: Grant) -> list[tuple[str, bytes, dict[str, str]
     old = Signer(TEST_KEY, clock=lambda: time.time() - DEFAULT_MAX_AGE_S - 60)
     elsewhere = msgspec.structs.replace(grant, node_id="node-b")
     for_b = encode(elsewhere)
+    forged_sig = ATTACKER.headers("grant", NODE, grant.grant_id, data)[SIGNATURE_HEADER]
+    real_sig = real[SIGNATURE_HEADER]
     return [
         ("unsigned", data, {}, "unsigned"),
         ("other key", data, ATTACKER.headers("grant", NODE, grant.grant_id, data), "unknown_key"),
         (
             "other key, placement's key id",
             data,
-            {
-                **ATTACKER.headers("grant", NODE, grant.grant_id, data),
-                KEY_ID_HEADER: real[KEY_ID_HEADER],
-            },
+            {SIGNATURE_HEADER: TEST_SIGNER.key_id + "." + forged_sig.split(".", 1)[1]},
             "bad_signature",
         ),
         # Placement's real signature over the benign grant, sent with the evil bytes.
@@ -165,7 +162,7 @@ def forged(grant: Grant, benign: Grant) -> list[tuple[str, bytes, dict[str, str]
         ),
         # A genuine grant issued longer ago than the bound (its record pruned since).
         ("replayed old", data, old.headers("grant", NODE, grant.grant_id, data), "expired"),
-        ("junk headers", data, {**real, ISSUED_AT_HEADER: "x", SIGNATURE_HEADER: "y"}, "malformed"),
+        ("junk header", data, {SIGNATURE_HEADER: real_sig.replace(".", ".x", 1)}, "malformed"),
     ]
 
 

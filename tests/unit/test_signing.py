@@ -13,8 +13,6 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gpulayer_runtime.settings import ConfigError
 from gpulayer_runtime.signing import (
-    ISSUED_AT_HEADER,
-    KEY_ID_HEADER,
     SIGNATURE_HEADER,
     Signer,
     SigningKeyError,
@@ -56,8 +54,8 @@ def reason(v: Verifier, headers: dict[str, str] | None, **over: str | bytes) -> 
 
 def test_a_signed_grant_verifies_for_its_node_grant_and_kind() -> None:
     h = SIGNER.headers("grant", "node-a", "g-1", DATA)
-    assert set(h) == {SIGNATURE_HEADER, KEY_ID_HEADER, ISSUED_AT_HEADER}
-    assert h[ISSUED_AT_HEADER] == str(int(NOW * 1000))
+    kid, issued_at, sig = h[SIGNATURE_HEADER].split(".")
+    assert (kid, issued_at, len(bytes.fromhex(sig))) == (SIGNER.key_id, str(int(NOW * 1000)), 64)
     assert reason(verifier(), h) is None
 
 
@@ -85,18 +83,27 @@ def test_unsigned_forged_and_malformed_are_refused_by_reason() -> None:
     other = Signer(Ed25519PrivateKey.generate(), clock=lambda: NOW)
     assert reason(v, other.headers("grant", "node-a", "g-1", DATA)) == "unknown_key"
     # Another key claiming to be placement's key id.
-    forged = {**other.headers("grant", "node-a", "g-1", DATA), KEY_ID_HEADER: SIGNER.key_id}
+    kid, issued_at, sig = other.headers("grant", "node-a", "g-1", DATA)[SIGNATURE_HEADER].split(".")
+    forged = {SIGNATURE_HEADER: f"{SIGNER.key_id}.{issued_at}.{sig}"}
     assert reason(v, forged) == "bad_signature"
-    # A header missing, or junk in one.
-    assert reason(v, {k: x for k, x in good.items() if k != SIGNATURE_HEADER}) == "malformed"
-    assert reason(v, {**good, ISSUED_AT_HEADER: "soon"}) == "malformed"
-    assert reason(v, {**good, ISSUED_AT_HEADER: "9" * 400}) == "malformed"
-    assert reason(v, {**good, SIGNATURE_HEADER: "A" * 86}) == "bad_signature"
-    assert reason(v, {**good, SIGNATURE_HEADER: "!" * 86}) == "bad_signature"
-    assert reason(v, {**good, SIGNATURE_HEADER: "short"}) == "malformed"
+    # Junk in the header.
+    kid, issued_at, sig = good[SIGNATURE_HEADER].split(".")
+    for junk in (
+        "",
+        "x",
+        f"{kid}.{issued_at}",
+        f"{kid}.soon.{sig}",
+        f"{kid}.{'9' * 400}.{sig}",
+        f"{kid}.{issued_at}.{sig[:-2]}",
+        f"{kid}.{issued_at}.{'zz' * 64}",
+        f"{kid}.{issued_at}.{sig}.0.1",
+        f"{kid}.{issued_at}.{sig}." + "a" * 5000,
+    ):
+        assert reason(v, {SIGNATURE_HEADER: junk}) == "malformed", junk
+    assert reason(v, {SIGNATURE_HEADER: f"{kid}.{issued_at}.{'00' * 64}"}) == "bad_signature"
     # The issued-at time is signed: moving it breaks the signature.
     later = str(int(NOW * 1000) + 1)
-    assert reason(v, {**good, ISSUED_AT_HEADER: later}) == "bad_signature"
+    assert reason(v, {SIGNATURE_HEADER: f"{kid}.{later}.{sig}"}) == "bad_signature"
 
 
 def test_an_old_grant_is_expired_and_one_from_the_far_future_refused() -> None:
@@ -106,6 +113,66 @@ def test_an_old_grant_is_expired_and_one_from_the_far_future_refused() -> None:
     # A little clock skew is fine; far ahead would stretch the replay window.
     assert reason(verifier(now=NOW - 10), h) is None
     assert reason(verifier(now=NOW - 3600), h) == "future"
+
+
+def batch(n: int) -> list[tuple[str, str, bytes]]:
+    return [(f"node-{i % 3}", f"g-{i}", DATA.replace(b"g-1", f"g-{i}".encode())) for i in range(n)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 7, 8, 9, 64, 100])
+def test_each_message_of_a_signed_batch_verifies_alone(n: int) -> None:
+    items = batch(n)
+    signed = SIGNER.sign_batch("grant", items)
+    assert len({h[SIGNATURE_HEADER].split(".")[2] for h in signed}) == 1  # one signature
+    assert len(signed[0][SIGNATURE_HEADER].split(".")) == (6 if n > 1 else 3)
+    shared = verifier()
+    for (node, grant_id, data), h in zip(items, signed, strict=True):
+        # A fresh verifier each time too: no cached root may hide a bad proof.
+        assert reason(verifier(), h, node=node, grant_id=grant_id, data=data) is None
+        assert reason(shared, h, node=node, grant_id=grant_id, data=data) is None
+        assert reason(shared, h, node=node, grant_id=grant_id, data=data + b" ") == (
+            "bad_signature"
+        )
+        assert reason(shared, h, node="node-x", grant_id=grant_id, data=data) == "bad_signature"
+
+
+def test_a_batch_proof_does_not_move_to_another_message() -> None:
+    items = batch(5)
+    signed = SIGNER.sign_batch("grant", items)
+    v = verifier()
+    node, grant_id, data = items[1]
+    assert reason(v, signed[1], node=node, grant_id=grant_id, data=data) is None  # cached now
+    for other in (0, 2, 4):
+        assert reason(v, signed[other], node=node, grant_id=grant_id, data=data) in (
+            "bad_signature",
+            "malformed",
+        )
+    # Junk proofs are malformed, not a crash.
+    kid, issued_at, sig, index, size, hashes = signed[1][SIGNATURE_HEADER].split(".")
+    head = f"{kid}.{issued_at}.{sig}"
+    for junk in (
+        f"{index}.{size}.{hashes}.1",
+        f"{index}.{size}.x",
+        f"5.5.{hashes}",
+        f"-1.5.{hashes}",
+        f"0.70000.{hashes}",
+        f"{index}.{size}.{hashes[:-64]}",  # missing a sibling
+        f"{index}.{size}.{hashes}{'00' * 32}",  # one too many
+        f"{index}.{size}.{hashes}0",
+    ):
+        h = {SIGNATURE_HEADER: f"{head}.{junk}"}
+        assert reason(v, h, node=node, grant_id=grant_id, data=data) == "malformed", junk
+
+
+def test_a_verified_batch_is_still_checked_for_age() -> None:
+    items = batch(4)
+    signed = SIGNER.sign_batch("grant", items)
+    now = [NOW]
+    v = Verifier(parse_public_keys(SIGNER.public_key), max_age_s=60, clock=lambda: now[0])
+    node, grant_id, data = items[0]
+    assert reason(v, signed[0], node=node, grant_id=grant_id, data=data) is None
+    now[0] = NOW + 61
+    assert reason(v, signed[0], node=node, grant_id=grant_id, data=data) == "expired"
 
 
 def test_several_keys_allow_rotation() -> None:
@@ -222,3 +289,36 @@ def test_placement_signs_the_grant_and_cancel_bytes_it_publishes() -> None:
     assert reason(verifier(), headers, kind="cancel", data=data, grant_id="j-1") is None
     # Bound to the grant it cancels: useless against another grant of the same job.
     assert reason(verifier(), headers, kind="cancel", data=data, grant_id="j-2") == "bad_signature"
+
+
+def test_placement_signs_a_batch_of_grants_once_each_verifiable_by_its_node() -> None:
+    from typing import Any, cast
+
+    from gpulayer_contracts import Grant, JobRequest
+    from gpulayer_contracts.subjects import node_grants
+    from gpulayer_placement.publisher import Publisher
+    from gpulayer_placement.settings import Settings
+
+    grants = [
+        Grant(
+            grant_id=f"j{i}-1",
+            job=JobRequest(job_id=f"j{i}", command=["true"]),
+            node_id=f"node-{i % 3}",
+            accelerator="cpu",
+        )
+        for i in range(7)
+    ]
+    publisher = Publisher(cast(Any, None), cast(Any, None), Settings(), signer=SIGNER)
+    items = publisher.grant_items(grants, [{"traceparent": f"t{i}"} for i in range(7)])
+    assert len({h[SIGNATURE_HEADER].split(".")[2] for _, _, h in items}) == 1
+    for grant, (subject, data, headers) in zip(grants, items, strict=True):
+        assert subject == node_grants(grant.node_id)
+        assert headers["traceparent"] == f"t{grants.index(grant)}"
+        assert (
+            reason(verifier(), headers, node=grant.node_id, grant_id=grant.grant_id, data=data)
+            is None
+        )
+        other = "node-9"
+        assert reason(verifier(), headers, node=other, grant_id=grant.grant_id, data=data) == (
+            "bad_signature"
+        )

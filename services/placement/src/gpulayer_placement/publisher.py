@@ -39,7 +39,7 @@ from gpulayer_placement.outcome import Outcome, PlacedJob, make_grant
 from gpulayer_placement.settings import Settings
 from gpulayer_placement.store import Store
 from gpulayer_runtime.logs import job_context
-from gpulayer_runtime.signing import Signer
+from gpulayer_runtime.signing import MAX_BATCH, Signer
 from gpulayer_runtime.telemetry import DISABLED, Telemetry, extract, inject
 
 if TYPE_CHECKING:
@@ -137,6 +137,19 @@ class Publisher:
             h.update(signer.headers("grant", grant.node_id, grant.grant_id, data))
         return node_grants(grant.node_id), data, h
 
+    def grant_items(self, grants: Sequence[Grant], headers: Sequence[dict[str, str]]) -> list[Item]:
+        """Grants with their headers (e.g. trace context), signed as one batch: one signature
+        for all of them, each still verifiable alone (``gpulayer_runtime.signing``)."""
+        items = [self.grant_item(g, h or None) for g, h in zip(grants, headers, strict=True)]
+        if self.signer is None:
+            return items
+        to_sign = [(g.node_id, g.grant_id, it[1]) for g, it in zip(grants, items, strict=True)]
+        for start in range(0, len(items), MAX_BATCH):
+            signed = self.signer.sign_batch("grant", to_sign[start : start + MAX_BATCH])
+            for (_, _, h), sig in zip(items[start : start + MAX_BATCH], signed, strict=True):
+                h.update(sig)
+        return items
+
     def cancel_item(self, node_id: str, cancel: CancelJob) -> Item:
         """A cancel for the executor of ``node_id``, signed and bound to the cancelled grant;
         named ``cancel:<grant id>`` so a repeat is dropped."""
@@ -192,22 +205,20 @@ class Publisher:
         items += [self.event_item(e) for e in waiting]
         if not self.tel.enabled:
             # No spans here, but the submitter's context still travels on to the executor.
-            items += [
-                self.grant_item(
-                    g, {"traceparent": pl.traceparent} if pl.traceparent else None, self.signer
-                )
-                for pl, g in zip(outcome.placements, grants, strict=True)
-            ]
+            items += self.grant_items(
+                grants,
+                [
+                    {"traceparent": pl.traceparent} if pl.traceparent else {}
+                    for pl in outcome.placements
+                ],
+            )
             published = await self.publish(items)
         else:
             spans = [
                 self._job_span(pl, g, outcome.commit_ns)
                 for pl, g in zip(outcome.placements, grants, strict=True)
             ]
-            items += [
-                self.grant_item(g, inject({}, span), self.signer)
-                for g, span in zip(grants, spans, strict=True)
-            ]
+            items += self.grant_items(grants, [inject({}, span) for span in spans])
             sent_ns = time.time_ns()
             published = await self.publish(items)
             self._end_job_spans(spans, outcome, grants, sent_ns)
