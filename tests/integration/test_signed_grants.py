@@ -307,3 +307,35 @@ async def test_resent_grants_carry_a_valid_signature(
     assert first.headers is not None
     assert again.headers is not None
     assert first.headers[MSG_ID_HEADER] == again.headers[MSG_ID_HEADER]
+
+
+async def test_a_batch_of_grants_under_one_signature_all_run(
+    nc: Client, js: JetStreamContext, executor: Executor, database_url: str
+) -> None:
+    """Jobs queued before placement starts are placed together: their grants share one
+    signature, each with its own path to the signed root, and the executor runs every one."""
+    await js.publish(node_capabilities(NODE), encode(caps(NODE)))
+    job_ids = [f"batch-{i}-{uuid.uuid4().hex[:6]}" for i in range(6)]
+    for job_id in job_ids:
+        await submit(js, job_id, ["true"])
+    headers: list[str] = []
+
+    async def on_grant(msg: Msg) -> None:
+        headers.append((msg.headers or {}).get(SIGNATURE_HEADER, ""))
+
+    sub = await nc.subscribe(node_grants(NODE), cb=on_grant)
+    pool = await create_pool(database_url)
+    svc = PlacementService(nc, pool, Settings(node_timeout_s=30), signer=TEST_SIGNER)
+    await svc.start()
+    try:
+        for job_id in job_ids:
+            events = await job_events_until_terminal(js, job_id)
+            assert events[-1].__struct_config__.tag == "succeeded"
+    finally:
+        await sub.unsubscribe()
+        await svc.close()
+        await pool.close()
+    assert executor.intake.refused == {}
+    batched = [h for h in headers if len(h.split(".")) == 6]
+    assert batched, headers
+    assert len({h.split(".")[2] for h in batched}) < len(batched)  # shared signatures
