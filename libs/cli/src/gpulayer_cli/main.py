@@ -59,6 +59,26 @@ def cmd_dev_up(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_keys_generate(args: argparse.Namespace) -> int:
+    from gpulayer_runtime.signing import (
+        PUBLIC_KEYS_SETTING,
+        SIGNING_KEY_SETTING,
+        SigningKeyError,
+        generate_key_pair,
+    )
+
+    try:
+        seed, public = generate_key_pair(Path(args.dir), args.name)
+    except (OSError, SigningKeyError) as err:
+        print(f"gpulayer keys generate: {err}", file=sys.stderr)
+        return EXIT_INVALID
+    print("# placement (keep the seed file private: mode 0600, never on an executor's host)")
+    print(f"{SIGNING_KEY_SETTING}={seed.resolve()}")
+    print("# every executor (comma-separate several keys while rotating)")
+    print(f"{PUBLIC_KEYS_SETTING}={public}")
+    return 0
+
+
 async def _quiet(err: Exception) -> None:
     """The CLI reports a failed connection once, itself, instead of per attempt."""
 
@@ -324,6 +344,15 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--data-dir", default=".gpulayer", help="where servers keep their data")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the examples")
     up.set_defaults(fn=cmd_dev_up)
+
+    keys = sub.add_parser("keys", help="placement's grant signing key")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    kg = keys_sub.add_parser(
+        "generate", help="make a signing key pair (kept if one exists); print the settings"
+    )
+    kg.add_argument("dir", help="folder for the seed file")
+    kg.add_argument("--name", default="placement", help="seed file name (<name>.seed)")
+    kg.set_defaults(fn=cmd_keys_generate)
 
     sub.add_parser("schema", help="print the JSON Schema of a job request").set_defaults(
         fn=cmd_schema

@@ -56,6 +56,9 @@ class CancelJob(Wire, frozen=True):
 
     job_id: str
     reason: str = "cancelled by user"
+    # The grant being cancelled: placement's signature binds the cancel to it. Empty from a
+    # placement older than signing (whose cancels an executor that requires signatures refuses).
+    grant_id: str = ""
 
 
 class LogLine(Wire, frozen=True):

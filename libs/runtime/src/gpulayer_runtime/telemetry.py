@@ -47,6 +47,9 @@ METRICS: dict[str, tuple[str, str, str]] = {
     "gpulayer.consumer.max_deliveries": (
         "counter", "{message}", "Messages that reached a consumer's delivery limit",
     ),
+    "gpulayer.executor.grants.refused": (
+        "counter", "{message}", "Grants and cancels the executor refused (unsigned, forged, replayed...) by reason",
+    ),
 }  # fmt: skip
 
 

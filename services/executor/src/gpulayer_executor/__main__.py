@@ -25,6 +25,12 @@ from gpulayer_runtime.settings import (
     node_id,
     run_service,
 )
+from gpulayer_runtime.signing import (
+    DEFAULT_MAX_AGE_S,
+    MAX_AGE_SETTING,
+    public_keys_from_env,
+    signing_required,
+)
 from gpulayer_runtime.telemetry import setup_telemetry
 
 log = logging.getLogger("gpulayer_executor")
@@ -123,7 +129,7 @@ def settings(env: Mapping[str, str], *, euid: int | None = None) -> ExecutorConf
     # account's instead (env.account_env).
     me = pwd.getpwuid(os.getuid())
     base = base_environment(env, user=me.pw_name, home=env.get("HOME") or me.pw_dir)
-    return ExecutorConfig(
+    config = ExecutorConfig(
         node_id=node,
         workdir=workdir.resolve(),
         base_env=base,
@@ -133,7 +139,17 @@ def settings(env: Mapping[str, str], *, euid: int | None = None) -> ExecutorConf
         max_jobs=env_int(env, "GPULAYER_EXECUTOR_MAX_JOBS", 64),
         drain_s=_seconds_or_zero(env, "GPULAYER_EXECUTOR_DRAIN_S"),
         heartbeat_s=env_float(env, "GPULAYER_HEARTBEAT_S", 5.0),
+        placement_public_keys=public_keys_from_env(env),
+        require_signatures=signing_required(env),
+        grant_max_age_s=env_float(env, MAX_AGE_SETTING, DEFAULT_MAX_AGE_S),
     )
+    if config.grant_max_age_s >= config.retain_s:
+        # Past the retention, a grant's record is pruned and only its age stops a replay.
+        raise ConfigError(
+            f"{MAX_AGE_SETTING}={config.grant_max_age_s:g}: must be below the grant record "
+            f"retention ({config.retain_s:g} s)"
+        )
+    return config
 
 
 async def _amain() -> None:
@@ -141,7 +157,8 @@ async def _amain() -> None:
     url = nats_url(env)
     config = settings(env)
     log.info(
-        "settings: nats=%s node=%s workdir=%s user=%s kill_grace_s=%s max_jobs=%s drain_s=%s",
+        "settings: nats=%s node=%s workdir=%s user=%s kill_grace_s=%s max_jobs=%s drain_s=%s "
+        "signed grants=%s (%d keys, max age %ss)",
         url,
         config.node_id,
         config.workdir,
@@ -149,6 +166,9 @@ async def _amain() -> None:
         config.kill_grace_s,
         config.max_jobs,
         config.drain_s,
+        "required" if config.require_signatures else "OFF (unsafe)",
+        len(config.placement_public_keys),
+        config.grant_max_age_s,
     )
     _say_who_runs_jobs(config)
     from gpulayer_executor.service import Executor

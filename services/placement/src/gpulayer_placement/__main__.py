@@ -17,6 +17,7 @@ from gpulayer_runtime.settings import (
     nats_url,
     run_service,
 )
+from gpulayer_runtime.signing import signer_from_env
 from gpulayer_runtime.telemetry import setup_telemetry
 
 log = logging.getLogger("gpulayer_placement")
@@ -34,7 +35,12 @@ async def _amain() -> None:
         resend_after_s=env_float(env, "GPULAYER_GRANT_RESEND_S", 30.0),
         batch_size=env_int(env, "GPULAYER_PLACEMENT_BATCH", 256),
     )
+    signer = signer_from_env(env)
     log.info("settings: nats=%s database=%s %s", url, _redact(db), settings)
+    if signer is None:
+        log.warning("grant signing is OFF: executors that require signatures refuse every grant")
+    else:
+        log.info("signing grants and cancels with key id %s", signer.key_id)
     telemetry = setup_telemetry("gpulayer-placement", env)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -47,7 +53,7 @@ async def _amain() -> None:
         await ensure_streams(nc.jetstream())
         pool = await create_pool(db)
         stack.push_async_callback(pool.close)
-        service = PlacementService(nc, pool, settings, telemetry)
+        service = PlacementService(nc, pool, settings, telemetry, signer=signer)
         await service.start()
         # The fleet's long-lived capability structs would otherwise be re-scanned by every
         # young-generation collection; freezing the start-up heap and collecting less often

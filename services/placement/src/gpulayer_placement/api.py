@@ -26,8 +26,6 @@ from gpulayer_contracts.subjects import (
     API_JOBS,
     API_MATRIX,
     API_NODES,
-    MSG_ID_HEADER,
-    node_control,
 )
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.publisher import Publisher
@@ -218,11 +216,9 @@ class Api:
             return {"job_id": q.job_id, "state": "cancelled"}
         row = await self._job_row(q.job_id)
         if row["state"] in ("placed", "running"):
-            await self.js.publish(
-                node_control(row["node_id"]),
-                encode(CancelJob(job_id=q.job_id, reason=q.reason)),
-                headers={MSG_ID_HEADER: f"cancel:{row['grant_id']}"},
-            )
+            cancel = CancelJob(job_id=q.job_id, reason=q.reason, grant_id=row["grant_id"])
+            subject, payload, headers = self.publisher.cancel_item(row["node_id"], cancel)
+            await self.js.publish(subject, payload, headers=headers)
             return {"job_id": q.job_id, "state": "cancelling", "node_id": row["node_id"]}
         raise ApiError(f"job {q.job_id} is already {row['state']}")
 

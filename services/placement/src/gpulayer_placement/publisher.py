@@ -18,6 +18,7 @@ from nats.js import JetStreamContext
 
 from gpulayer_contracts import (
     Accepted,
+    CancelJob,
     Failed,
     Grant,
     JobEvent,
@@ -29,11 +30,18 @@ from gpulayer_contracts import (
 )
 from gpulayer_contracts.bounds import MAX_EVENT_BYTES, bound_event
 from gpulayer_contracts.codec import job_request_decoder
-from gpulayer_contracts.subjects import MSG_ID_HEADER, STREAMS, job_events, node_grants
+from gpulayer_contracts.subjects import (
+    MSG_ID_HEADER,
+    STREAMS,
+    job_events,
+    node_control,
+    node_grants,
+)
 from gpulayer_placement.outcome import Outcome, PlacedJob, make_grant
 from gpulayer_placement.settings import Settings
 from gpulayer_placement.store import Store
 from gpulayer_runtime.logs import job_context
+from gpulayer_runtime.signing import MAX_BATCH, Signer
 from gpulayer_runtime.telemetry import DISABLED, Telemetry, extract, inject
 
 if TYPE_CHECKING:
@@ -56,11 +64,15 @@ class Publisher:
         pool: asyncpg.Pool,
         settings: Settings,
         telemetry: Telemetry = DISABLED,
+        signer: Signer | None = None,
     ) -> None:
         self.js = js
         self.pool = pool
         self.settings = settings
         self.tel = telemetry
+        # Signs every grant and cancel (executors refuse unsigned ones); None only when signing
+        # was explicitly turned off.
+        self.signer = signer
         self.placed_total = 0
         # The server's max_payload (set from its INFO when wired): a message over it would make
         # the server close this connection, so none is sent.
@@ -130,12 +142,40 @@ class Publisher:
         return job_events(event.job_id), data, headers
 
     @staticmethod
-    def grant_item(grant: Grant, headers: dict[str, str] | None = None) -> Item:
-        """A grant on its node's subject, named by its grant id (plus any trace headers)."""
+    def grant_item(
+        grant: Grant, headers: dict[str, str] | None = None, signer: Signer | None = None
+    ) -> Item:
+        """A grant on its node's subject, named by its grant id (plus any trace headers), signed
+        by ``signer`` over the exact bytes sent."""
         h = {MSG_ID_HEADER: grant.grant_id}
         if headers:
             h.update(headers)
-        return node_grants(grant.node_id), encode(grant), h
+        data = encode(grant)
+        if signer is not None:
+            h.update(signer.headers("grant", grant.node_id, grant.grant_id, data))
+        return node_grants(grant.node_id), data, h
+
+    def grant_items(self, grants: Sequence[Grant], headers: Sequence[dict[str, str]]) -> list[Item]:
+        """Grants with their headers (e.g. trace context), signed as one batch: one signature
+        for all of them, each still verifiable alone (``gpulayer_runtime.signing``)."""
+        items = [self.grant_item(g, h or None) for g, h in zip(grants, headers, strict=True)]
+        if self.signer is None:
+            return items
+        to_sign = [(g.node_id, g.grant_id, it[1]) for g, it in zip(grants, items, strict=True)]
+        for start in range(0, len(items), MAX_BATCH):
+            signed = self.signer.sign_batch("grant", to_sign[start : start + MAX_BATCH])
+            for (_, _, h), sig in zip(items[start : start + MAX_BATCH], signed, strict=True):
+                h.update(sig)
+        return items
+
+    def cancel_item(self, node_id: str, cancel: CancelJob) -> Item:
+        """A cancel for the executor of ``node_id``, signed and bound to the cancelled grant;
+        named ``cancel:<grant id>`` so a repeat is dropped."""
+        data = encode(cancel)
+        h = {MSG_ID_HEADER: f"cancel:{cancel.grant_id}"}
+        if self.signer is not None:
+            h.update(self.signer.headers("cancel", node_id, cancel.grant_id, data))
+        return node_control(node_id), data, h
 
     @staticmethod
     def placed_item(grant: Grant) -> Item:
@@ -184,19 +224,20 @@ class Publisher:
         items += [self.event_item(e) for e in waiting]
         if not self.tel.enabled:
             # No spans here, but the submitter's context still travels on to the executor.
-            items += [
-                self.grant_item(g, {"traceparent": pl.traceparent} if pl.traceparent else None)
-                for pl, g in zip(outcome.placements, grants, strict=True)
-            ]
+            items += self.grant_items(
+                grants,
+                [
+                    {"traceparent": pl.traceparent} if pl.traceparent else {}
+                    for pl in outcome.placements
+                ],
+            )
             published = await self.publish(items)
         else:
             spans = [
                 self._job_span(pl, g, outcome.commit_ns)
                 for pl, g in zip(outcome.placements, grants, strict=True)
             ]
-            items += [
-                self.grant_item(g, inject({}, span)) for g, span in zip(grants, spans, strict=True)
-            ]
+            items += self.grant_items(grants, [inject({}, span) for span in spans])
             sent_ns = time.time_ns()
             published = await self.publish(items)
             self._end_job_spans(spans, outcome, grants, sent_ns)
@@ -301,7 +342,13 @@ class Publisher:
         grant = make_grant(job, r["node_id"], r["grant_id"], r["accelerator"], list(r["devices"]))
         items = [
             self.placed_item(grant),
-            self.grant_item(grant, {"traceparent": r["traceparent"]} if r["traceparent"] else None),
+            # Signed anew: a resent grant carries a fresh issued-at, so a grant that waited for
+            # its executor is not refused as expired once re-sent.
+            self.grant_item(
+                grant,
+                {"traceparent": r["traceparent"]} if r["traceparent"] else None,
+                self.signer,
+            ),
         ]
         if not self._fits(items[1]):
             raise ValueError(

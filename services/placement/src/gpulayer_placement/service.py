@@ -45,6 +45,7 @@ from gpulayer_placement.status import ExecutorStatus
 from gpulayer_placement.store import migrate
 from gpulayer_placement.wake import Wake
 from gpulayer_runtime.settings import ConfigError
+from gpulayer_runtime.signing import Signer
 from gpulayer_runtime.telemetry import DISABLED, Telemetry
 
 __all__ = ["PlacementService", "Settings"]
@@ -59,6 +60,7 @@ class PlacementService:
         pool: asyncpg.Pool,
         settings: Settings | None = None,
         telemetry: Telemetry = DISABLED,
+        signer: Signer | None = None,
     ) -> None:
         self.nc = nc
         self.pool = pool
@@ -70,6 +72,7 @@ class PlacementService:
         self.fleet = Fleet()
         self.stop = asyncio.Event()
         self.wake = Wake()
+        self.signer = signer
         self._wire(telemetry)
         self._tasks: list[asyncio.Task[None]] = []
         # Unsubscribed on close, or draining the connection would wait out its timeout.
@@ -83,7 +86,7 @@ class PlacementService:
         max_payload = nc.max_payload or (1 << 20)
         self.dead = DeadLetters(js, telemetry, max_payload)
         self.sync = ReplicaSync(pool, fleet, wake, stop, self.replica_id)
-        self.publisher = Publisher(js, pool, s, telemetry)
+        self.publisher = Publisher(js, pool, s, telemetry, self.signer)
         self.scheduler = Scheduler(
             pool=pool,
             fleet=fleet,
