@@ -26,6 +26,7 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
+from tests.helpers import TEST_PUBLIC_KEYS, TEST_SIGNER
 
 from gpulayer_cli.dlq import dead_letters
 from gpulayer_contracts import (
@@ -148,48 +149,57 @@ async def stack(
 ) -> AsyncIterator[Stack]:
     tmp = tmp_path_factory.mktemp("poison")
     server = EmbeddedNats(tmp / "nats").start()
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    admin = await asyncpg.connect(postgres_admin_url)
-    await admin.execute(f'CREATE DATABASE "{name}"')
-    await admin.close()
-    database_url = f"{postgres_admin_url.rpartition('/')[0]}/{name}"
-    nc = await connect(server.url, "test")
-    placement_nc = await connect(server.url, "placement")
-    executor_nc = await connect(server.url, "executor")
-    await ensure_streams(nc.jetstream())
-    pool = await create_pool(database_url)
-    svc = PlacementService(placement_nc, pool, Settings(node_timeout_s=30, resend_after_s=60))
-    await svc.start()
-    executor = Executor(
-        executor_nc,
-        ExecutorConfig(
-            node_id=NODE,
-            workdir=tmp / "executor",
-            base_env=base_environment(os.environ, user="tester", home=str(tmp)),
-            kill_grace_s=0.5,
-            fetch_timeout_s=0.2,
-        ),
-    )
-    stop = asyncio.Event()
-    executor_task = asyncio.create_task(executor.run(stop))
-    await asyncio.wait_for(executor.ready.wait(), 10)
-    s = Stack(nc, placement_nc, svc, executor, database_url)
-    await nc.subscribe("gpulayer.job.*.events", cb=s.on_event)
-    await nc.subscribe("gpulayer.dlq.>", cb=s.on_dead)
-    await nc.jetstream().publish(node_capabilities(NODE), encode(node_caps(NODE, python=PYTHON)))
+    # Stopped whatever happens below, setup included: a server left running would surface as
+    # a ResourceWarning in some later test.
     try:
-        yield s
-    finally:
-        stop.set()
-        await executor_task
-        await svc.close()
-        await pool.close()
-        for client in (nc, placement_nc, executor_nc):
-            await client.drain()
-        server.stop()
+        name = f"t_{uuid.uuid4().hex[:12]}"
         admin = await asyncpg.connect(postgres_admin_url)
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.execute(f'CREATE DATABASE "{name}"')
         await admin.close()
+        database_url = f"{postgres_admin_url.rpartition('/')[0]}/{name}"
+        nc = await connect(server.url, "test")
+        placement_nc = await connect(server.url, "placement")
+        executor_nc = await connect(server.url, "executor")
+        await ensure_streams(nc.jetstream())
+        pool = await create_pool(database_url)
+        svc = PlacementService(
+            placement_nc, pool, Settings(node_timeout_s=30, resend_after_s=60), signer=TEST_SIGNER
+        )
+        await svc.start()
+        executor = Executor(
+            executor_nc,
+            ExecutorConfig(
+                node_id=NODE,
+                workdir=tmp / "executor",
+                base_env=base_environment(os.environ, user="tester", home=str(tmp)),
+                kill_grace_s=0.5,
+                fetch_timeout_s=0.2,
+                placement_public_keys=TEST_PUBLIC_KEYS,
+            ),
+        )
+        stop = asyncio.Event()
+        executor_task = asyncio.create_task(executor.run(stop))
+        await asyncio.wait_for(executor.ready.wait(), 10)
+        s = Stack(nc, placement_nc, svc, executor, database_url)
+        await nc.subscribe("gpulayer.job.*.events", cb=s.on_event)
+        await nc.subscribe("gpulayer.dlq.>", cb=s.on_dead)
+        await nc.jetstream().publish(
+            node_capabilities(NODE), encode(node_caps(NODE, python=PYTHON))
+        )
+        try:
+            yield s
+        finally:
+            stop.set()
+            await executor_task
+            await svc.close()
+            await pool.close()
+            for client in (nc, placement_nc, executor_nc):
+                await client.drain()
+            admin = await asyncpg.connect(postgres_admin_url)
+            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            await admin.close()
+    finally:
+        server.stop()
 
 
 def job(job_id: str, **fields: Any) -> dict[str, Any]:

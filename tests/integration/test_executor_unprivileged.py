@@ -16,6 +16,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
+from tests.helpers import TEST_PUBLIC_KEYS
 from tests.integration.test_executor import job_events_until_terminal, make_grant, publish_grant
 
 from gpulayer_cli.logs import run_logs
@@ -25,6 +26,7 @@ from gpulayer_executor.env import RunAs
 from gpulayer_executor.service import Executor
 from gpulayer_executor.state import grant_key
 from gpulayer_runtime.nats import ensure_streams
+from gpulayer_runtime.signing import PUBLIC_KEYS_SETTING
 
 pytestmark = [
     pytest.mark.integration,
@@ -75,6 +77,7 @@ async def start_executor(nc: Client, tmp_path: Path) -> AsyncIterator[StartExecu
             "HOME": "/root",
             "GPULAYER_NODE_ID": NODE,
             "GPULAYER_EXECUTOR_WORKDIR": str(tmp_path / "executor"),
+            PUBLIC_KEYS_SETTING: ",".join(TEST_PUBLIC_KEYS),
         }
         config = settings({**base, **(env or {})}, euid=0)
         config = msgspec.structs.replace(config, kill_grace_s=0.5, fetch_timeout_s=0.2, **overrides)
