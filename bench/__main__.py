@@ -30,6 +30,7 @@ from bench.figures import (
     placement_throughput,
     probe_figures,
     raw_jetstream,
+    signing_cost,
     submit_to_grant_latency,
     telemetry_noop_cost,
 )
@@ -54,6 +55,8 @@ GOAL_PROBE_MS = 150.0
 GOAL_RSS_MB = 300.0
 # Hostile-input issue: a job printing 200 MB no slower than 2x the same job printing to /dev/null.
 GOAL_FLOOD_RATIO = 2.0
+# Security issue: placement with grant signing on at least 0.9x its throughput with it off.
+GOAL_SIGNING_RATIO = 0.9
 
 
 class Run:
@@ -279,6 +282,45 @@ async def telemetry_group(run: Run) -> None:
     await _guard(run, names, work)
 
 
+# Rounds of the signing A/B: each is two 1k placement runs (about 10 s).
+SIGNING_ROUNDS = ROUNDS
+
+
+async def signing_group(run: Run) -> None:
+    """Placement throughput with grant signing on (the default) and off
+    (``GPULAYER_GRANT_SIGNING=off``), alternating on/off/on/off so drift hits both alike; the
+    medians and their ratio. Then the cost of one signature and one check, in microseconds."""
+    sz = run.sizes
+    shape = FleetShape.of(sz.small_nodes)
+    variants = {"on": None, "off": {"GPULAYER_GRANT_SIGNING": "off"}}
+    rates: dict[str, list[float]] = {k: [] for k in variants}
+    names = [
+        ("placement_signing_on_jobs_per_s", "jobs/s"),
+        ("placement_signing_off_jobs_per_s", "jobs/s"),
+    ]
+
+    async def work() -> None:
+        for round_ in range(SIGNING_ROUNDS):
+            for variant, env in variants.items():
+                async with run.scenario(f"sig{round_}{variant}", placement_env=env) as s:
+                    await load_fleet(s, fleet(f"s{round_}", sz.small_nodes), timeout=60)
+                    tp = await placement_throughput(s, f"s{round_}{variant}", sz.jobs, shape)
+                    if tp.granted < tp.submitted:
+                        raise BenchError(f"signing {variant}: {tp.granted}/{tp.submitted} granted")
+                    rates[variant].append(tp.rate)
+        on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
+        print(f"# signing runs, jobs/s: on {rates['on']}, off {rates['off']}", flush=True)
+        run.add(
+            Figure("placement_signing_on_jobs_per_s", on, "jobs/s", note=f"runs {rates['on']}"),
+            Figure("placement_signing_off_jobs_per_s", off, "jobs/s", note=f"runs {rates['off']}"),
+            Figure("signing_on_over_off", on / off, "x"),
+        )
+
+    await _guard(run, names, work)
+    for f in signing_cost():
+        run.add(f)
+
+
 async def output_group(run: Run) -> None:
     """A job printing 200 MB through the executor's pipes against the same job with its output
     to /dev/null (bench/figures.py ``output_flood``)."""
@@ -306,6 +348,7 @@ def judge_all(run: Run) -> None:
     goal("telemetry_noop_share_of_placement", "<=", 5.0)
     goal("placement_telemetry_off_over_removed", ">=", 0.95, ">= 0.95 x (within 5%)")
     goal("executor_output_flood_over_devnull", "<=", GOAL_FLOOD_RATIO)
+    goal("signing_on_over_off", ">=", GOAL_SIGNING_RATIO, ">= 0.9 x (signing off)")
     p1k = run.get("placement_1k_nodes")
     p10k = run.get("placement_10k_nodes")
     if p1k and p10k:
@@ -373,6 +416,7 @@ async def amain(args: argparse.Namespace) -> list[Figure]:
             ("placement10k", lambda: placement_group(run, sizes.large_nodes, "10k")),
             ("loop", lambda: loop_group(run)),
             ("output", lambda: output_group(run)),
+            ("signing", lambda: signing_group(run)),
         ]
         for name, group in groups:
             if only is None or name in only:
@@ -402,7 +446,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--only",
-        help="comma-separated groups: probe,limits,placement1k,replicas,latency,placement10k,loop,output,telemetry",
+        help=(
+            "comma-separated groups: probe,limits,placement1k,replicas,latency,placement10k,"
+            "loop,output,signing,telemetry"
+        ),
     )
     p.add_argument("--profile", metavar="DIR", help="attach py-spy to placement; raw stacks in DIR")
     args = p.parse_args(argv)

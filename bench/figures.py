@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -49,6 +49,7 @@ from bench.harness import (
     publish_all,
     publish_capabilities,
     rss_sampler,
+    signing_env,
     tail,
     wait_for_consumer,
     wait_for_count,
@@ -544,6 +545,7 @@ async def full_loop(s: Scenario, burst: int, paced: int, time_limit: float) -> F
             "GPULAYER_NATS_URL": s.nats.url,
             "GPULAYER_NODE_ID": node,
             "GPULAYER_EXECUTOR_WORKDIR": str(s.workdir / "executor"),
+            **signing_env(s.workdir.parent),
         },
         s.workdir / "executor.log",
     ).start()
@@ -656,6 +658,60 @@ def telemetry_noop_cost(placement_jobs_per_s: float | None, loops: int = 2_000_0
     return figs
 
 
+def signing_cost(loops: int = 1_000, batch: int = 256) -> list[Figure]:
+    """Microseconds per grant (a typical encoded CUDA grant): placement signing one alone and
+    one of a batch of ``batch`` (one signature over a hash tree, as ``publish_outcome`` does);
+    the executor's whole check (header, age, proof, signature) of a grant signed alone, and of
+    a batch member whose batch signature it has already verified."""
+    import itertools
+    import timeit
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from gpulayer_contracts.events import Grant
+    from gpulayer_runtime.signing import Signer, Verifier
+
+    key = Ed25519PrivateKey.generate()
+    signer = Signer(key)
+    items = []
+    for i in range(batch):
+        grant = Grant(
+            grant_id=f"bench-sign-{i}-1",
+            job=cuda_job(f"bench-sign-{i}"),
+            node_id="bench-node",
+            accelerator="cuda",
+            devices=[i % 8],
+            visible_env={"CUDA_VISIBLE_DEVICES": str(i % 8), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"},
+        )
+        items.append(("bench-node", grant.grant_id, encode(grant)))
+    node, grant_id, data = items[0]
+
+    def best_us(fn: Callable[[], object], number: int, per: int = 1) -> float:
+        return min(timeit.repeat(fn, number=number, repeat=5)) / number / per * 1e6
+
+    sign_us = best_us(lambda: signer.headers("grant", node, grant_id, data), loops)
+    batch_us = best_us(lambda: signer.sign_batch("grant", items), max(loops // batch, 4), batch)
+    # Each signed alone at its own millisecond, each verified once: no cached signature helps.
+    ticks = itertools.count(int(time.time() * 1000))
+    ticking = Signer(key, clock=lambda: next(ticks) / 1000)
+    alone = [ticking.headers("grant", node, grant_id, data) for _ in range(loops)]
+    verifier = Verifier([key.public_key()], max_future_s=3600)
+    t0 = time.perf_counter()
+    for headers in alone:
+        assert verifier.refusal("grant", node, grant_id, data, headers) is None
+    verify_us = (time.perf_counter() - t0) / loops * 1e6
+    members = signer.sign_batch("grant", items)
+    verifier.refusal("grant", node, grant_id, data, members[0])  # the batch's signature, once
+    member_us = best_us(lambda: verifier.refusal("grant", *items[1], members[1]), loops)
+    note = f"{len(data)}-byte grant, ed25519 (cryptography/OpenSSL)"
+    return [
+        Figure("grant_sign_us", sign_us, "us", note=note + ", signed alone"),
+        Figure("grant_sign_in_batch_us", batch_us, "us", note=f"per grant, batch of {batch}"),
+        Figure("grant_verify_us", verify_us, "us", note=note),
+        Figure("grant_verify_batch_member_us", member_us, "us", note="batch signature verified"),
+    ]
+
+
 # --- executor output --------------------------------------------------------------------------
 
 FLOOD_BYTES = 200 * 1000 * 1000
@@ -678,8 +734,10 @@ async def output_flood(root: Path, rounds: int = 3) -> list[Figure]:
     from gpulayer_contracts.jobs import JobRequest
     from gpulayer_contracts.subjects import job_events, node_grants
     from gpulayer_runtime.nats import ensure_streams
+    from gpulayer_runtime.signing import SIGNING_KEY_SETTING, Signer, load_seed_file
 
     names = [("executor_output_flood_200mb", "s"), ("executor_output_devnull_200mb", "s")]
+    signer = Signer(load_seed_file(Path(signing_env(root)[SIGNING_KEY_SETTING])))
     node = "bench-flood"
     server = EmbeddedNats(root / "flood-nats").start()
     executor = ServiceProcess(
@@ -688,6 +746,7 @@ async def output_flood(root: Path, rounds: int = 3) -> list[Figure]:
             "GPULAYER_NATS_URL": server.url,
             "GPULAYER_NODE_ID": node,
             "GPULAYER_EXECUTOR_WORKDIR": str(root / "flood-executor"),
+            **signing_env(root),
         },
         root / "flood-executor.log",
     )
@@ -715,7 +774,12 @@ async def output_flood(root: Path, rounds: int = 3) -> list[Figure]:
                     )
                     sub = await nc.subscribe(job_events(job_id))
                     t0 = time.perf_counter()
-                    await js.publish(node_grants(node), encode(grant))
+                    data = encode(grant)
+                    await js.publish(
+                        node_grants(node),
+                        data,
+                        headers=signer.headers("grant", node, grant.grant_id, data),
+                    )
                     while True:
                         event = event_decoder.decode((await sub.next_msg(timeout=600)).data)
                         if is_terminal(event):

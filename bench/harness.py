@@ -28,6 +28,7 @@ from gpulayer_contracts import WorkerCapabilities, encode
 from gpulayer_contracts.subjects import JOBS_SUBMIT, MSG_ID_HEADER, node_capabilities
 from gpulayer_runtime.nats import connect, ensure_streams
 from gpulayer_runtime.servers import EmbeddedNats
+from gpulayer_runtime.signing import PUBLIC_KEYS_SETTING, SIGNING_KEY_SETTING, generate_key_pair
 
 PUBLISH_WINDOW = 512  # JetStream publishes in flight at once from the load generator
 
@@ -288,6 +289,13 @@ class Scenario:
     replicas: list[ServiceProcess] = field(default_factory=list)
 
 
+def signing_env(root: Path) -> dict[str, str]:
+    """Placement's signing key and the executors' public key, as production runs them (signing
+    on); the key pair is made once under ``root/keys``."""
+    seed, public = generate_key_pair(root / "keys", "bench")
+    return {SIGNING_KEY_SETTING: str(seed), PUBLIC_KEYS_SETTING: public}
+
+
 @contextlib.asynccontextmanager
 async def scenario(
     name: str,
@@ -318,6 +326,7 @@ async def scenario(
             # grant re-sending may act during a run.
             "GPULAYER_NODE_TIMEOUT_S": "3600",
             "GPULAYER_GRANT_RESEND_S": "3600",
+            **signing_env(root),
             **(placement_env or {}),
         }
         placement = ServiceProcess("gpulayer_placement", env, workdir / "placement.log").start()

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -31,6 +32,48 @@ from gpulayer_runtime.servers import EmbeddedNats, EmbeddedPostgres
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = REPO_ROOT / "tests" / "fixtures"
+
+
+class CrashWatch(logging.Handler):
+    """Sees placement's "task ... crashed" and the executor's "side task ... died": a service
+    task that dies is a bug, and fails the test it happens in.
+
+    Attached to the services' own loggers (not the root), so neither caplog nor a test's logging
+    setup takes it away; a test that makes a task die on purpose says so with ``expect()``."""
+
+    LOGGERS = ("gpulayer_placement.service", "gpulayer_executor.service")
+    FORMATS = ("task %s crashed", "side task %s died")
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.crashes: list[str] = []
+        self.expected = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if str(record.msg).startswith(self.FORMATS):
+            self.crashes.append(record.getMessage())
+
+    def expect(self, n: int = 1) -> None:
+        """This test makes ``n`` tasks die on purpose."""
+        self.expected += n
+
+
+@pytest.fixture(autouse=True)
+def task_crashes() -> Iterator[CrashWatch]:
+    watch = CrashWatch()
+    loggers = [logging.getLogger(name) for name in CrashWatch.LOGGERS]
+    for logger in loggers:
+        logger.addHandler(watch)
+    try:
+        yield watch
+    finally:
+        for logger in loggers:
+            logger.removeHandler(watch)
+    if len(watch.crashes) != watch.expected:
+        pytest.fail(
+            f"{len(watch.crashes)} service task(s) died, {watch.expected} expected: "
+            + "; ".join(watch.crashes)
+        )
 
 
 def _backend() -> str:

@@ -6,15 +6,30 @@ import asyncio
 import os
 import signal
 import sys
+import uuid
 from pathlib import Path
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
-from gpulayer_contracts.codec import event_decoder
-from gpulayer_contracts.subjects import JOB_WILDCARD_EVENTS
+from gpulayer_contracts.codec import encode, event_decoder
+from gpulayer_contracts.events import CancelJob, Grant
+from gpulayer_contracts.subjects import (
+    JOB_WILDCARD_EVENTS,
+    MSG_ID_HEADER,
+    node_control,
+    node_grants,
+)
 from gpulayer_runtime.auth import AuthStore
 from gpulayer_runtime.roles import Role
+from gpulayer_runtime.signing import (
+    PUBLIC_KEYS_SETTING,
+    SIGNING_KEY_SETTING,
+    Signer,
+    write_seed,
+)
 
 BIN = Path(sys.executable).parent
 
@@ -22,6 +37,48 @@ BIN = Path(sys.executable).parent
 # credential the tests (and the processes they start) act as.
 AUTH_STORE: AuthStore | None = None
 TEST_CREDS: str | None = None
+
+
+# Placement's signing key in tests: one per test session. Executors started by tests accept it;
+# placements started by tests sign with it; tests that play placement sign with TEST_SIGNER.
+TEST_KEY = Ed25519PrivateKey.generate()
+TEST_SIGNER = Signer(TEST_KEY)
+TEST_PUBLIC_KEYS = (TEST_SIGNER.public_key,)
+
+
+def signing_env(folder: Path) -> dict[str, str]:
+    """The signing settings of placement and executor processes: the test key's seed file
+    (written under ``folder`` once) and its public key."""
+    folder.mkdir(parents=True, exist_ok=True)
+    seed = folder / "placement.seed"
+    if not seed.exists():
+        write_seed(seed, TEST_KEY)
+    return {SIGNING_KEY_SETTING: str(seed), PUBLIC_KEYS_SETTING: TEST_SIGNER.public_key}
+
+
+async def publish_grant(
+    js: JetStreamContext, grant: Grant, node: str | None = None, signer: Signer | None = TEST_SIGNER
+) -> None:
+    """Play placement: ``grant`` on ``node``'s grants subject (its own node by default), signed
+    for that node by ``signer`` (None: unsigned). A fresh ``Nats-Msg-Id`` every time, so that
+    JetStream itself never dedupes a re-publish."""
+    node = node or grant.node_id
+    data = encode(grant)
+    headers = {MSG_ID_HEADER: uuid.uuid4().hex}
+    if signer is not None:
+        headers.update(signer.headers("grant", node, grant.grant_id, data))
+    await js.publish(node_grants(node), data, headers=headers)
+
+
+async def publish_cancel(
+    js: JetStreamContext, node: str, cancel: CancelJob, signer: Signer | None = TEST_SIGNER
+) -> None:
+    """Play placement: ``cancel`` on ``node``'s control subject, signed by ``signer``."""
+    data = encode(cancel)
+    headers = {MSG_ID_HEADER: uuid.uuid4().hex}
+    if signer is not None:
+        headers.update(signer.headers("cancel", node, cancel.grant_id, data))
+    await js.publish(node_control(node), data, headers=headers)
 
 
 def bin_path(name: str) -> str:
@@ -39,7 +96,12 @@ def service_env(
         GPULAYER_NODE_ID=node_id,
         GPULAYER_EXECUTOR_WORKDIR=str(workdir),
         GPULAYER_HEARTBEAT_S="1",
+        # These stacks' jobs run this interpreter and write into the test's own (private)
+        # folders, which a job user can't reach: as root, jobs run as root here. Jobs running
+        # unprivileged are tested in tests/integration/test_executor_unprivileged.py.
+        GPULAYER_EXECUTOR_ALLOW_ROOT_JOBS="1",
     )
+    env.update(signing_env(workdir.parent / "keys"))
     env.update(extra)
     return env
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from nats.aio.client import Client
-from tests.helpers import Services, events_until
+from tests.helpers import Services, events_until, signing_env
 
 from gpulayer_cli.client import api
 from gpulayer_contracts import GpuApis, HostInfo, WorkerCapabilities, __version__, encode
@@ -56,8 +56,12 @@ async def fleet(
     await ensure_streams(nc.jetstream())
     base = dict(os.environ)
     base.update(
-        GPULAYER_NATS_URL=nats_url, GPULAYER_DATABASE_URL=database_url, GPULAYER_HEARTBEAT_S="1"
+        GPULAYER_NATS_URL=nats_url,
+        GPULAYER_DATABASE_URL=database_url,
+        GPULAYER_HEARTBEAT_S="1",
+        GPULAYER_EXECUTOR_ALLOW_ROOT_JOBS="1",  # as in tests.helpers.service_env
     )
+    base.update(signing_env(tmp_path / "keys"))
     async with Services() as services:
         await services.start("gpulayer-placement", base, tmp_path / "placement.log")
         nodes = {"h100-node": "h100-dgx-8x", "t4-node": "t4-2x", "cpu-node": None}

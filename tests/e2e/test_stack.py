@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import stat
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -105,6 +106,12 @@ async def test_dev_up_once_runs_the_examples(tmp_path: Path) -> None:
     assert re.search(r"cpu-hello-\d+ succeeded", text), text
     assert "ok cpu-hello.toml: expected succeeded, got succeeded" in text
     assert (tmp_path / ".gpulayer" / "postgres" / "pgdata" / "PG_VERSION").exists()
+    # The examples ran with signed grants: dev up made placement's key, readable by its owner.
+    seed = tmp_path / ".gpulayer" / "keys" / "placement.seed"
+    assert stat.S_IMODE(seed.stat().st_mode) == 0o600
+    executor_log = (tmp_path / ".gpulayer" / "logs" / "gpulayer-executor.log").read_text()
+    assert "signed grants=required (1 keys" in executor_log
+    assert "refused grant" not in executor_log
 
 
 async def test_readme_snippet_runs_against_dev_up(tmp_path: Path) -> None:

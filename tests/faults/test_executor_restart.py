@@ -15,12 +15,13 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from tests.helpers import pid_alive, reason, role_creds
+from tests.helpers import pid_alive, reason, role_creds, signing_env
+from tests.helpers import publish_grant as signed_grant
 
-from gpulayer_contracts.codec import encode, event_decoder, status_decoder
+from gpulayer_contracts.codec import event_decoder, status_decoder
 from gpulayer_contracts.events import AnyJobEvent, Grant, JobStatus, is_terminal
 from gpulayer_contracts.jobs import JobRequest
-from gpulayer_contracts.subjects import MSG_ID_HEADER, job_events, node_grants, node_status
+from gpulayer_contracts.subjects import job_events, node_status
 from gpulayer_runtime.nats import ensure_streams
 
 pytestmark = pytest.mark.integration
@@ -39,7 +40,7 @@ def make_grant(command: list[str], timeout_s: float | None = None) -> Grant:
 
 
 async def publish_grant(js: JetStreamContext, grant: Grant) -> None:
-    await js.publish(node_grants(NODE), encode(grant), headers={MSG_ID_HEADER: uuid.uuid4().hex})
+    await signed_grant(js, grant, NODE)
 
 
 async def events_of(
@@ -114,6 +115,9 @@ class ExecutorProcess:
             "GPULAYER_NODE_ID": NODE,
             "GPULAYER_EXECUTOR_WORKDIR": str(workdir),
             "GPULAYER_KILL_GRACE_S": "0.5",
+            # Its jobs write into this test's private folders: as root, they run as root.
+            "GPULAYER_EXECUTOR_ALLOW_ROOT_JOBS": "1",
+            **signing_env(workdir.parent / "keys"),
         }
         if creds := role_creds("node", NODE):  # auth on: the node's own credential
             self.env["GPULAYER_NATS_CREDS"] = creds

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from tests.helpers import connect_args, pid_alive, reason
+from tests.helpers import TEST_PUBLIC_KEYS, connect_args, pid_alive, publish_cancel, reason
 from tests.integration.test_executor import (
     NODE,
     job_events_until_terminal,
@@ -27,9 +27,7 @@ from tests.integration.test_executor import (
     wait_for_file,
 )
 
-from gpulayer_contracts.codec import encode
 from gpulayer_contracts.events import AnyJobEvent, CancelJob
-from gpulayer_contracts.subjects import node_control
 from gpulayer_executor import cgroups
 from gpulayer_executor.env import base_environment
 from gpulayer_executor.service import Executor, ExecutorConfig
@@ -74,6 +72,7 @@ async def executor(
         base_env=base_environment(os.environ, user="tester", home=str(tmp_path)),
         kill_grace_s=GRACE_S,
         fetch_timeout_s=0.2,
+        placement_public_keys=TEST_PUBLIC_KEYS,
     )
     ex = Executor(nc, config)
     stop = asyncio.Event()
@@ -116,7 +115,7 @@ async def test_cancel_frees_the_job_and_kills_its_escaped_child(
     events, pid, grant_id = await run_until_child(js, executor, f"{child}; exec sleep 60")
     job_id = executor.store.load(grant_id).job_id  # type: ignore[union-attr]
     t0 = time.monotonic()
-    await js.publish(node_control(NODE), encode(CancelJob(job_id=job_id, reason="user asked")))
+    await publish_cancel(js, NODE, CancelJob(job_id=job_id, reason="user asked", grant_id=grant_id))
     done = await events
     # SIGTERM ends both here; the grace is the bound the operator configured, plus slack for
     # the cancel's trip through NATS.

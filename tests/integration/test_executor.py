@@ -16,10 +16,11 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from tests.helpers import connect_args, pid_alive, reason
+from tests.helpers import TEST_PUBLIC_KEYS, connect_args, pid_alive, publish_cancel, reason
+from tests.helpers import publish_grant as signed_grant
 
 from gpulayer_cli.logs import run_logs
-from gpulayer_contracts.codec import encode, event_decoder, status_decoder
+from gpulayer_contracts.codec import event_decoder, status_decoder
 from gpulayer_contracts.events import (
     AnyJobEvent,
     CancelJob,
@@ -29,9 +30,7 @@ from gpulayer_contracts.events import (
 )
 from gpulayer_contracts.jobs import JobRequest, Sandbox, SandboxDevices
 from gpulayer_contracts.subjects import (
-    MSG_ID_HEADER,
     job_events,
-    node_control,
     node_grants,
     node_status,
 )
@@ -75,8 +74,12 @@ def make_grant(
 
 
 async def publish_grant(js: JetStreamContext, grant: Grant, node: str = NODE) -> None:
-    # A fresh Nats-Msg-Id every time, so that JetStream itself never dedupes a re-publish.
-    await js.publish(node_grants(node), encode(grant), headers={MSG_ID_HEADER: uuid.uuid4().hex})
+    """Signed as placement signs it, for the node whose subject it goes to."""
+    await signed_grant(js, grant, node)
+
+
+def cancel_of(grant: Grant, reason: str = "cancelled by user") -> CancelJob:
+    return CancelJob(job_id=grant.job.job_id, reason=reason, grant_id=grant.grant_id)
 
 
 async def job_events_until_terminal(
@@ -204,6 +207,7 @@ async def start_executor(
             base_env=base,
             kill_grace_s=overrides.pop("kill_grace_s", 0.5),
             fetch_timeout_s=0.2,
+            placement_public_keys=overrides.pop("placement_public_keys", TEST_PUBLIC_KEYS),
             **overrides,
         )
         executor = Executor(nc, config)
@@ -383,9 +387,7 @@ async def test_cancel_stops_a_running_job_and_its_group(
     grant = make_grant(["sh", "-c", "sleep 600 & echo $! > grandchild.pid; wait"])
     await publish_grant(js, grant)
     grandchild = int(await wait_for_file(executor.store.job_dir(grant.grant_id) / "grandchild.pid"))
-    await js.publish(
-        node_control(NODE), encode(CancelJob(job_id=grant.job.job_id, reason="user asked"))
-    )
+    await publish_cancel(js, NODE, cancel_of(grant, "user asked"))
     events = await job_events_until_terminal(js, grant.job.job_id)
     assert [e.__struct_config__.tag for e in events] == ["running", "cancelled"]
     assert reason(events[-1]) == "user asked"
@@ -410,11 +412,11 @@ async def test_cancel_of_a_queued_grant_never_starts_it(
         return executor.store.load(queued.grant_id) is not None
 
     await eventually(held)
-    await js.publish(node_control(NODE), encode(CancelJob(job_id=queued.job.job_id)))
+    await publish_cancel(js, NODE, cancel_of(queued))
     events = await job_events_until_terminal(js, queued.job.job_id)
     assert [e.__struct_config__.tag for e in events] == ["cancelled"]
     assert not marker.exists()
-    await js.publish(node_control(NODE), encode(CancelJob(job_id=blocker.job.job_id)))
+    await publish_cancel(js, NODE, cancel_of(blocker))
     await job_events_until_terminal(js, blocker.job.job_id)
 
 
@@ -424,7 +426,7 @@ async def test_cancel_arriving_before_its_grant_still_applies(
     await start_executor()
     marker = tmp_path / "late-started"
     grant = make_grant(["touch", str(marker)])
-    await js.publish(node_control(NODE), encode(CancelJob(job_id=grant.job.job_id)))
+    await publish_cancel(js, NODE, cancel_of(grant))
     await grants_settled(js, "CONTROL", f"executor-{NODE}-control")
     await publish_grant(js, grant)
     events = await job_events_until_terminal(js, grant.job.job_id)
@@ -472,12 +474,14 @@ async def test_grants_fetched_together_each_run_once_copies_included(
 async def test_grant_for_another_node_is_refused_and_malformed_grants_are_dropped(
     js: JetStreamContext, start_executor: StartExecutor, tmp_path: Path
 ) -> None:
-    await start_executor()
+    # Signing off (unsafe): the payload's node is still checked, and the refusal reported.
+    # With signing on, such a grant is dropped unreported (tests/integration/test_signed_grants.py).
+    await start_executor(require_signatures=False, placement_public_keys=())
     await js.publish(node_grants(NODE), b"{not json")
     await js.publish(node_grants(NODE), b'{"grant_id": "x"}')
     marker = tmp_path / "foreign-started"
     foreign = make_grant(["touch", str(marker)], node_id="node-b")
-    await publish_grant(js, foreign, node=NODE)
+    await signed_grant(js, foreign, node=NODE, signer=None)
     (failed,) = await job_events_until_terminal(js, foreign.job.job_id)
     assert failed.__struct_config__.tag == "failed"
     assert "node-b" in str(reason(failed))

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import json
 import re
+import stat
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -177,11 +180,174 @@ def test_build_paths_exist() -> None:
                         assert (context / source).exists(), f"Dockerfile COPY {source}: missing"
 
 
+def _generated(svc: Doc) -> dict[str, str]:
+    """target -> source of the service's mounts of generated files (secrets that are not in
+    the repository): bind mounts that must exist (no empty folder made in their place)."""
+    return {
+        str(m["target"]): str(m["source"])
+        for m in svc.get("volumes", []) or []
+        if isinstance(m, dict) and m.get("bind", {}).get("create_host_path") is False
+    }
+
+
 def test_mounted_files_exist() -> None:
     for name, svc in _services().items():
+        generated = set(_generated(svc).values())
         for source, _ in _mounts(svc):
-            if source.startswith((".", "/")):
+            if source.startswith((".", "/")) and source not in generated:
                 assert (DEPLOY / source).exists(), f"{name}: {source} does not exist"
+
+
+def test_generated_files_are_kept_out_of_git_and_required() -> None:
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    assert "deploy/.env" in ignored
+    assert "deploy/auth/" in ignored
+    for name, svc in _services().items():
+        for source in _generated(svc).values():
+            assert source.startswith("./auth/"), f"{name}: generated {source} outside deploy/auth"
+            mount = next(m for m in svc["volumes"] if isinstance(m, dict) and m["source"] == source)
+            assert mount["read_only"] is True, f"{name}: {source} is mounted writable"
+
+
+# --- compose: deployment defaults (issue 12) ------------------------------------------------------
+
+_VAR = re.compile(r"\$\{(\w+)(?:(:?[-?])([^}]*))?\}")
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's ${VAR}, ${VAR:-default} and ${VAR:?error}: an error raises KeyError."""
+
+    def one(m: re.Match[str]) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3)
+        value = env.get(name)
+        if op and op.endswith("?") and not value:
+            raise KeyError(f"{name}: {arg}")
+        if op and op.endswith("-") and not value:
+            return arg
+        return value or ""
+
+    return _VAR.sub(one, text)
+
+
+def _published(svc: Doc) -> list[tuple[str, Any]]:
+    """(host ip, published port) of each published port, from the short or long syntax."""
+    out: list[tuple[str, Any]] = []
+    for entry in svc.get("ports", []) or []:
+        if isinstance(entry, dict):
+            out.append((str(entry.get("host_ip", "")), entry.get("published")))
+            continue
+        parts = str(entry).rsplit(":", 2)
+        out.append((parts[0] if len(parts) == 3 else "", parts[-2] if len(parts) > 1 else None))
+    return out
+
+
+def test_every_published_port_is_on_loopback_unless_told_otherwise() -> None:
+    published = 0
+    for name, svc in _services().items():
+        for host, port in _published(svc):
+            published += 1
+            assert host, f"{name}: port {port} is published on every interface"
+            assert interpolate(host, {}) == "127.0.0.1", f"{name}: {host}:{port}"
+            assert interpolate(host, {"GPULAYER_BIND": "0.0.0.0"}) == "0.0.0.0", name
+    assert published >= 8  # NATS (2), PostgreSQL, OTLP (3), Jaeger, Prometheus, Grafana
+
+
+_SECRET_NAME = re.compile(r"PASSWORD|SECRET|TOKEN|_KEY$")
+
+
+def _required(value: str) -> set[str]:
+    return {m.group(1) for m in _VAR.finditer(value) if m.group(2) == ":?"}
+
+
+def test_no_service_has_a_default_password() -> None:
+    for name, svc in _services().items():
+        env = _env(svc)
+        for var, value in env.items():
+            if _SECRET_NAME.search(var) and not value.startswith("/run/secrets/"):
+                # (A path to a mounted secret file names the secret; it isn't one.)
+                m = _VAR.fullmatch(value)
+                assert m, f"{name}: {var}={value!r} is a built-in secret"
+                assert m.group(2) == ":?", f"{name}: {var}={value!r} is not a required secret"
+            if "://" in value:
+                # A password in a URL comes from a required variable too, never the file.
+                given = {v: f"from-env-{v}" for v in _required(value)}
+                password = urlsplit(interpolate(value, given)).password
+                assert password is None or password.startswith("from-env-"), (
+                    f"{name}: {var} has a built-in password"
+                )
+        # Nothing falls back to a default where a secret belongs.
+        for value in env.values():
+            for m in _VAR.finditer(value):
+                assert not (_SECRET_NAME.search(m.group(1)) and m.group(2) == ":-"), (name, value)
+    pg = _env(_services()["postgres"])
+    assert pg.get("POSTGRES_HOST_AUTH_METHOD", "") not in ("trust", "")
+    assert "trust" not in pg.get("POSTGRES_INITDB_ARGS", "")
+    grafana = _env(_services()[_by_image("grafana/grafana")])
+    assert grafana["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    assert grafana["GF_SECURITY_ADMIN_PASSWORD"] != "admin"
+
+
+def test_gen_env_writes_every_required_variable_privately(tmp_path: Path) -> None:
+    required: set[str] = set()
+    for svc in _services().values():
+        for value in [*_env(svc).values(), str(svc.get("user", ""))]:
+            required |= _required(value)
+    out = tmp_path / ".env"
+    script = [sys.executable, str(DEPLOY / "gen-env"), "--out", str(out)]
+    done = subprocess.run(script, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600
+    first = dict(line.split("=", 1) for line in out.read_text().splitlines() if "=" in line)
+    # The grant signing key pair comes from the second documented step, `gpulayer keys
+    # generate deploy/keys >> deploy/.env` (it needs the installed package; gen-env doesn't).
+    keys = subprocess.run(
+        [sys.executable, "-m", "gpulayer_cli.main", "keys", "generate", str(tmp_path / "keys")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    from_keys = {line.split("=", 1)[0] for line in keys.stdout.splitlines() if "=" in line}
+    missing = required - set(first) - from_keys
+    assert not missing, f"neither gen-env nor keys generate writes {sorted(missing)}"
+    for var in ("POSTGRES_PASSWORD", "GRAFANA_ADMIN_PASSWORD"):
+        assert len(first[var]) >= 24
+        assert re.fullmatch(r"[A-Za-z0-9_-]+", first[var])  # safe inside a database URL
+    # An existing file is kept (a stack's volumes keep the passwords they were made with).
+    again = subprocess.run(script, capture_output=True, text=True, check=False)
+    assert again.returncode == 1
+    assert "exists" in again.stderr
+    assert dict(line.split("=", 1) for line in out.read_text().splitlines() if "=" in line) == first
+    forced = subprocess.run([*script, "--force"], capture_output=True, text=True, check=False)
+    assert forced.returncode == 0
+    new = dict(line.split("=", 1) for line in out.read_text().splitlines() if "=" in line)
+    assert new["POSTGRES_PASSWORD"] != first["POSTGRES_PASSWORD"]
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600
+
+
+def test_nats_runs_with_the_generated_auth_config() -> None:
+    nats = _services()["nats"]
+    config = nats["command"][nats["command"].index("-c") + 1]
+    assert _generated(nats).get(config) == "./auth/nats.conf"
+
+
+def test_each_service_connects_with_its_own_credentials() -> None:
+    services = _services()
+    node = _env(services["executor"])["GPULAYER_NODE_ID"]
+    expected = {
+        "placement": "./auth/placement.creds",
+        "probe": f"./auth/node-{node}.creds",
+        "executor": f"./auth/node-{node}.creds",
+    }
+    for name, source in expected.items():
+        creds = _env(services[name])["GPULAYER_NATS_CREDS"]
+        assert _generated(services[name]).get(creds) == source, name
+
+
+def test_the_executor_runs_jobs_as_another_account() -> None:
+    executor = _services()["executor"]
+    assert str(executor["user"]) in ("root", "0")
+    assert _env(executor)["GPULAYER_EXECUTOR_JOB_USER"] == "nobody"
+    assert "no-new-privileges:true" in executor["security_opt"]
 
 
 def test_start_order_waits_on_healthchecks() -> None:

@@ -24,12 +24,19 @@ from gpulayer_executor.runner import StopRequest
 NODE = "node-u"
 
 
-def grant(grant_id: str, job_id: str | None = None, *, env: dict[str, str] | None = None) -> Grant:
+def grant(
+    grant_id: str,
+    job_id: str | None = None,
+    *,
+    env: dict[str, str] | None = None,
+    owner: str = "anonymous",
+) -> Grant:
     return Grant(
         grant_id=grant_id,
         job=JobRequest(job_id=job_id or f"job-{grant_id}", command=["true"], env=env or {}),
         node_id=NODE,
         accelerator="cpu",
+        owner=owner,
     )
 
 

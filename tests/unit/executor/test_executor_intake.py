@@ -1,6 +1,7 @@
 """Grant intake alone, fed messages by hand: the ``received`` record is on disk before the ack,
 a repeat is acked and ignored, a grant for another node is refused, a cancel is recorded
-before its ack and reaches the job."""
+before its ack and reaches the job; with a verifier, unsigned grants and cancels are dropped
+without a trace, and only a signed cancel leaves a mark."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import cast
 
 import pytest
 from nats.aio.msg import Msg
+from tests.helpers import TEST_SIGNER
 from tests.unit.executor.fakes import NODE, FakeJetStream, FakeLaunch, grant, until
 
 from gpulayer_contracts.codec import encode
@@ -24,15 +26,26 @@ from gpulayer_executor.intake import GrantIntake
 from gpulayer_executor.job_runner import JobRunner
 from gpulayer_executor.reporter import Reporter
 from gpulayer_executor.writer import DurableWriter
+from gpulayer_runtime.signing import Kind, Verifier, parse_public_keys
+
+VERIFIER = Verifier(parse_public_keys(TEST_SIGNER.public_key))
 
 
 class FakeMsg:
-    def __init__(self, data: bytes, on_ack: Callable[[], object] = lambda: None) -> None:
+    def __init__(
+        self,
+        data: bytes,
+        on_ack: Callable[[], object] = lambda: None,
+        signed: tuple[Kind, str] | None = None,
+    ) -> None:
+        """``signed``: (kind, grant id) to sign the message as placement does, for NODE."""
         self.data = data
         self.subject = node_grants(NODE)
         self.headers: dict[str, str] | None = {
             "traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"
         }
+        if signed is not None:
+            self.headers.update(TEST_SIGNER.headers(signed[0], NODE, signed[1], data))
         self.acks = 0
         self.on_ack = on_ack
 
@@ -46,7 +59,7 @@ class FakeMsg:
 
 
 class Parts:
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, verifier: Verifier | None = None) -> None:
         self.fake = FakeJetStream()
         self.store = st.StateStore(tmp_path)
         self.writer = DurableWriter(self.store)
@@ -63,7 +76,14 @@ class Parts:
             launch=self.launch,
         )
         self.intake = GrantIntake(
-            self.fake.js, NODE, self.store, self.writer, self.runner, reporter, asyncio.Event()
+            self.fake.js,
+            NODE,
+            self.store,
+            self.writer,
+            self.runner,
+            reporter,
+            asyncio.Event(),
+            verifier=verifier,
         )
 
     async def settle(self) -> None:
@@ -143,13 +163,15 @@ async def test_a_malformed_grant_is_acked_and_dropped(tmp_path: Path) -> None:
 
 
 async def test_a_cancel_is_recorded_before_its_ack_and_stops_the_job(tmp_path: Path) -> None:
-    p = Parts(tmp_path)
-    await p.intake.on_grant(FakeMsg(encode(grant("g1"))).msg)
+    p = Parts(tmp_path, VERIFIER)
+    await p.intake.on_grant(FakeMsg(encode(grant("g1")), signed=("grant", "g1")).msg)
     await until(lambda: p.launch.running == 1)
     marked: list[bool] = []
-    cancel = CancelJob(job_id="job-g1", reason="user asked")
+    cancel = CancelJob(job_id="job-g1", reason="user asked", grant_id="g1")
     msg = FakeMsg(
-        encode(cancel), on_ack=lambda: marked.append(p.store.cancel_mark("job-g1") is not None)
+        encode(cancel),
+        on_ack=lambda: marked.append(p.store.cancel_mark("job-g1") is not None),
+        signed=("cancel", "g1"),
     )
     await p.intake.on_cancel(msg.msg)
     assert marked == [True]
@@ -158,3 +180,82 @@ async def test_a_cancel_is_recorded_before_its_ack_and_stops_the_job(tmp_path: P
     assert rec is not None
     assert rec.outcome is not None
     assert (rec.outcome.state, rec.outcome.reason) == ("cancelled", "user asked")
+
+
+async def test_with_a_verifier_an_unsigned_grant_leaves_no_trace(tmp_path: Path) -> None:
+    p = Parts(tmp_path, VERIFIER)
+    unsigned = FakeMsg(encode(grant("g1")))
+    await p.intake.on_grant(unsigned.msg)
+    assert unsigned.acks == 1
+    assert p.store.all() == []
+    assert p.fake.published == []
+    assert p.intake.refused == {("grant", "unsigned"): 1}
+    # The same grant signed runs: the refusal was about the signature only.
+    signed = FakeMsg(encode(grant("g1")), signed=("grant", "g1"))
+    await p.intake.on_grant(signed.msg)
+    await until(lambda: p.launch.spawned == ["g1"])
+    await p.settle()
+
+
+async def test_with_a_verifier_a_grant_for_another_node_is_dropped_unreported(
+    tmp_path: Path,
+) -> None:
+    p = Parts(tmp_path, VERIFIER)
+    foreign = Grant(grant_id="g1", job=grant("g1").job, node_id="node-b", accelerator="cpu")
+    msg = FakeMsg(encode(foreign), signed=("grant", "g1"))
+    await p.intake.on_grant(msg.msg)
+    assert msg.acks == 1
+    assert p.store.all() == []
+    assert p.fake.published == []
+    assert p.intake.refused == {("grant", "wrong_node"): 1}
+
+
+async def test_a_grant_recorded_already_is_counted_as_replayed(tmp_path: Path) -> None:
+    p = Parts(tmp_path, VERIFIER)
+    payload = encode(grant("g1"))
+    await p.intake.on_grant(FakeMsg(payload, signed=("grant", "g1")).msg)
+    await p.settle()
+    await p.intake.on_grant(FakeMsg(payload, signed=("grant", "g1")).msg)
+    await p.settle()
+    assert p.launch.spawned == ["g1"]
+    assert p.intake.refused == {("grant", "replayed"): 1}
+
+
+async def test_with_a_verifier_an_unsigned_cancel_neither_marks_nor_stops(tmp_path: Path) -> None:
+    p = Parts(tmp_path, VERIFIER)
+    await p.intake.on_grant(FakeMsg(encode(grant("g1")), signed=("grant", "g1")).msg)
+    await until(lambda: p.launch.running == 1)
+    for cancel in (
+        CancelJob(job_id="job-g1", grant_id="g1"),  # running here
+        CancelJob(job_id="job-later", grant_id="later-1"),  # not submitted yet
+    ):
+        msg = FakeMsg(encode(cancel))
+        await p.intake.on_cancel(msg.msg)
+        assert msg.acks == 1
+    assert p.store.cancel_mark("job-g1") is None
+    assert p.store.cancel_mark("job-later") is None
+    assert p.intake.refused == {("cancel", "unsigned"): 2}
+    assert p.launch.running == 1  # not asked to stop
+    await p.settle()
+    rec = p.store.load("g1")
+    assert rec is not None
+    assert rec.outcome is not None
+    assert rec.outcome.state == "succeeded"
+
+
+async def test_signing_off_an_unsigned_cancel_stops_the_job_but_marks_nothing(
+    tmp_path: Path,
+) -> None:
+    p = Parts(tmp_path)
+    await p.intake.on_grant(FakeMsg(encode(grant("g1"))).msg)
+    await until(lambda: p.launch.running == 1)
+    await p.intake.on_cancel(FakeMsg(encode(CancelJob(job_id="job-g1", reason="stop"))).msg)
+    await p.intake.on_cancel(FakeMsg(encode(CancelJob(job_id="job-later"))).msg)
+    await asyncio.gather(*(j.task for j in list(p.runner.jobs.values()) if j.task))
+    rec = p.store.load("g1")
+    assert rec is not None
+    assert rec.outcome is not None
+    assert (rec.outcome.state, rec.outcome.reason) == ("cancelled", "stop")
+    # A job submitted later under that id would not be stopped by it.
+    assert p.store.cancel_mark("job-later") is None
+    assert p.store.cancel_mark("job-g1") is None

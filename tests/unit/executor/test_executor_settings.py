@@ -3,23 +3,50 @@
 from __future__ import annotations
 
 import os
+import pwd
 import re
 from pathlib import Path
 
 import pytest
+from tests.helpers import TEST_SIGNER
 
 from gpulayer_executor.__main__ import settings
 from gpulayer_runtime.settings import ConfigError
 
+KEYS = {"GPULAYER_PLACEMENT_PUBLIC_KEYS": TEST_SIGNER.public_key}
+
 
 def test_defaults() -> None:
-    config = settings({"GPULAYER_NODE_ID": "n1", "PATH": "/bin", "HOME": "/home/x"})
+    # Not root: jobs run as the executor's own account (as root, see the tests below).
+    config = settings(
+        {"GPULAYER_NODE_ID": "n1", "PATH": "/bin", "HOME": "/home/x", **KEYS}, euid=4321
+    )
     assert config.node_id == "n1"
     assert config.workdir == Path(".gpulayer/executor/n1").resolve()
     assert (config.kill_grace_s, config.max_jobs, config.drain_s) == (5.0, 64, 0.0)
     assert config.run_as is None
     assert config.base_env["PATH"] == "/bin"
     assert config.base_env["HOME"] == "/home/x"
+    assert config.require_signatures
+    assert config.placement_public_keys == (TEST_SIGNER.public_key,)
+    assert config.grant_max_age_s == 24 * 3600
+
+
+def test_signing_settings() -> None:
+    base = {"GPULAYER_NODE_ID": "n1"}
+    # Secure by default: no keys is an error naming the setting, not an executor that runs
+    # whatever it is sent.
+    with pytest.raises(ConfigError, match="GPULAYER_PLACEMENT_PUBLIC_KEYS is not set"):
+        settings(base)
+    off = settings({**base, "GPULAYER_GRANT_SIGNING": "off"})
+    assert (off.require_signatures, off.placement_public_keys) == (False, ())
+    two = f"{TEST_SIGNER.public_key},{TEST_SIGNER.public_key[::-1]}"
+    rotating = settings({**base, "GPULAYER_PLACEMENT_PUBLIC_KEYS": two})
+    assert len(rotating.placement_public_keys) == 2
+    assert settings({**base, **KEYS, "GPULAYER_GRANT_MAX_AGE_S": "60"}).grant_max_age_s == 60
+    # Older than the records' retention, a replay would find no record to stop it.
+    with pytest.raises(ConfigError, match="below the grant record retention"):
+        settings({**base, **KEYS, "GPULAYER_GRANT_MAX_AGE_S": str(8 * 24 * 3600)})
 
 
 def test_overrides() -> None:
@@ -30,6 +57,7 @@ def test_overrides() -> None:
             "GPULAYER_KILL_GRACE_S": "0.5",
             "GPULAYER_EXECUTOR_MAX_JOBS": "3",
             "GPULAYER_EXECUTOR_DRAIN_S": "30",
+            **KEYS,
         }
     )
     assert (config.workdir, config.kill_grace_s, config.max_jobs, config.drain_s) == (
@@ -43,7 +71,8 @@ def test_overrides() -> None:
 @pytest.mark.parametrize(
     ("env", "match"),
     [
-        ({"GPULAYER_EXECUTOR_USER": "no-such-user-gpulayer"}, "no such user"),
+        ({"GPULAYER_EXECUTOR_ALLOW_ROOT_JOBS": "maybe"}, "expected 1 or 0"),
+        ({"GPULAYER_EXECUTOR_USER_MAP": "/no/such/map.toml"}, "USER_MAP='/no/such/map.toml'"),
         ({"GPULAYER_EXECUTOR_MAX_JOBS": "0"}, "positive integer"),
         ({"GPULAYER_KILL_GRACE_S": "soon"}, "number"),
         ({"GPULAYER_NODE_ID": "a.b"}, "may not contain"),
@@ -51,19 +80,83 @@ def test_overrides() -> None:
 )
 def test_bad_settings_are_config_errors(env: dict[str, str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        settings({"GPULAYER_NODE_ID": "n1", **env})
+        settings({"GPULAYER_NODE_ID": "n1", **KEYS, **env})
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="root is refused only when it exists by that name")
 def test_root_is_not_an_unprivileged_user() -> None:
     with pytest.raises(ConfigError, match="unprivileged"):
         settings({"GPULAYER_NODE_ID": "n1", "GPULAYER_EXECUTOR_USER": "root"})
+    with pytest.raises(ConfigError, match="unprivileged"):
+        settings({"GPULAYER_NODE_ID": "n1", "GPULAYER_EXECUTOR_JOB_USER": "root"}, euid=0)
+
+
+def _nobody() -> pwd.struct_passwd:
+    try:
+        return pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no 'nobody' account here")
+
+
+def test_as_root_jobs_run_as_nobody_unless_told_otherwise(tmp_path: Path) -> None:
+    nobody = _nobody()
+    config = settings({"GPULAYER_NODE_ID": "n1", **KEYS}, euid=0)
+    assert config.run_as is not None
+    assert (config.run_as.name, config.run_as.uid) == ("nobody", nobody.pw_uid)
+    allowed = settings(
+        {"GPULAYER_NODE_ID": "n1", "GPULAYER_EXECUTOR_ALLOW_ROOT_JOBS": "1", **KEYS}, euid=0
+    )
+    assert allowed.run_as is None
+    with pytest.raises(ConfigError, match="no such user"):
+        settings(
+            {"GPULAYER_NODE_ID": "n1", "GPULAYER_EXECUTOR_JOB_USER": "no-such-user-gl"}, euid=0
+        )
+    with pytest.raises(ConfigError, match="disagree"):
+        settings(
+            {
+                "GPULAYER_NODE_ID": "n1",
+                "GPULAYER_EXECUTOR_JOB_USER": "nobody",
+                "GPULAYER_EXECUTOR_USER": "someone",
+            },
+            euid=0,
+        )
+    # The setting's earlier name still works.
+    old = settings({"GPULAYER_NODE_ID": "n1", "GPULAYER_EXECUTOR_USER": "nobody", **KEYS}, euid=0)
+    assert old.run_as == config.run_as
+
+
+def test_the_user_map_is_read_from_its_file(tmp_path: Path) -> None:
+    _nobody()
+    path = tmp_path / "users.toml"
+    path.write_text('alice = "nobody"\n')
+    env = {"GPULAYER_NODE_ID": "n1", "GPULAYER_EXECUTOR_USER_MAP": str(path), **KEYS}
+    config = settings(env, euid=0)
+    assert config.user_map["alice"].name == "nobody"
+    path.write_text('alice = "no-such-user-gl"\n')
+    with pytest.raises(ConfigError, match="alice='no-such-user-gl': no such user"):
+        settings(env, euid=0)
+    # A non-root executor can't switch to anyone: the mapping is refused, not ignored.
+    path.write_text('alice = "nobody"\n')
+    with pytest.raises(ConfigError, match="only when the executor runs as root"):
+        settings(env, euid=4321)
+
+
+def test_credentials_a_job_user_could_read_are_refused(tmp_path: Path) -> None:
+    _nobody()
+    creds = tmp_path / "node.creds"
+    creds.write_text("-----BEGIN NATS USER JWT-----")
+    creds.chmod(0o644)
+    env = {"GPULAYER_NODE_ID": "n1", "GPULAYER_NATS_CREDS": str(creds), **KEYS}
+    with pytest.raises(ConfigError, match=re.escape("readable by the job user(s) nobody")):
+        settings(env, euid=0)
+    creds.chmod(0o600)
+    assert settings(env, euid=0).run_as is not None
 
 
 def test_the_default_node_id_is_the_host_name_up_to_its_first_dot(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr("socket.gethostname", lambda: "gpu-01.rack7.example.com")
-    assert settings({"PATH": "/bin", "HOME": "/home/x"}).node_id == "gpu-01"
+    assert settings({"PATH": "/bin", "HOME": "/home/x", **KEYS}).node_id == "gpu-01"
     with pytest.raises(ConfigError, match=re.escape("may not contain '.'")):
         settings({"GPULAYER_NODE_ID": "gpu-01.example", "PATH": "/bin", "HOME": "/home/x"})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -142,6 +143,8 @@ async def api(
     body = msgspec.json.decode(reply.data)
     if not body.get("ok"):
         raise ApiFailed(body.get("error", "unknown error"))
+    if body.get("note"):  # e.g. a list cut to fit one message
+        print(f"gpulayer: {body['note']}", file=sys.stderr)
     return body.get("data")
 
 

@@ -41,6 +41,12 @@ from gpulayer_runtime.servers import (
     preferred_port,
 )
 from gpulayer_runtime.settings import DEFAULT_NATS_URL, default_node_id
+from gpulayer_runtime.signing import (
+    PUBLIC_KEYS_SETTING,
+    SIGNING_KEY_SETTING,
+    generate_key_pair,
+    signing_required,
+)
 
 # dev up's own connection: it declares the streams and watches every job's events.
 DEV_ADMIN = "admin"
@@ -187,6 +193,7 @@ def start_services(stack: Stack, console: Console, env: dict[str, str]) -> None:
     child_env.setdefault("GPULAYER_EXECUTOR_WORKDIR", str(stack.data_dir / "executor"))
     if stack.creds:
         child_env.setdefault("GPULAYER_ADMINS", DEV_ADMIN)
+    own = signing_settings(stack.data_dir, env)
     for name in SERVICES:
         log_path = stack.data_dir / "logs" / f"{name}.log"
         service_env = dict(child_env)
@@ -194,9 +201,25 @@ def start_services(stack: Stack, console: Console, env: dict[str, str]) -> None:
             service_env["GPULAYER_NATS_CREDS"] = stack.creds[name]
         with open(log_path, "ab") as log:
             stack.procs[name] = subprocess.Popen(
-                [_bin(name)], env=service_env, stdout=log, stderr=subprocess.STDOUT
+                [_bin(name)],
+                env={**service_env, **own.get(name, {})},
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         console.print(f"started {name} (pid {stack.procs[name].pid}, log {log_path})")
+
+
+def signing_settings(data_dir: Path, env: dict[str, str]) -> dict[str, dict[str, str]]:
+    """Grant signing settings per service: placement gets the seed file, the executor the
+    public key, nobody else either. The key pair is made under ``data_dir/keys`` on first run;
+    a signing key or public keys set in the environment are used as they are instead."""
+    if not signing_required(env) or SIGNING_KEY_SETTING in env or PUBLIC_KEYS_SETTING in env:
+        return {}
+    seed, public = generate_key_pair(data_dir / "keys")
+    return {
+        "gpulayer-placement": {SIGNING_KEY_SETTING: str(seed)},
+        "gpulayer-executor": {PUBLIC_KEYS_SETTING: public},
+    }
 
 
 def stop_stack(stack: Stack, console: Console) -> None:

@@ -68,6 +68,26 @@ def cmd_dev_up(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_keys_generate(args: argparse.Namespace) -> int:
+    from gpulayer_runtime.signing import (
+        PUBLIC_KEYS_SETTING,
+        SIGNING_KEY_SETTING,
+        SigningKeyError,
+        generate_key_pair,
+    )
+
+    try:
+        seed, public = generate_key_pair(Path(args.dir), args.name)
+    except (OSError, SigningKeyError) as err:
+        print(f"gpulayer keys generate: {err}", file=sys.stderr)
+        return EXIT_INVALID
+    print("# placement (keep the seed file private: mode 0600, never on an executor's host)")
+    print(f"{SIGNING_KEY_SETTING}={seed.resolve()}")
+    print("# every executor (comma-separate several keys while rotating)")
+    print(f"{PUBLIC_KEYS_SETTING}={public}")
+    return 0
+
+
 async def _quiet(err: Exception) -> None:
     """The CLI reports a failed connection once, itself, instead of per attempt."""
 
@@ -348,6 +368,21 @@ async def _owner_of(job_id: str) -> str:
     return found[0] if found else me
 
 
+def cmd_dlq(args: argparse.Namespace) -> int:
+    """The newest dead letters, from the DLQ stream."""
+    from gpulayer_cli.dlq import dead_letters, dlq_table
+
+    async def go(nc: Any) -> int:
+        entries = await dead_letters(nc.jetstream(), args.limit)
+        if args.json:
+            print(json.dumps(entries, indent=2))
+        else:
+            _console().print(dlq_table(entries))
+        return 0
+
+    return asyncio.run(_with_nats(go))
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from gpulayer_cli.check import run_check
 
@@ -380,6 +415,15 @@ def build_parser() -> argparse.ArgumentParser:
     from gpulayer_cli.auth_cmd import add_parser as add_auth_parser
 
     add_auth_parser(sub)
+
+    keys = sub.add_parser("keys", help="placement's grant signing key")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    kg = keys_sub.add_parser(
+        "generate", help="make a signing key pair (kept if one exists); print the settings"
+    )
+    kg.add_argument("dir", help="folder for the seed file")
+    kg.add_argument("--name", default="placement", help="seed file name (<name>.seed)")
+    kg.set_defaults(fn=cmd_keys_generate)
 
     sub.add_parser("schema", help="print the JSON Schema of a job request").set_defaults(
         fn=cmd_schema
@@ -435,6 +479,11 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("job_id")
     lg.add_argument("-f", "--follow", action="store_true")
     lg.set_defaults(fn=cmd_logs)
+
+    dl = sub.add_parser("dlq", help="messages placement could not handle (the dead letters)")
+    dl.add_argument("--limit", type=int, default=50, help="the newest N entries")
+    dl.add_argument("--json", action="store_true")
+    dl.set_defaults(fn=cmd_dlq)
 
     ck = sub.add_parser(
         "check", help="would this machine get this job? (0 yes, 1 no, 2 invalid job file)"

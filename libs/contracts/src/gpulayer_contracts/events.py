@@ -29,8 +29,9 @@ class Grant(Wire, frozen=True):
     devices: list[int] = []
     visible_env: dict[str, str] = {}
     granted_at: datetime = msgspec.field(default_factory=utcnow)
-    # Who submitted the job (placement takes it from the submit subject, never the payload):
-    # the executor publishes the job's events and logs under it.
+    # Who submitted the job, as placement established it from the submit subject (never the
+    # job's own payload): the executor publishes the job's events and logs under it, and picks
+    # the local account the job runs as by it. "anonymous" without auth.
     owner: str = "anonymous"
 
 
@@ -56,6 +57,9 @@ class CancelJob(Wire, frozen=True):
 
     job_id: str
     reason: str = "cancelled by user"
+    # The grant being cancelled: placement's signature binds the cancel to it. Empty from a
+    # placement older than signing (whose cancels an executor that requires signatures refuses).
+    grant_id: str = ""
 
 
 class LogLine(Wire, frozen=True):

@@ -27,6 +27,7 @@ NODE_WILDCARD_DOCTOR = f"{PREFIX}.node.*.doctor"
 # gpulayer.job.<owner>.<job>.events|logs: a user's credential may read only its own owner token.
 JOB_WILDCARD_EVENTS = f"{PREFIX}.job.*.*.events"
 JOB_WILDCARD_LOGS = f"{PREFIX}.job.*.*.logs"
+DLQ_WILDCARD = f"{PREFIX}.dlq.>"
 
 API_NODES = f"{PREFIX}.api.nodes"
 API_JOBS = f"{PREFIX}.api.jobs"
@@ -40,6 +41,22 @@ API_VERBS = (API_NODES, API_JOBS, API_JOB, API_EXPLAIN, API_CANCEL, API_MATRIX)
 
 # Header names. Nats-Msg-Id is JetStream's own dedupe header.
 MSG_ID_HEADER = "Nats-Msg-Id"
+
+# A dead letter carries the original body and headers, plus these (docs/operations.md, "Dead
+# letters"). The original's Nats-Msg-Id moves to DLQ_MSG_ID_HEADER: the entry's own id is
+# ``<stream>:<sequence>``, so dead-lettering one message twice keeps one entry.
+DLQ_REASON_HEADER = "Gpulayer-Dlq-Reason"
+DLQ_CLASS_HEADER = "Gpulayer-Dlq-Class"
+DLQ_STREAM_HEADER = "Gpulayer-Dlq-Stream"
+DLQ_SUBJECT_HEADER = "Gpulayer-Dlq-Subject"
+DLQ_SEQUENCE_HEADER = "Gpulayer-Dlq-Sequence"
+DLQ_DELIVERIES_HEADER = "Gpulayer-Dlq-Deliveries"
+DLQ_JOB_ID_HEADER = "Gpulayer-Dlq-Job-Id"
+DLQ_SIZE_HEADER = "Gpulayer-Dlq-Size"
+DLQ_TRUNCATED_HEADER = "Gpulayer-Dlq-Truncated"
+DLQ_MSG_ID_HEADER = "Gpulayer-Dlq-Msg-Id"
+# The JetStream advisory sent when a message reaches a consumer's max_deliver.
+MAX_DELIVERIES_ADVISORY = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.>"
 
 
 def _token(value: str, what: str) -> str:
@@ -126,6 +143,11 @@ def api_caller(subject: str) -> str:
     return parts[3]
 
 
+def dlq_subject(stream: str) -> str:
+    """Where messages of ``stream`` that can't be handled go (the DLQ stream)."""
+    return f"{PREFIX}.dlq.{_token(stream, 'stream name')}"
+
+
 def node_from_subject(subject: str) -> str:
     """The node id token of a ``gpulayer.node.<node>.<kind>`` subject."""
     parts = subject.split(".")
@@ -201,5 +223,12 @@ STREAMS: tuple[StreamSpec, ...] = (
         max_bytes=1 << 30,
         max_age_s=7 * 24 * 3600.0,
         description="Job output lines; bounded per job and in total.",
+    ),
+    StreamSpec(
+        name="DLQ",
+        subjects=[DLQ_WILDCARD],
+        max_age_s=14 * 24 * 3600.0,
+        max_bytes=256 << 20,
+        description="Dead letters: messages of JOBS and STATUS that could not be handled.",
     ),
 )

@@ -43,6 +43,13 @@ METRICS: dict[str, tuple[str, str, str]] = {
     "gpulayer.probe.detection.duration": ("histogram", "s", "Detection time per source"),
     "gpulayer.consumer.redeliveries": ("counter", "{message}", "Messages delivered more than once"),
     "gpulayer.messages.rejected": ("counter", "{message}", "Messages rejected as malformed or invalid"),
+    "gpulayer.messages.dead_lettered": ("counter", "{message}", "Messages moved to the DLQ stream"),
+    "gpulayer.consumer.max_deliveries": (
+        "counter", "{message}", "Messages that reached a consumer's delivery limit",
+    ),
+    "gpulayer.executor.grants.refused": (
+        "counter", "{message}", "Grants and cancels the executor refused (unsigned, forged, replayed...) by reason",
+    ),
 }  # fmt: skip
 
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from gpulayer_executor import users
 from gpulayer_executor.env import RunAs, base_environment
 from gpulayer_executor.service import ExecutorConfig
 from gpulayer_runtime.nats import connect, wait_for_streams
@@ -24,19 +25,91 @@ from gpulayer_runtime.settings import (
     node_id,
     run_service,
 )
+from gpulayer_runtime.signing import (
+    DEFAULT_MAX_AGE_S,
+    MAX_AGE_SETTING,
+    public_keys_from_env,
+    signing_required,
+)
 from gpulayer_runtime.telemetry import setup_telemetry
 
 log = logging.getLogger("gpulayer_executor")
 
 
-def _run_as(name: str) -> RunAs:
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    raw = env.get(name, "").strip().lower()
+    if raw in ("", "0", "false", "no"):
+        return False
+    if raw in ("1", "true", "yes"):
+        return True
+    raise ConfigError(f"{name}={raw!r}: expected 1 or 0")
+
+
+def _job_user_name(env: Mapping[str, str]) -> str:
+    # GPULAYER_EXECUTOR_USER is the setting's earlier name, still honoured.
+    new = env_str(env, "GPULAYER_EXECUTOR_JOB_USER", "")
+    old = env_str(env, "GPULAYER_EXECUTOR_USER", "")
+    if new and old and new != old:
+        raise ConfigError(
+            f"GPULAYER_EXECUTOR_JOB_USER={new!r} and GPULAYER_EXECUTOR_USER={old!r} disagree "
+            "(the second is the first's earlier name: set one)"
+        )
+    return new or old
+
+
+def _user_map(env: Mapping[str, str], lookup: users.Lookup) -> dict[str, RunAs]:
+    path = env_str(env, "GPULAYER_EXECUTOR_USER_MAP", "")
+    if not path:
+        return {}
     try:
-        entry = pwd.getpwnam(name)
-    except KeyError:
-        raise ConfigError(f"GPULAYER_EXECUTOR_USER={name!r}: no such user") from None
-    if entry.pw_uid == 0:
-        raise ConfigError(f"GPULAYER_EXECUTOR_USER={name!r}: must be an unprivileged user")
-    return RunAs(name=name, uid=entry.pw_uid, gid=entry.pw_gid, home=entry.pw_dir)
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ConfigError(f"GPULAYER_EXECUTOR_USER_MAP={path!r}: {err.strerror}") from None
+    return users.parse_user_map(text, f"GPULAYER_EXECUTOR_USER_MAP={path!r}", lookup)
+
+
+def job_accounts(
+    env: Mapping[str, str], *, euid: int, lookup: users.Lookup = pwd.getpwnam
+) -> tuple[RunAs | None, dict[str, RunAs]]:
+    """The default job account (None: the executor's own) and the per-owner ones."""
+    try:
+        user_map = _user_map(env, lookup)
+        run_as = users.job_users(
+            euid=euid,
+            job_user=_job_user_name(env),
+            user_map=user_map,
+            allow_root_jobs=_flag(env, "GPULAYER_EXECUTOR_ALLOW_ROOT_JOBS"),
+            lookup=lookup,
+        )
+    except users.UserError as err:
+        raise ConfigError(str(err)) from None
+    accounts = [*user_map.values(), *([run_as] if run_as else [])]
+    creds = env_str(env, "GPULAYER_NATS_CREDS", "")
+    readers = users.readable_by(Path(creds), accounts) if creds else []
+    if readers:
+        raise ConfigError(
+            f"GPULAYER_NATS_CREDS={creds!r} is readable by the job user(s) "
+            f"{', '.join(sorted(set(readers)))}: a job could act as this node (make it 0600, "
+            "owned by the executor's user)"
+        )
+    return run_as, user_map
+
+
+def _say_who_runs_jobs(config: ExecutorConfig) -> None:
+    if config.run_as is not None:
+        owners = ", ".join(f"{o}={u.name}" for o, u in sorted(config.user_map.items()))
+        log.info("jobs run as %s%s", config.run_as.name, f" (by owner: {owners})" if owners else "")
+    elif os.geteuid() == 0:
+        log.warning(
+            "GPULAYER_EXECUTOR_ALLOW_ROOT_JOBS=1: JOBS RUN AS ROOT. Every job can read this "
+            "executor's state and credentials, every other job's files, and the whole machine."
+        )
+    else:
+        log.info(
+            "jobs run as the executor's own account (uid %d): they can read its state and "
+            "credentials; run the executor as root with a job user to separate them",
+            os.geteuid(),
+        )
 
 
 def _seconds_or_zero(env: Mapping[str, str], name: str) -> float:
@@ -46,27 +119,37 @@ def _seconds_or_zero(env: Mapping[str, str], name: str) -> float:
     return env_float(env, name, 0.0)
 
 
-def settings(env: Mapping[str, str]) -> ExecutorConfig:
-    """The executor's configuration from an environment mapping."""
+def settings(env: Mapping[str, str], *, euid: int | None = None) -> ExecutorConfig:
+    """The executor's configuration from an environment mapping (``euid``: the executor's
+    effective uid, this process' when not given)."""
     node = node_id(env)
     workdir = Path(env_str(env, "GPULAYER_EXECUTOR_WORKDIR", f".gpulayer/executor/{node}"))
-    user = env_str(env, "GPULAYER_EXECUTOR_USER", "")
-    run_as = _run_as(user) if user else None
-    if run_as is not None:
-        base = base_environment(env, user=run_as.name, home=run_as.home)
-    else:
-        me = pwd.getpwuid(os.getuid())
-        base = base_environment(env, user=me.pw_name, home=env.get("HOME") or me.pw_dir)
-    return ExecutorConfig(
+    run_as, user_map = job_accounts(env, euid=os.geteuid() if euid is None else euid)
+    # HOME and USER of the executor's own account; a job running as another account gets that
+    # account's instead (env.account_env).
+    me = pwd.getpwuid(os.getuid())
+    base = base_environment(env, user=me.pw_name, home=env.get("HOME") or me.pw_dir)
+    config = ExecutorConfig(
         node_id=node,
         workdir=workdir.resolve(),
         base_env=base,
         run_as=run_as,
+        user_map=user_map,
         kill_grace_s=env_float(env, "GPULAYER_KILL_GRACE_S", 5.0),
         max_jobs=env_int(env, "GPULAYER_EXECUTOR_MAX_JOBS", 64),
         drain_s=_seconds_or_zero(env, "GPULAYER_EXECUTOR_DRAIN_S"),
         heartbeat_s=env_float(env, "GPULAYER_HEARTBEAT_S", 5.0),
+        placement_public_keys=public_keys_from_env(env),
+        require_signatures=signing_required(env),
+        grant_max_age_s=env_float(env, MAX_AGE_SETTING, DEFAULT_MAX_AGE_S),
     )
+    if config.grant_max_age_s >= config.retain_s:
+        # Past the retention, a grant's record is pruned and only its age stops a replay.
+        raise ConfigError(
+            f"{MAX_AGE_SETTING}={config.grant_max_age_s:g}: must be below the grant record "
+            f"retention ({config.retain_s:g} s)"
+        )
+    return config
 
 
 async def _amain() -> None:
@@ -74,7 +157,8 @@ async def _amain() -> None:
     nats = nats_settings(env)
     config = settings(env)
     log.info(
-        "settings: nats=%s node=%s workdir=%s user=%s kill_grace_s=%s max_jobs=%s drain_s=%s",
+        "settings: nats=%s node=%s workdir=%s user=%s kill_grace_s=%s max_jobs=%s drain_s=%s "
+        "signed grants=%s (%d keys, max age %ss)",
         nats,
         config.node_id,
         config.workdir,
@@ -82,7 +166,11 @@ async def _amain() -> None:
         config.kill_grace_s,
         config.max_jobs,
         config.drain_s,
+        "required" if config.require_signatures else "OFF (unsafe)",
+        len(config.placement_public_keys),
+        config.grant_max_age_s,
     )
+    _say_who_runs_jobs(config)
     from gpulayer_executor.service import Executor
 
     stop = asyncio.Event()

@@ -7,6 +7,7 @@ from pathlib import Path
 import msgspec
 
 from gpulayer_executor.env import RunAs
+from gpulayer_runtime.signing import DEFAULT_MAX_AGE_S
 
 
 class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -15,7 +16,10 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
     node_id: str
     workdir: Path
     base_env: dict[str, str]
+    # The account jobs run as (None: the executor's own), and per job owner, the account that
+    # owner's jobs run as instead (``users.run_as_for``).
     run_as: RunAs | None = None
+    user_map: dict[str, RunAs] = {}
     kill_grace_s: float = 5.0
     max_jobs: int = 64
     drain_s: float = 0.0
@@ -27,3 +31,11 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Beats on the node's heartbeat subject (source "executor"): placement stops granting to a
     # node whose executor went silent, instead of queueing grants nobody runs.
     heartbeat_s: float = 5.0
+    # Grants and cancels run only when signed by one of these placement keys (base64url
+    # ed25519); ``require_signatures=False`` (GPULAYER_GRANT_SIGNING=off) is unsafe: any NATS
+    # client could then make this node run a command.
+    placement_public_keys: tuple[str, ...] = ()
+    require_signatures: bool = True
+    # A signed grant issued longer ago than this is refused (a replay whose record was pruned);
+    # keep it below ``retain_s``.
+    grant_max_age_s: float = DEFAULT_MAX_AGE_S

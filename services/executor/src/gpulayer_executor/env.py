@@ -8,6 +8,7 @@ first: it may not touch a protected variable), then what gpulayer owns: device v
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 
 import msgspec
 
@@ -21,7 +22,9 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 class RunAs(msgspec.Struct, frozen=True, kw_only=True):
-    """The unprivileged account jobs run as (``GPULAYER_EXECUTOR_USER``)."""
+    """An unprivileged account jobs run as (``GPULAYER_EXECUTOR_JOB_USER``, or an owner's in
+    ``GPULAYER_EXECUTOR_USER_MAP``). ``home`` empty: the account has no usable home, and each
+    job gets its own working folder as HOME."""
 
     name: str
     uid: int
@@ -47,6 +50,15 @@ def base_environment(source: Mapping[str, str], *, user: str, home: str) -> dict
     env["USER"] = user
     env["LOGNAME"] = user
     return env
+
+
+def account_env(run_as: RunAs, cwd: Path) -> dict[str, str]:
+    """HOME, USER and LOGNAME of a job running as ``run_as`` in ``cwd``: never the executor's."""
+    return {
+        "HOME": run_as.home or str(cwd),
+        "USER": run_as.name,
+        "LOGNAME": run_as.name,
+    }
 
 
 def device_env(grant: Grant) -> dict[str, str]:

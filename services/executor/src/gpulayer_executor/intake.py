@@ -4,6 +4,12 @@ A grant is acked only once its ``received`` record is on disk (group commit), so
 never lost between the ack and a crash; a redelivered grant finds its record and is acked and
 ignored, never started twice. A cancel is recorded durably before its ack, so a grant for the
 job that arrives later (the two streams are not ordered with each other) never starts.
+
+With a ``Verifier`` (the default outside tests of other parts), grants and cancels must carry
+placement's signature for this node: anything unsigned, forged, tampered, for another node, or
+issued too long ago is logged, counted (``gpulayer.executor.grants.refused`` by reason) and
+acked, and nothing of it is recorded or reported: a forgery must leave no trace in the job's
+history either. A grant id already recorded is a repeat (or a replay) and is ignored.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
 import msgspec
@@ -19,7 +26,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from gpulayer_contracts.codec import cancel_decoder, grant_decoder
+from gpulayer_contracts.codec import InvalidInput, cancel_decoder, decode_message, grant_decoder
 from gpulayer_contracts.events import Grant
 from gpulayer_contracts.subjects import node_control, node_grants
 from gpulayer_executor import state as st
@@ -27,6 +34,7 @@ from gpulayer_executor.job_runner import JobRunner
 from gpulayer_executor.reporter import Reporter
 from gpulayer_executor.writer import DurableWriter
 from gpulayer_runtime.logs import job_context
+from gpulayer_runtime.signing import Kind, Refusal, Verifier
 from gpulayer_runtime.telemetry import DISABLED, Telemetry
 
 # The executor's lines keep the logger name they had before it was split into parts.
@@ -50,6 +58,7 @@ class GrantIntake:
         telemetry: Telemetry = DISABLED,
         *,
         fetch_timeout_s: float = 1.0,
+        verifier: Verifier | None = None,
     ) -> None:
         self._js = js
         self._node_id = node_id
@@ -60,6 +69,10 @@ class GrantIntake:
         self._stopping = stopping
         self._tel = telemetry
         self._fetch_timeout_s = fetch_timeout_s
+        self._verifier = verifier
+        # (message kind, reason) -> how many were refused: the metric's numbers, also kept here
+        # for tests and for telemetry-less runs.
+        self.refused: Counter[tuple[str, str]] = Counter()
         self._grants: JetStreamContext.PullSubscription | None = None
         self._control: JetStreamContext.PullSubscription | None = None
 
@@ -133,12 +146,44 @@ class GrantIntake:
             )
         return None
 
+    def _unverified(self, kind: Kind, node_id: str, grant_id: str, msg: Msg) -> Refusal | None:
+        """Why the message can't be trusted to come from placement for this node, or None (or
+        None always when signing is off)."""
+        if self._verifier is None:
+            return None
+        if node_id != self._node_id:
+            # Checked before the signature only to say why: placement signs a grant for the node
+            # it names, so one naming another node fails the signature check too.
+            return Refusal("wrong_node", f"{kind} names node {node_id[:64]!r}")
+        return self._verifier.refusal(kind, self._node_id, grant_id, msg.data, msg.headers)
+
+    async def _drop(self, msg: Msg, kind: Kind, job_id: str, grant_id: str, why: Refusal) -> None:
+        """Log, count and ack an untrusted message; nothing is recorded or reported."""
+        self.refused[(kind, why.reason)] += 1
+        self._tel.count(
+            "gpulayer.executor.grants.refused", 1, {"reason": why.reason, "message": kind}
+        )
+        log.error(
+            "refused %s %s for job %s on %s: %s (%s)",
+            kind,
+            grant_id[:128],
+            job_id[:128],
+            msg.subject,
+            why.detail,
+            why.reason,
+        )
+        await msg.ack()
+
     async def on_grant(self, msg: Msg) -> None:
         try:
-            grant = grant_decoder.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as err:
+            grant = decode_message(grant_decoder, msg.data)
+        except InvalidInput as err:
             log.error("malformed grant on %s dropped: %s", msg.subject, err)
             await msg.ack()
+            return
+        why = self._unverified("grant", grant.node_id, grant.grant_id, msg)
+        if why is not None:
+            await self._drop(msg, "grant", grant.job.job_id, grant.grant_id, why)
             return
         reason = self._refusal(grant)
         if reason is not None:
@@ -150,6 +195,10 @@ class GrantIntake:
             st.received(grant), traceparent=(msg.headers or {}).get("traceparent")
         )
         if not await self._writer.create(rec):
+            self.refused[("grant", "replayed")] += 1
+            self._tel.count(
+                "gpulayer.executor.grants.refused", 1, {"reason": "replayed", "message": "grant"}
+            )
             log.warning(
                 "grant %s for job %s delivered again; ignored",
                 grant.grant_id,
@@ -180,14 +229,22 @@ class GrantIntake:
 
     async def on_cancel(self, msg: Msg) -> None:
         try:
-            cancel = cancel_decoder.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as err:
+            cancel = decode_message(cancel_decoder, msg.data)
+        except InvalidInput as err:
             log.error("malformed cancel on %s dropped: %s", msg.subject, err)
             await msg.ack()
             return
-        # Remembered durably first: a grant for this job arriving later (the two streams are not
-        # ordered with each other) or still queued after a restart is then never started.
-        await asyncio.to_thread(self._store.mark_cancel, cancel.job_id, cancel.reason)
+        why = self._unverified("cancel", self._node_id, cancel.grant_id, msg)
+        if why is not None:
+            await self._drop(msg, "cancel", cancel.job_id, cancel.grant_id, why)
+            return
+        if self._verifier is not None:
+            # Placement signed it, and placement cancels only jobs it placed here: remembered
+            # durably first, so a grant for this job arriving later (the two streams are not
+            # ordered with each other) or still queued after a restart never starts.
+            await asyncio.to_thread(self._store.mark_cancel, cancel.job_id, cancel.reason)
+        # Unsigned (signing off): it stops what runs now, but leaves no mark that would stop a
+        # job submitted later under that id.
         await msg.ack()
         # Only asks the jobs to stop (nothing runs before the next await): logged after.
         stopped = self._runner.cancel(cancel.job_id, cancel.reason)

@@ -22,10 +22,11 @@ from nats.js import JetStreamContext
 
 from gpulayer_executor import state as st
 from gpulayer_executor.config import ExecutorConfig
-from gpulayer_executor.env import EnvRefused, RunAs, device_env, job_environment
+from gpulayer_executor.env import EnvRefused, RunAs, account_env, device_env, job_environment
 from gpulayer_executor.output import LogSink
 from gpulayer_executor.reporter import Reporter
 from gpulayer_executor.runner import SpawnError, StopRequest, run_process
+from gpulayer_executor.users import run_as_for
 from gpulayer_executor.writer import DurableWriter
 from gpulayer_runtime.logs import job_context
 from gpulayer_runtime.telemetry import DISABLED, Telemetry, extract
@@ -194,11 +195,16 @@ class JobRunner:
         finally:
             self._slots.release()
 
-    def _environment(self, job: Job) -> dict[str, str] | st.Outcome:
+    def _environment(
+        self, job: Job, run_as: RunAs | None, cwd: Path
+    ) -> dict[str, str] | st.Outcome:
         """The job's environment, or the outcome of a job refused for it."""
         grant = job.rec.grant
+        base = self._config.base_env
+        if run_as is not None:
+            base = {**base, **account_env(run_as, cwd)}
         try:
-            env = job_environment(grant, self._config.base_env)
+            env = job_environment(grant, base)
         except EnvRefused as err:
             log.warning("job %s refused: %s", grant.job.job_id, err, extra=self._ctx(job.rec))
             return st.Outcome(state="failed", reason=str(err))
@@ -213,11 +219,12 @@ class JobRunner:
 
     async def _run(self, job: Job) -> st.Outcome:
         grant = job.rec.grant
-        env = self._environment(job)
+        run_as = run_as_for(grant, self._config.run_as, self._config.user_map)
+        cwd = self._store.job_dir(grant.grant_id)
+        env = self._environment(job, run_as, cwd)
         if isinstance(env, st.Outcome):
             return env
-        cwd = self._store.job_dir(grant.grant_id)
-        self._prepare_dir(cwd)  # mkdir and chmod: no disk flush, cheaper than a thread hand-off
+        self._prepare_dir(cwd, run_as)  # no disk flush: cheaper than a thread hand-off
         await self._save(job, st.starting(job.rec))
         sink = LogSink(
             self._nc,
@@ -242,7 +249,7 @@ class JobRunner:
                 grant.job.command,
                 env=env,
                 cwd=cwd,
-                run_as=self._config.run_as,
+                run_as=run_as,
                 timeout_s=grant.job.timeout_s,
                 kill_grace_s=self._config.kill_grace_s,
                 stop=job.stop,
@@ -263,10 +270,14 @@ class JobRunner:
                     extra=self._ctx(job.rec),
                 )
 
-    def _prepare_dir(self, cwd: Path) -> None:
-        cwd.mkdir(parents=True, exist_ok=True)
-        if self._config.run_as is not None:
-            os.chown(cwd, self._config.run_as.uid, self._config.run_as.gid)
+    def _prepare_dir(self, cwd: Path, run_as: RunAs | None) -> None:
+        """The job's folder, private to the job's account from its creation: made 0700 (never
+        briefly open to others, who could keep a handle on it), then given to the account."""
+        # An existing one: a job started again after an executor restart, its folder made here.
+        with contextlib.suppress(FileExistsError):
+            cwd.mkdir(mode=0o700)
+        if run_as is not None:
+            os.chown(cwd, run_as.uid, run_as.gid)
         cwd.chmod(0o700)
 
     async def _finish(self, job: Job, outcome: st.Outcome) -> None:

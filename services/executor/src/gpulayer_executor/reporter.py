@@ -31,6 +31,14 @@ from gpulayer_executor.writer import DurableWriter
 log = logging.getLogger("gpulayer_executor.service")
 
 
+def int32_exit_code(code: int | None) -> int | None:
+    """An exit code as a signed 32-bit number: Windows' are unsigned (0xC0000005 is
+    3221225477), and placement stores and bounds them as PostgreSQL int4."""
+    if code is None or -(2**31) <= code < 2**31:
+        return code
+    return ((code + 2**31) % 2**32) - 2**31
+
+
 def status_for(rec: st.GrantRecord, node_id: str) -> tuple[JobStatus, JobEvent]:
     """The status message and job event reporting the record's latest state. Pure."""
     job_id, grant_id = rec.job_id, rec.grant_id
@@ -53,7 +61,7 @@ def status_for(rec: st.GrantRecord, node_id: str) -> tuple[JobStatus, JobEvent]:
         state=out.state,
         at=out.at,
         pid=rec.process.pid if rec.process else None,
-        exit_code=out.exit_code,
+        exit_code=int32_exit_code(out.exit_code),
         signal=out.signal,
         reason=out.reason,
     )
@@ -66,7 +74,7 @@ def status_for(rec: st.GrantRecord, node_id: str) -> tuple[JobStatus, JobEvent]:
         event = Failed(
             job_id=job_id,
             node_id=node_id,
-            exit_code=out.exit_code,
+            exit_code=int32_exit_code(out.exit_code),
             signal=out.signal,
             reason=out.reason,
             at=out.at,

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import functools
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -140,26 +143,102 @@ class _JobProcesses:
                 os.kill(pid, sig)
 
     async def alive(self) -> bool:
+        if self.cgroup is not None:
+            # Everything the job ever forked is in its cgroup, its group included: one small
+            # read instead of a walk over every process of the machine.
+            return bool(self.cgroup.members())
         if procs.group_alive(self.pgid):
             return True
         return any(procs.pid_alive(p) for p in await self._escaped())
 
     async def wait_gone(self, limit_s: float, interval: float = 0.05) -> bool:
         deadline = time.monotonic() + limit_s
+        pause = 0.002  # killed processes are usually gone within a few ms: look again soon
         while await self.alive():
             if time.monotonic() >= deadline:
                 return False
-            await asyncio.sleep(interval)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, interval)
         return True
 
     async def kill(self) -> None:
         """SIGKILL to everything of the job, until nothing is left (bounded: a process in
-        uninterruptible sleep dies when the kernel lets it)."""
+        uninterruptible sleep dies when the kernel lets it). Most jobs leave nothing behind,
+        and then this is one look."""
+        if not await self.alive():
+            return
         for _ in range(3):
             await self.signal_all(signal.SIGKILL)
             if await self.wait_gone(1.0):
                 return
         log.warning("job group %s: processes survive SIGKILL", self.pgid)
+
+
+@functools.cache
+def _setpriv() -> str | None:
+    return shutil.which("setpriv")
+
+
+def _as_account(
+    argv: Sequence[str], env: Mapping[str, str], run_as: RunAs | None
+) -> tuple[list[str], dict[str, Any]]:
+    """The argv and Popen arguments that start the job as ``run_as``.
+
+    Popen's own ``user=``/``group=`` make CPython fork the whole executor (it can't change
+    credentials in a vfork child), which costs more than the job's start itself; util-linux's
+    ``setpriv`` changes them after a vfork instead, and then execs the job in the same
+    process. A command that isn't there is still refused here, before anything runs, as Popen
+    would; one the account may not execute ends with setpriv's exit 126/127 and its message."""
+    if run_as is None:
+        return list(argv), {}
+    setpriv = _setpriv()
+    if setpriv is None:  # not Linux with util-linux: the slower, equally correct way
+        return list(argv), {"user": run_as.uid, "group": run_as.gid, "extra_groups": []}
+    program = _resolve(argv[0], env.get("PATH", os.defpath), run_as)
+    ids = [f"--reuid={run_as.uid}", f"--regid={run_as.gid}", "--clear-groups"]
+    return [setpriv, *ids, "--", program, *argv[1:]], {}
+
+
+def _resolve(program: str, path: str, run_as: RunAs) -> str:
+    """``program`` as the job's account would find it on ``path``: the first candidate that
+    account may execute, judged by mode bits (as Popen's own search skips a directory it may
+    not enter, e.g. a shim under /root). setpriv is then given that path, so its own search,
+    made with credentials half changed, never picks a different file. Raises
+    FileNotFoundError when no candidate exists; when candidates exist but none passes (an ACL
+    may still allow it), the name is left for setpriv to try."""
+    if os.sep in program:
+        if not os.path.exists(program):
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", program)
+        return program
+    candidates = [
+        c
+        for d in path.split(os.pathsep)
+        if (c := os.path.join(d or ".", program)) and os.path.isfile(c)
+    ]
+    if not candidates:
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", program)
+    return next((c for c in candidates if _may_execute(c, run_as)), program)
+
+
+def _may_execute(file: str, run_as: RunAs) -> bool:
+    """Whether ``run_as`` (its uid and primary gid: jobs get no other groups) may search every
+    directory down to ``file`` and execute it, by the mode bits."""
+
+    def allowed(st: os.stat_result, bits: tuple[int, int, int]) -> bool:
+        if st.st_uid == run_as.uid:
+            return bool(st.st_mode & bits[0])
+        if st.st_gid == run_as.gid:
+            return bool(st.st_mode & bits[1])
+        return bool(st.st_mode & bits[2])
+
+    x = (0o100, 0o010, 0o001)
+    real = os.path.realpath(file)
+    # The folders of the name as given and of what its symlinks lead to are both searched.
+    folders = {*Path(os.path.abspath(file)).parents, *Path(real).parents}
+    try:
+        return all(allowed(os.stat(d), x) for d in folders) and allowed(os.stat(real), x)
+    except OSError:
+        return False
 
 
 def _spawn(
@@ -170,27 +249,28 @@ def _spawn(
     cgroup: JobCgroup | None,
 ) -> tuple[subprocess.Popen[bytes], int, int]:
     """Start the job with its stdout and stderr on fresh pipes; the pipes' read ends back."""
-    kwargs: dict[str, Any] = {}
-    if run_as is not None:
-        kwargs = {"user": run_as.uid, "group": run_as.gid, "extra_groups": []}
-    if cgroup is not None:
-        # In the cgroup before the job's first instruction: a child forked at once can't be
-        # born outside it.
-        kwargs["preexec_fn"] = cgroup.join_in_child
+    argv, kwargs = _as_account(argv, env, run_as)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     try:
-        proc = subprocess.Popen(
-            list(argv),
-            stdin=subprocess.DEVNULL,
-            stdout=out_w,
-            stderr=err_w,
-            cwd=cwd,
-            env=dict(env),
-            start_new_session=True,
-            close_fds=True,
-            **kwargs,
-        )
+        # In the job's cgroup before its first instruction: a child it forks at once can't be
+        # born outside.
+        with cgroup.spawning() if cgroup is not None else contextlib.nullcontext(False) as inside:
+            proc = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=out_w,
+                stderr=err_w,
+                cwd=cwd,
+                env=dict(env),
+                start_new_session=True,
+                close_fds=True,
+                # What the job creates is its own account's alone, whatever the executor's umask.
+                umask=0o077,
+                **kwargs,
+            )
+        if cgroup is not None and not inside:
+            cgroup.add(proc.pid)
     except BaseException:
         os.close(out_r)
         os.close(err_r)
@@ -230,8 +310,6 @@ async def run_process(
         if cgroup is not None:
             cgroup.remove()
         raise SpawnError(f"could not start {argv[0]!r}: {err}") from err
-    if cgroup is not None:
-        cgroup.add(proc.pid)  # in case the child could not add itself
     pgid = proc.pid  # start_new_session: the job leads its own session and group
     job = _JobProcesses(pgid, cgroup, (MARKER, marker_value) if marker_value else None)
     readers = [

@@ -30,6 +30,7 @@ from gpulayer_executor.job_runner import JobRunner
 from gpulayer_executor.reconcile import Reconciler
 from gpulayer_executor.reporter import Reporter
 from gpulayer_executor.writer import DurableWriter
+from gpulayer_runtime.signing import Verifier, parse_public_keys
 from gpulayer_runtime.telemetry import DISABLED, Telemetry
 
 __all__ = ["STOPPED", "Executor", "ExecutorConfig"]
@@ -37,6 +38,16 @@ __all__ = ["STOPPED", "Executor", "ExecutorConfig"]
 log = logging.getLogger(__name__)
 
 STOPPED = "executor stopped"
+
+
+def _verifier(config: ExecutorConfig) -> Verifier | None:
+    """The signature check of grants and cancels; a config requiring signatures without a key
+    is an error here, never an executor that silently refuses everything."""
+    if not config.require_signatures:
+        log.warning("grant signing is OFF: any NATS client can make this node run a command")
+        return None
+    keys = parse_public_keys(",".join(config.placement_public_keys))
+    return Verifier(keys, max_age_s=config.grant_max_age_s)
 
 
 class Executor:
@@ -78,14 +89,13 @@ class Executor:
             self._stopping,
             telemetry,
             fetch_timeout_s=config.fetch_timeout_s,
+            verifier=_verifier(config),
         )
         self._side_tasks: list[asyncio.Task[None]] = []
         self.ready = asyncio.Event()  # set once reconciled and consuming
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set, then shut down (see docs/executor.md, "Stopping")."""
-        self.store.root.chmod(0o711)
-        self.store.jobs_dir.chmod(0o711)
         await self.intake.subscribe()
         await self.reconciler.reconcile()
         self._side_tasks = [

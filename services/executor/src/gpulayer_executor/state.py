@@ -175,6 +175,16 @@ def _update_args(rec: GrantRecord) -> tuple[object, ...]:
     return (_encoder.encode(rec), _settled(rec), rec.grant_id)
 
 
+def _private_dir(path: Path) -> None:
+    """The executor's folder, or its jobs' parent: 0711 (others may pass through to a folder
+    of their own below it, never list it or read the state in it). Created 0700 and only then
+    widened to 0711, so it is never open wider; an existing one gets the mode too."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    path.chmod(0o711)
+
+
 class StateStore:
     """Grant records and cancel marks in ``root/state.db``; job folders under ``root/jobs``.
 
@@ -188,12 +198,15 @@ class StateStore:
         self.root = Path(root)
         self.jobs_dir = self.root / "jobs"
         for d in (self.root, self.jobs_dir):
-            d.mkdir(parents=True, exist_ok=True)
+            _private_dir(d)
         self.db_path = self.root / "state.db"
-        # Grants hold the jobs' env, which may carry secrets: only the executor reads them (the
-        # WAL and shared-memory files SQLite creates next to it get the same mode).
+        # Grants hold the jobs' env, which may carry secrets: only the executor reads them. The
+        # file is created 0600 before SQLite opens it, and SQLite gives the WAL and
+        # shared-memory files it creates next to it the database's mode and owner.
         self.db_path.touch(mode=0o600, exist_ok=True)
-        self.db_path.chmod(0o600)
+        for path in (self.db_path, *(self.root / f"state.db{s}" for s in ("-wal", "-shm"))):
+            with contextlib.suppress(FileNotFoundError):
+                path.chmod(0o600)  # files an earlier version left with a wider mode
         self._lock = threading.Lock()
         self._db = sqlite3.connect(
             self.db_path, isolation_level=None, check_same_thread=False, timeout=30.0

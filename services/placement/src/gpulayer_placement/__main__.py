@@ -19,6 +19,7 @@ from gpulayer_runtime.settings import (
     nats_settings,
     run_service,
 )
+from gpulayer_runtime.signing import signer_from_env
 from gpulayer_runtime.telemetry import setup_telemetry
 
 log = logging.getLogger("gpulayer_placement")
@@ -37,7 +38,12 @@ async def _amain() -> None:
         batch_size=env_int(env, "GPULAYER_PLACEMENT_BATCH", 256),
         admins=_admins(env_str(env, "GPULAYER_ADMINS", "admin")),
     )
+    signer = signer_from_env(env)
     log.info("settings: nats=%s database=%s %s", nats, _redact(db), settings)
+    if signer is None:
+        log.warning("grant signing is OFF: executors that require signatures refuse every grant")
+    else:
+        log.info("signing grants and cancels with key id %s", signer.key_id)
     telemetry = setup_telemetry("gpulayer-placement", env)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -50,7 +56,7 @@ async def _amain() -> None:
         await ensure_streams(nc.jetstream())
         pool = await create_pool(db)
         stack.push_async_callback(pool.close)
-        service = PlacementService(nc, pool, settings, telemetry)
+        service = PlacementService(nc, pool, settings, telemetry, signer=signer)
         await service.start()
         # The fleet's long-lived capability structs would otherwise be re-scanned by every
         # young-generation collection; freezing the start-up heap and collecting less often

@@ -21,6 +21,7 @@ from nats.js import JetStreamContext
 
 import gpulayer_matching as matcher
 from gpulayer_contracts import CancelJob, Cancelled, encode
+from gpulayer_contracts.bounds import clip_text
 from gpulayer_contracts.codec import capabilities_decoder, job_request_decoder
 from gpulayer_contracts.matrix import SUPPORT_MATRIX
 from gpulayer_contracts.subjects import (
@@ -31,9 +32,7 @@ from gpulayer_contracts.subjects import (
     API_JOBS,
     API_MATRIX,
     API_NODES,
-    MSG_ID_HEADER,
     api_caller,
-    node_control,
 )
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.publisher import Publisher
@@ -94,6 +93,7 @@ class Api:
         self.publisher = publisher
         self.forget = forget
         self.admins = admins
+        self.max_payload = 1 << 20  # the server's (set from its INFO when wired)
 
     async def subscribe(self) -> list[Any]:
         """One queue-group subscription per API subject; the caller unsubscribes them."""
@@ -123,14 +123,43 @@ class Api:
                 caller = api_caller(msg.subject)
                 reply: dict[str, Any] = {"ok": True, "data": await handler(msg.data, caller)}
             except (ApiError, ValueError, msgspec.ValidationError, msgspec.DecodeError) as err:
-                reply = {"ok": False, "error": str(err)}
+                reply = {"ok": False, "error": clip_text(str(err))}
+            except RecursionError:
+                reply = {"ok": False, "error": "not valid JSON: nested too deeply"}
             except Exception as err:
                 log.exception("api %s failed", msg.subject)
-                reply = {"ok": False, "error": f"internal error: {err}"}
+                reply = {"ok": False, "error": clip_text(f"internal error: {err}")}
             if msg.reply:
-                await msg.respond(encode(reply))
+                try:
+                    await msg.respond(self._bounded(reply))
+                except Exception as err:  # the requester is gone, or NATS is: nothing to do
+                    log.warning("api %s: reply not sent: %r", msg.subject, err)
 
         return cb
+
+    def _bounded(self, reply: dict[str, Any]) -> bytes:
+        """The reply, encoded to fit the server's max_payload: a list is cut (saying how many
+        were left out in ``note``), a job record loses its request."""
+        data = encode(reply)
+        room = self.max_payload - 1024
+        if len(data) <= room:
+            return data
+        items = reply.get("data")
+        if isinstance(items, list):
+            keep = len(items) * room // len(data)
+            while keep > 0 and len(data) > room:
+                keep = keep * 9 // 10
+                note = f"showing {keep} of {len(items)}: the rest don't fit in one reply"
+                data = encode({"ok": True, "data": items[:keep], "note": note})
+            return data
+        if isinstance(items, dict) and "request" in items:
+            size = len(encode(items["request"]))
+            items = {**items, "request": None}
+            note = f"request left out: {size} bytes don't fit in one reply"
+            data = encode({"ok": True, "data": items, "note": note})
+            if len(data) <= room:
+                return data
+        return encode({"ok": False, "error": f"the reply ({len(data)} bytes) is too large"})
 
     async def nodes(self, data: bytes, caller: str = ANONYMOUS) -> Any:
         async with self.pool.acquire() as conn:
@@ -147,6 +176,7 @@ class Api:
                     "executor": _executor_state(self.fleet, r["node_id"]),
                     "active_jobs": r["active_jobs"],
                     "busy_devices": sorted(view.exclusive | view.shared) if view else [],
+                    "report_rejected": self.fleet.report_errors.get(r["node_id"]),
                     "capabilities": msgspec.to_builtins(caps),
                 }
             )
@@ -219,11 +249,9 @@ class Api:
             return {"job_id": q.job_id, "state": "cancelled"}
         row = await self._job_row(q.job_id)
         if row["state"] in ("placed", "running"):
-            await self.js.publish(
-                node_control(row["node_id"]),
-                encode(CancelJob(job_id=q.job_id, reason=q.reason)),
-                headers={MSG_ID_HEADER: f"cancel:{row['grant_id']}"},
-            )
+            cancel = CancelJob(job_id=q.job_id, reason=q.reason, grant_id=row["grant_id"])
+            subject, payload, headers = self.publisher.cancel_item(row["node_id"], cancel)
+            await self.js.publish(subject, payload, headers=headers)
             return {"job_id": q.job_id, "state": "cancelling", "node_id": row["node_id"]}
         raise ApiError(f"job {q.job_id} is already {row['state']}")
 

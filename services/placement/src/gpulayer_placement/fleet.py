@@ -59,6 +59,8 @@ class Fleet:
         self._holds: dict[str, _Holds] = {}
         self.last_seen: dict[str, float] = {}
         self.executor_seen: dict[str, float] = {}
+        # Nodes whose last capabilities report was refused (kept: their last good one), why.
+        self.report_errors: dict[str, str] = {}
         self._cursor = 0
 
     def __len__(self) -> int:
@@ -119,6 +121,15 @@ class Fleet:
             )
         )
         return True
+
+    def remove(self, node_id: str, why: str) -> None:
+        """Take a node out of matching until it reports capabilities again (``why`` is kept in
+        ``report_errors``): its last report makes the matcher fail."""
+        pos = self._pos.pop(node_id, None)
+        if pos is not None:
+            del self._views[pos]
+            self._pos = {v.node_id: i for i, v in enumerate(self._views)}
+        self.report_errors[node_id] = why
 
     def set_online(self, node_id: str, online: bool) -> bool:
         """True when this changed the node's state."""

@@ -14,20 +14,21 @@ import logging
 from dataclasses import dataclass, field
 
 import asyncpg
-import msgspec
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from gpulayer_contracts import Accepted, JobEvent, JobRequest, Rejected, encode, validate_job
+from gpulayer_contracts.bounds import bound_messages, clip_text, job_size_error
 from gpulayer_contracts.codec import InvalidInput, best_effort_job_id, decode_job_json
 from gpulayer_contracts.subjects import ANONYMOUS, JOBS_SUBMIT_ALL, owner_from_submit
+from gpulayer_placement.dead_letters import MAX_DELIVER, DeadLetters
 from gpulayer_placement.loops import consume
 from gpulayer_placement.outcome import Outcome
 from gpulayer_placement.publisher import ANNOUNCE_AGAIN_WITHIN_S, Publisher
 from gpulayer_placement.scheduler import Scheduler
 from gpulayer_placement.settings import Settings
-from gpulayer_placement.store import Store
+from gpulayer_placement.store import DATA_ERRORS, Store
 from gpulayer_placement.wake import Wake
 from gpulayer_runtime.logs import job_context
 from gpulayer_runtime.telemetry import DISABLED, Telemetry
@@ -48,6 +49,9 @@ class Batch:
     rejections: dict[str, list[str]] = field(default_factory=dict)
     origin: dict[str, Msg] = field(default_factory=dict)
     submitted: dict[str, float] = field(default_factory=dict)  # stream time, with telemetry on
+    # Messages that are no job and name none (or can't be stored at all): message, reason,
+    # reason class, job id if one was read. Dead-lettered, never acked with the batch.
+    dead: list[tuple[Msg, str, str, str | None]] = field(default_factory=list)
     # From the submit subject, which only the owner's credential may publish on.
     owners: dict[str, str] = field(default_factory=dict)
 
@@ -75,6 +79,8 @@ class Intake:
         settings: Settings,
         stop: asyncio.Event,
         telemetry: Telemetry = DISABLED,
+        dead: DeadLetters | None = None,
+        max_payload: int = 1 << 20,
     ) -> None:
         self.js = js
         self.pool = pool
@@ -84,6 +90,9 @@ class Intake:
         self.settings = settings
         self.stop = stop
         self.tel = telemetry
+        self.dead = dead if dead is not None else DeadLetters(js, telemetry, max_payload)
+        # The server's, from its INFO: a job whose grant would not fit it is refused.
+        self.max_payload = max_payload
 
     async def subscribe(self) -> JetStreamContext.PullSubscription:
         """The durable pull consumer on the JOBS work queue, every owner's submit subject."""
@@ -94,14 +103,16 @@ class Intake:
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=30,
             max_ack_pending=20_000,
+            max_deliver=MAX_DELIVER,
         )
-        # Created or updated: a consumer made before owners filtered on the bare subject only.
+        # Created or updated: a consumer made by an earlier version filtered on the bare
+        # subject only, and had no delivery limit.
         await self.js.add_consumer("JOBS", config)
         return await self.js.pull_subscribe_bind("placement-jobs", stream="JOBS")
 
     async def run(self, sub: JetStreamContext.PullSubscription) -> None:
         """Ingest batches from ``sub`` until the service stops."""
-        await consume(self.stop, sub, self.settings.batch_size, self.ingest)
+        await consume(self.stop, sub, self.settings.batch_size, self.ingest, self.dead)
 
     async def ingest(self, msgs: list[Msg]) -> None:
         """Store, announce and (when the scheduler is idle) place one batch, then ack it."""
@@ -113,14 +124,18 @@ class Intake:
             published = await self.publisher.publish_outcome(outcome, before=events)
         else:
             published = await self.publisher.publish_events(events)
+        dead = {id(d[0]) for d in batch.dead}
+        settled = [m for m in msgs if id(m) not in dead]
         if published:
             self.publisher.settle(events)
-            await asyncio.gather(*(m.ack() for m in msgs))
+            await asyncio.gather(*(m.ack() for m in settled))
         else:
             # Stored, not announced: the redelivery announces it (grants: the resend loop), and
             # until then this replica puts the announcement before the job's next event.
             self.publisher.owe(events)
-            await asyncio.gather(*(m.nak(delay=1.0) for m in msgs), return_exceptions=True)
+            await asyncio.gather(*(m.nak(delay=1.0) for m in settled), return_exceptions=True)
+        for msg, reason, why, job_id in batch.dead:
+            await self.dead.send(msg, reason, why, job_id)
         if stored.fresh and outcome is None:
             self.wake.jobs(stored.fresh)
         elif outcome is not None and outcome.waiting and self.wake.epoch != stored.epoch:
@@ -131,42 +146,60 @@ class Intake:
     def read(self, msgs: list[Msg]) -> Batch:
         """Decode and validate each message once; the same job id twice is one job."""
         b = Batch()
-        tel = self.tel.enabled
         for msg in msgs:
-            traceparent = (msg.headers or {}).get("traceparent")
-            if tel:
-                meta = msg.metadata
-                if meta.num_delivered and meta.num_delivered > 1:
-                    self.tel.count(
-                        "gpulayer.consumer.redeliveries", 1, {"consumer": "placement-jobs"}
-                    )
             try:
-                job = decode_job_json(msg.data)
-            except InvalidInput as err:
-                self._malformed(b, msg, err, traceparent)
-                continue
-            if job.job_id in b.rows:
-                continue  # the same id twice in one batch is one job
-            b.origin[job.job_id] = msg
-            b.owners[job.job_id] = _owner(msg)
-            result = validate_job(job)
-            body = encode(job).decode()
-            if result.errors:
-                self.tel.count(
-                    "gpulayer.messages.rejected", 1, {"subject": "jobs.submit", "why": "invalid"}
+                self._read_one(b, msg)
+            except Exception as err:
+                # A bug met by one message: that message goes to the DLQ, the batch goes on.
+                log.exception("reading message on %s failed", msg.subject)
+                b.dead.append(
+                    (msg, f"internal error: {err!r}", "internal", best_effort_job_id(msg.data))
                 )
-                b.rejections[job.job_id] = result.errors
-                b.rows[job.job_id] = (job.job_id, body, "rejected", traceparent)
-            else:
-                b.accepted[job.job_id] = job
-                b.warnings[job.job_id] = result.warnings
-                b.rows[job.job_id] = (job.job_id, body, "pending", traceparent)
-                if tel:
-                    b.submitted[job.job_id] = msg.metadata.timestamp.timestamp()
         return b
 
+    def _read_one(self, b: Batch, msg: Msg) -> None:
+        tel = self.tel.enabled
+        traceparent = (msg.headers or {}).get("traceparent")
+        if tel:
+            meta = msg.metadata
+            if meta.num_delivered and meta.num_delivered > 1:
+                self.tel.count("gpulayer.consumer.redeliveries", 1, {"consumer": "placement-jobs"})
+        try:
+            job = decode_job_json(msg.data)
+        except InvalidInput as err:
+            self._malformed(b, msg, err, traceparent)
+            return
+        if job.job_id in b.rows:
+            return  # the same id twice in one batch is one job
+        b.origin[job.job_id] = msg
+        b.owners[job.job_id] = _owner(msg)
+        result = validate_job(job)
+        errors = result.errors
+        try:
+            encoded = encode(job)
+        except UnicodeEncodeError:  # a lone surrogate: validate_job names it
+            body = _stored_text(msg.data.decode("utf-8", "replace"))
+        else:
+            body = encoded.decode()
+            too_big = job_size_error(len(encoded), self.max_payload)
+            if too_big is not None:
+                errors = bound_messages([too_big, *errors])
+        if errors:
+            self.tel.count(
+                "gpulayer.messages.rejected", 1, {"subject": "jobs.submit", "why": "invalid"}
+            )
+            b.rejections[job.job_id] = errors
+            b.rows[job.job_id] = (job.job_id, _storable(body), "rejected", traceparent)
+        else:
+            b.accepted[job.job_id] = job
+            b.warnings[job.job_id] = result.warnings
+            b.rows[job.job_id] = (job.job_id, body, "pending", traceparent)
+            if tel:
+                b.submitted[job.job_id] = msg.metadata.timestamp.timestamp()
+
     def _malformed(self, b: Batch, msg: Msg, err: InvalidInput, traceparent: str | None) -> None:
-        """A message that doesn't decode is rejected under the job id read from it, if any."""
+        """A message that doesn't decode is rejected under the job id read from it; one that
+        names no job goes to the DLQ with the reason."""
         job_id = best_effort_job_id(msg.data)
         log.warning(
             "rejected message on %s (job %s): %s",
@@ -178,25 +211,33 @@ class Intake:
         self.tel.count(
             "gpulayer.messages.rejected", 1, {"subject": "jobs.submit", "why": "malformed"}
         )
-        if job_id is not None and job_id not in b.rows:
+        if job_id is None:
+            b.dead.append(
+                (msg, f"not a job request, and no job id could be read: {err}", "malformed", None)
+            )
+        elif job_id not in b.rows:
             b.origin[job_id] = msg
             b.owners[job_id] = _owner(msg)
             b.rejections[job_id] = [str(err)]
-            b.rows[job_id] = (job_id, msg.data.decode("utf-8", "replace"), "rejected", traceparent)
+            text = _stored_text(msg.data.decode("utf-8", "replace"))
+            b.rows[job_id] = (job_id, text, "rejected", traceparent)
 
     async def _store(self, b: Batch) -> Stored:
         """Insert the batch's rows in one statement and, when the scheduler is idle, place the
-        new jobs in the same transaction."""
-        stored = Stored()
+        new jobs in the same transaction. Rows PostgreSQL refuses (their data, not its state)
+        are found by inserting one at a time, so only they are rejected."""
         if not b.rows:
-            return stored
+            return Stored()
+        try:
+            return await self._store_batch(b)
+        except DATA_ERRORS as err:
+            log.warning("inserting a batch of %d jobs failed (%s): one at a time", len(b.rows), err)
+        return await self._store_rows(b)
+
+    async def _store_batch(self, b: Batch) -> Stored:
+        stored = Stored()
         ids, bodies, states, parents = zip(*b.rows.values(), strict=True)
         reasons = ["; ".join(b.rejections[i]) if i in b.rejections else None for i in ids]
-        # A rejected body that isn't JSON is stored as a JSON string so the row still exists.
-        bodies = tuple(
-            body if s != "rejected" or _is_json(body) else encode(body).decode()
-            for body, s in zip(bodies, states, strict=True)
-        )
         try:
             async with self.pool.acquire() as conn, conn.transaction():
                 owners = [b.owners.get(i, ANONYMOUS) for i in ids]
@@ -214,6 +255,42 @@ class Intake:
                 self.scheduler.release(stored.outcome)
             raise
         return stored
+
+    async def _store_rows(self, b: Batch) -> Stored:
+        """Each row in its own statement (no inline placement: the scheduler takes the new
+        jobs). A refused row is stored as rejected, naming PostgreSQL's error, with its body as
+        printable text; one refused even so goes to the DLQ."""
+        stored = Stored()
+        for job_id, (_, body, state, parent) in list(b.rows.items()):
+            reason = "; ".join(b.rejections[job_id]) if job_id in b.rejections else None
+            try:
+                stored.new |= await self._insert_one(b, job_id, body, state, reason, parent)
+                continue
+            except DATA_ERRORS as err:
+                why = clip_text(f"$: could not be stored: {err}".replace("\x00", "\\x00"))
+            b.accepted.pop(job_id, None)
+            b.rejections[job_id] = [why]
+            text = _stored_text(body)
+            b.rows[job_id] = (job_id, text, "rejected", parent)
+            try:
+                stored.new |= await self._insert_one(b, job_id, text, "rejected", why, parent)
+            except DATA_ERRORS as err:
+                msg = b.origin.pop(job_id)
+                del b.rows[job_id], b.rejections[job_id]
+                b.dead.append((msg, f"could not be stored: {err}", "unstorable", job_id))
+        stored.fresh = [j for j in b.accepted if j in stored.new]
+        self.scheduler.remember({j: b.accepted[j] for j in stored.fresh}, b.submitted)
+        return stored
+
+    async def _insert_one(
+        self, b: Batch, job_id: str, body: str, state: str, reason: str | None, parent: str | None
+    ) -> set[str]:
+        owner = b.owners.get(job_id, ANONYMOUS)
+        async with self.pool.acquire() as conn:
+            rows = await Store.fetch(
+                conn, "insert_jobs", [job_id], [body], [state], [reason], [parent], [owner]
+            )
+        return {r["job_id"] for r in rows}
 
     async def _announcements(self, b: Batch, new: set[str]) -> list[JobEvent]:
         """``accepted`` / ``rejected`` for new jobs and for known ones said again."""
@@ -268,9 +345,12 @@ def _redelivered(msg: Msg) -> bool:
         return False
 
 
-def _is_json(text: str) -> bool:
-    try:
-        msgspec.json.decode(text)
-    except msgspec.DecodeError:
-        return False
-    return True
+def _stored_text(text: str) -> str:
+    """Text that is no storable job, as a JSON string (the row keeps what was sent): NUL, which
+    PostgreSQL refuses in text and jsonb, is written as ``\\x00``."""
+    return encode(text.replace("\x00", "\\x00")).decode()
+
+
+def _storable(body: str) -> str:
+    """A rejected job's encoded body as it can be stored: jsonb refuses ``\\u0000``."""
+    return _stored_text(body) if "\\u0000" in body else body

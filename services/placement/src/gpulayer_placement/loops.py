@@ -12,7 +12,9 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import FetchTimeoutError
 
-from gpulayer_placement.store import DB_ERRORS
+from gpulayer_contracts.codec import best_effort_job_id
+from gpulayer_placement.dead_letters import DeadLetters, last_delivery
+from gpulayer_placement.store import DATA_ERRORS, DB_ERRORS
 
 # The name every placement part logs under since before the split: log queries filter on it.
 log = logging.getLogger("gpulayer_placement.service")
@@ -36,19 +38,97 @@ async def consume(
     sub: JetStreamContext.PullSubscription,
     batch_size: int,
     handle: Callable[[list[Msg]], Awaitable[None]],
+    dead: DeadLetters | None = None,
 ) -> None:
-    """Fetch batches and hand them to ``handle``; a batch whose handling hit a database error is
-    nak'ed for redelivery."""
+    """Fetch batches and hand them to ``handle``, which acks what it handled and dead-letters
+    what is poison by content. What it raises is dealt with here, so no message stops the loop:
+    a database connection error naks the batch for redelivery; anything else is retried one
+    message at a time, so only the message that fails is redelivered, and dead-lettered on its
+    last delivery."""
     while not stop.is_set():
         try:
             msgs = await sub.fetch(batch_size, timeout=1.0)
         except (FetchTimeoutError, TimeoutError):
             continue
+        await handle_batch(stop, msgs, handle, dead)
+
+
+def transient(err: BaseException) -> bool:
+    """A database that can't be reached now, as opposed to one that refused this data."""
+    return isinstance(err, DB_ERRORS) and not isinstance(err, DATA_ERRORS)
+
+
+async def handle_batch(
+    stop: asyncio.Event,
+    msgs: list[Msg],
+    handle: Callable[[list[Msg]], Awaitable[None]],
+    dead: DeadLetters | None,
+) -> None:
+    """``handle(msgs)``, with what it raises isolated to the message that raised it."""
+    try:
+        await handle(msgs)
+        return
+    except Exception as err:
+        failure = err
+    if transient(failure):
+        await _retry_later(stop, msgs, handle, dead, failure)
+        return
+    pending = [m for m in msgs if not _settled(m)]
+    if len(msgs) > 1:
+        log.warning(
+            "batch of %d failed (%r): handling its messages one at a time", len(msgs), failure
+        )
+        for m in pending:
+            await handle_batch(stop, [m], handle, dead)
+        return
+    if not pending:
+        return
+    msg = pending[0]
+    if (isinstance(failure, DATA_ERRORS) or last_delivery(msg)) and dead is not None:
+        reason = f"could not be handled: {failure!r}"
+        why = "unstorable" if isinstance(failure, DATA_ERRORS) else "failed"
+        await dead.send(msg, reason, why, best_effort_job_id(msg.data))
+        return
+    log.warning("message on %s failed, will be redelivered: %r", msg.subject, failure)
+    with contextlib.suppress(Exception):
+        await msg.nak(delay=1.0)
+
+
+async def _retry_later(
+    stop: asyncio.Event,
+    msgs: list[Msg],
+    handle: Callable[[list[Msg]], Awaitable[None]],
+    dead: DeadLetters | None,
+    err: BaseException,
+) -> None:
+    """The database is unreachable: nak for redelivery (the handlers are idempotent). A
+    message on its last delivery is not the one to blame: it is kept (in progress) and handled
+    here again once the database answers, never dead-lettered or left undelivered."""
+    log.warning("batch of %d failed, will be redelivered: %s", len(msgs), err)
+    held = [m for m in msgs if last_delivery(m)]
+    for m in msgs:
+        if not last_delivery(m):
+            with contextlib.suppress(Exception):
+                await m.nak(delay=1.0)
+    while held and not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 1.0)
+        for m in held:
+            with contextlib.suppress(Exception):
+                await m.in_progress()
         try:
-            await handle(msgs)
-        except DB_ERRORS as err:
-            # Not acked: JetStream redelivers after ack_wait; the handlers are idempotent.
-            log.warning("batch of %d failed, will be redelivered: %s", len(msgs), err)
-            for m in msgs:
-                with contextlib.suppress(Exception):
-                    await m.nak(delay=1.0)
+            await handle(held)
+            return
+        except Exception as again:
+            if not transient(again):
+                # The database answers, and something in these messages fails: isolate it.
+                for m in held:
+                    if not _settled(m):
+                        await handle_batch(stop, [m], handle, dead)
+                return
+
+
+def _settled(msg: Msg) -> bool:
+    """Whether ``msg`` was already acked, nak'ed or dead-lettered: nats-py keeps that on the
+    message and refuses a second ack."""
+    return bool(getattr(msg, "_ackd", False))

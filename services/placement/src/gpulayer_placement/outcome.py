@@ -27,6 +27,8 @@ class PlacedJob:
 class Outcome:
     placements: list[PlacedJob] = field(default_factory=list)
     waiting: list[tuple[str, NoPlacement]] = field(default_factory=list)
+    # Jobs whose matching raised (job id, reason): failed, so a pass goes on without them.
+    failed: list[tuple[str, str]] = field(default_factory=list)
     commit_ns: tuple[int, int] = (0, 0)
     owners: dict[str, str] = field(default_factory=dict)  # of waiting jobs; absent: anonymous
 

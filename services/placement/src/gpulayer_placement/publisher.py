@@ -18,6 +18,8 @@ from nats.js import JetStreamContext
 
 from gpulayer_contracts import (
     Accepted,
+    CancelJob,
+    Failed,
     Grant,
     JobEvent,
     Pending,
@@ -26,18 +28,21 @@ from gpulayer_contracts import (
     encode,
     validate_job,
 )
+from gpulayer_contracts.bounds import MAX_EVENT_BYTES, bound_event
 from gpulayer_contracts.codec import job_request_decoder
 from gpulayer_contracts.subjects import (
     ANONYMOUS,
     MSG_ID_HEADER,
     STREAMS,
     job_events,
+    node_control,
     node_grants,
 )
 from gpulayer_placement.outcome import Outcome, PlacedJob, make_grant
 from gpulayer_placement.settings import Settings
 from gpulayer_placement.store import Store
 from gpulayer_runtime.logs import job_context
+from gpulayer_runtime.signing import MAX_BATCH, Signer
 from gpulayer_runtime.telemetry import DISABLED, Telemetry, extract, inject
 
 if TYPE_CHECKING:
@@ -60,12 +65,19 @@ class Publisher:
         pool: asyncpg.Pool,
         settings: Settings,
         telemetry: Telemetry = DISABLED,
+        signer: Signer | None = None,
     ) -> None:
         self.js = js
         self.pool = pool
         self.settings = settings
         self.tel = telemetry
+        # Signs every grant and cancel (executors refuse unsigned ones); None only when signing
+        # was explicitly turned off.
+        self.signer = signer
         self.placed_total = 0
+        # The server's max_payload (set from its INFO when wired): a message over it would make
+        # the server close this connection, so none is sent.
+        self.max_payload = 1 << 20
         self._resent: dict[str, str] = {}  # job id -> grant this replica re-sent (stored)
         # Jobs stored but whose accepted/rejected event failed to publish: said again first,
         # before any later event of theirs from this replica.
@@ -93,6 +105,11 @@ class Publisher:
         ``resend`` loop; a lost event is only a gap in a job's history."""
         if not items:
             return True
+        too_big = [it for it in items if not self._fits(it)]
+        for subject, data, _ in too_big:
+            log.error("not publishing %d bytes on %s: over max_payload", len(data), subject)
+        if too_big:
+            items = [it for it in items if self._fits(it)]
         try:
             futures = [
                 await self.js.publish_async(subj, data, headers=h) for subj, data, h in items
@@ -101,7 +118,12 @@ class Publisher:
         except Exception as err:
             log.warning("publishing %d messages failed: %r", len(items), err)
             return False
-        return True
+        return not too_big
+
+    def _fits(self, item: Item) -> bool:
+        subject, data, headers = item
+        size = len(data) + len(subject) + sum(len(k) + len(v) + 4 for k, v in headers.items())
+        return size + 64 <= self.max_payload
 
     @staticmethod
     def event_item(event: JobEvent, msg_id: str | None = None) -> Item:
@@ -115,15 +137,46 @@ class Publisher:
                 f"{event.job_id}:{tag}" if once else f"{event.job_id}:{tag}:{event.at.timestamp()}"
             )
         headers = {MSG_ID_HEADER: msg_id}
-        return job_events(event.job_id, event.owner), encode(event), headers
+        data = encode(event)
+        if len(data) > MAX_EVENT_BYTES:  # one encode on the common path: clip only when needed
+            data = encode(bound_event(event))
+        return job_events(event.job_id, event.owner), data, headers
 
     @staticmethod
-    def grant_item(grant: Grant, headers: dict[str, str] | None = None) -> Item:
-        """A grant on its node's subject, named by its grant id (plus any trace headers)."""
+    def grant_item(
+        grant: Grant, headers: dict[str, str] | None = None, signer: Signer | None = None
+    ) -> Item:
+        """A grant on its node's subject, named by its grant id (plus any trace headers), signed
+        by ``signer`` over the exact bytes sent."""
         h = {MSG_ID_HEADER: grant.grant_id}
         if headers:
             h.update(headers)
-        return node_grants(grant.node_id), encode(grant), h
+        data = encode(grant)
+        if signer is not None:
+            h.update(signer.headers("grant", grant.node_id, grant.grant_id, data))
+        return node_grants(grant.node_id), data, h
+
+    def grant_items(self, grants: Sequence[Grant], headers: Sequence[dict[str, str]]) -> list[Item]:
+        """Grants with their headers (e.g. trace context), signed as one batch: one signature
+        for all of them, each still verifiable alone (``gpulayer_runtime.signing``)."""
+        items = [self.grant_item(g, h or None) for g, h in zip(grants, headers, strict=True)]
+        if self.signer is None:
+            return items
+        to_sign = [(g.node_id, g.grant_id, it[1]) for g, it in zip(grants, items, strict=True)]
+        for start in range(0, len(items), MAX_BATCH):
+            signed = self.signer.sign_batch("grant", to_sign[start : start + MAX_BATCH])
+            for (_, _, h), sig in zip(items[start : start + MAX_BATCH], signed, strict=True):
+                h.update(sig)
+        return items
+
+    def cancel_item(self, node_id: str, cancel: CancelJob) -> Item:
+        """A cancel for the executor of ``node_id``, signed and bound to the cancelled grant;
+        named ``cancel:<grant id>`` so a repeat is dropped."""
+        data = encode(cancel)
+        h = {MSG_ID_HEADER: f"cancel:{cancel.grant_id}"}
+        if self.signer is not None:
+            h.update(self.signer.headers("cancel", node_id, cancel.grant_id, data))
+        return node_control(node_id), data, h
 
     @staticmethod
     def placed_item(grant: Grant) -> Item:
@@ -155,16 +208,7 @@ class Publisher:
             )
             for pl in outcome.placements
         ]
-        waiting: list[JobEvent] = [
-            Pending(
-                job_id=j,
-                summary=d.summary,
-                reasons=d.reasons,
-                unsatisfiable=d.unsatisfiable,
-                owner=outcome.owners.get(j, ANONYMOUS),
-            )
-            for j, d in outcome.waiting
-        ]
+        waiting = _waiting_events(outcome)
         # Events first: a user watching the job sees "placed" before the executor's "running".
         owed = [
             self._unannounced[j]
@@ -179,19 +223,20 @@ class Publisher:
         items += [self.event_item(e) for e in waiting]
         if not self.tel.enabled:
             # No spans here, but the submitter's context still travels on to the executor.
-            items += [
-                self.grant_item(g, {"traceparent": pl.traceparent} if pl.traceparent else None)
-                for pl, g in zip(outcome.placements, grants, strict=True)
-            ]
+            items += self.grant_items(
+                grants,
+                [
+                    {"traceparent": pl.traceparent} if pl.traceparent else {}
+                    for pl in outcome.placements
+                ],
+            )
             published = await self.publish(items)
         else:
             spans = [
                 self._job_span(pl, g, outcome.commit_ns)
                 for pl, g in zip(outcome.placements, grants, strict=True)
             ]
-            items += [
-                self.grant_item(g, inject({}, span)) for g, span in zip(grants, spans, strict=True)
-            ]
+            items += self.grant_items(grants, [inject({}, span) for span in spans])
             sent_ns = time.time_ns()
             published = await self.publish(items)
             self._end_job_spans(spans, outcome, grants, sent_ns)
@@ -268,32 +313,104 @@ class Publisher:
             rows = await Store.fetch(conn, "stale_placed", self.settings.resend_after_s)
             if rows:
                 await Store.execute(conn, "touch_jobs", [r["job_id"] for r in rows])
+        unsendable: list[tuple[Any, str]] = []
         for r in rows:
             if self._resent.get(r["job_id"]) == r["grant_id"]:
                 continue
-            job = job_request_decoder.decode(r["request"])
-            log.info(
-                "re-sending grant %s of job %s to %s",
-                r["grant_id"],
-                r["job_id"],
-                r["node_id"],
-                extra=job_context(r["job_id"], r["node_id"], r["traceparent"]),
-            )
-            owner = r.get("owner") or ANONYMOUS
-            grant = make_grant(
-                job, r["node_id"], r["grant_id"], r["accelerator"], list(r["devices"]), owner
-            )
-            items = [
-                self.placed_item(grant),
-                self.grant_item(
-                    grant, {"traceparent": r["traceparent"]} if r["traceparent"] else None
-                ),
-            ]
-            if r["age_s"] < ANNOUNCE_AGAIN_WITHIN_S:
-                # Placed where it was ingested, so its "accepted" went out (or not) with this
-                # grant; only a copy this young is sure to be dropped if it was stored before.
-                warnings = validate_job(job).warnings
-                accepted = Accepted(job_id=job.job_id, warnings=warnings, owner=owner)
-                items.insert(0, self.event_item(accepted))
+            try:
+                items = self._resend_items(r)
+            except Exception as err:
+                # A stored job that no longer makes a grant (one from before a bound): failed,
+                # or every start would try again.
+                unsendable.append((r, f"its grant can't be sent: {err}"))
+                continue
             if await self.publish(items):
-                self._resent[grant.job.job_id] = grant.grant_id
+                self._resent[r["job_id"]] = r["grant_id"]
+        if unsendable:
+            await self._fail_unsendable(unsendable)
+
+    def _resend_items(self, r: Any) -> list[Item]:
+        job = job_request_decoder.decode(r["request"])
+        log.info(
+            "re-sending grant %s of job %s to %s",
+            r["grant_id"],
+            r["job_id"],
+            r["node_id"],
+            extra=job_context(r["job_id"], r["node_id"], r["traceparent"]),
+        )
+        owner = r.get("owner") or ANONYMOUS
+        grant = make_grant(
+            job, r["node_id"], r["grant_id"], r["accelerator"], list(r["devices"]), owner
+        )
+        items = [
+            self.placed_item(grant),
+            # Signed anew: a resent grant carries a fresh issued-at, so a grant that waited for
+            # its executor is not refused as expired once re-sent.
+            self.grant_item(
+                grant,
+                {"traceparent": r["traceparent"]} if r["traceparent"] else None,
+                self.signer,
+            ),
+        ]
+        if not self._fits(items[1]):
+            raise ValueError(
+                f"the grant is {len(items[1][1])} bytes, over the server's max_payload of "
+                f"{self.max_payload} bytes"
+            )
+        if r["age_s"] < ANNOUNCE_AGAIN_WITHIN_S:
+            # Placed where it was ingested, so its "accepted" went out (or not) with this
+            # grant; only a copy this young is sure to be dropped if it was stored before.
+            warnings = validate_job(job).warnings
+            accepted = Accepted(job_id=job.job_id, warnings=warnings, owner=owner)
+            items.insert(0, self.event_item(accepted))
+        return items
+
+    async def _fail_unsendable(self, failed: list[tuple[Any, str]]) -> None:
+        """Placed jobs whose grant can't be sent: failed, devices released, ``failed`` event.
+        The release is announced under a tag no replica has, so this one reloads the node's
+        allocations too (the publisher holds no fleet)."""
+        for r, reason in failed:
+            log.error("job %s: %s; failed", r["job_id"], reason, extra=job_context(r["job_id"]))
+        async with self.pool.acquire() as conn:
+            await Store.fetch(
+                conn,
+                "apply_status",
+                [r["job_id"] for r, _ in failed],
+                [r["grant_id"] for r, _ in failed],
+                [r["node_id"] for r, _ in failed],
+                ["failed"] * len(failed),
+                [None] * len(failed),
+                [reason for _, reason in failed],
+                "resend",
+            )
+        for r, _ in failed:
+            self.forget(r["job_id"])
+        await self.publish_events(
+            [
+                Failed(
+                    job_id=r["job_id"],
+                    node_id=r["node_id"],
+                    reason=why,
+                    owner=r.get("owner") or ANONYMOUS,
+                )
+                for r, why in failed
+            ]
+        )
+
+
+def _waiting_events(outcome: Outcome) -> list[JobEvent]:
+    """``pending`` for the jobs still waiting and ``failed`` for those that can't be matched,
+    each on its owner's subject."""
+    owner = outcome.owners.get
+    events: list[JobEvent] = [
+        Pending(
+            job_id=j,
+            summary=d.summary,
+            reasons=d.reasons,
+            unsatisfiable=d.unsatisfiable,
+            owner=owner(j, ANONYMOUS),
+        )
+        for j, d in outcome.waiting
+    ]
+    events += [Failed(job_id=j, reason=why, owner=owner(j, ANONYMOUS)) for j, why in outcome.failed]
+    return events

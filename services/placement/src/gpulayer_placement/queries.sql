@@ -134,6 +134,12 @@ FROM jobs WHERE job_id = ANY($1::text[]);
 -- name: touch_jobs
 UPDATE jobs SET updated_at = now() WHERE job_id = ANY($1::text[]);
 
+-- name: fail_pending
+-- Waiting jobs that can't be matched at all (the matcher raised on them): failed, with why.
+UPDATE jobs SET state = 'failed', reason = f.reason, updated_at = now()
+FROM unnest($1::text[], $2::text[]) AS f(job_id, reason)
+WHERE jobs.job_id = f.job_id AND jobs.state = 'pending';
+
 -- name: cancel_pending
 UPDATE jobs SET state = 'cancelled', reason = $2, updated_at = now()
 WHERE job_id = $1 AND state = 'pending'

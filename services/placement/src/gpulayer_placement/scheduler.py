@@ -22,6 +22,7 @@ from typing import Any
 import asyncpg
 
 from gpulayer_contracts import JobRequest, encode
+from gpulayer_contracts.bounds import clip_text
 from gpulayer_contracts.codec import job_request_decoder
 from gpulayer_contracts.subjects import ANONYMOUS
 from gpulayer_contracts.validation import requested_gpu_count
@@ -192,14 +193,22 @@ class Scheduler:
         for row in rows:
             job_id = row["job_id"]
             owner = row.get("owner") or ANONYMOUS
-            job = self._jobs.get(job_id)
-            if job is None:
-                job = job_request_decoder.decode(row["request"])
-                self._jobs[job_id] = job
-            key = _requirement_key(job)
+            try:
+                job = self._jobs.get(job_id)
+                if job is None:
+                    job = job_request_decoder.decode(row["request"])
+                    self._jobs[job_id] = job
+                key = _requirement_key(job)
+            except Exception as err:  # a stored row this version can't read
+                outcome.owners[job_id] = owner
+                self._isolate_job(job_id, err, outcome)
+                continue
             tel = self.tel.enabled
             t0 = time.time_ns() if tel else 0
-            decision = failed.get(key) or match(job, self.fleet.rotated())
+            decision = failed.get(key) or self._match(job_id, job, outcome)
+            if decision is None:  # failed: its event goes to the owner's subject
+                outcome.owners[job_id] = owner
+                continue
             if tel:
                 t1 = time.time_ns()
                 self.tel.record("gpulayer.placement.decision.duration", (t1 - t0) / 1e9)
@@ -229,6 +238,40 @@ class Scheduler:
                     outcome.waiting.append((job_id, decision))
                     outcome.owners[job_id] = owner
 
+    def _match(
+        self, job_id: str, job: JobRequest, outcome: Outcome
+    ) -> Placement | NoPlacement | None:
+        """``match`` for one job; when it raises, the nodes that make it raise on their own are
+        taken out of the fleet and the job is matched again; a job that still makes it raise is
+        failed (None). Either way the pass goes on with the other jobs."""
+        try:
+            return match(job, self.fleet.rotated())
+        except Exception as err:
+            first = err
+        bad: list[tuple[str, Exception]] = []
+        for view in list(self.fleet.views()):
+            try:
+                match(job, [view])
+            except Exception as node_err:
+                bad.append((view.node_id, node_err))
+        for node_id, why in bad:
+            log.error(
+                "node %s makes matching fail (%r): left out until it reports again", node_id, why
+            )
+            self.fleet.remove(node_id, f"its capabilities make matching fail: {why!r}")
+        if bad:
+            try:
+                return match(job, self.fleet.rotated())
+            except Exception as again:
+                first = again
+        self._isolate_job(job_id, first, outcome)
+        return None
+
+    def _isolate_job(self, job_id: str, err: BaseException, outcome: Outcome) -> None:
+        log.error("job %s can't be matched: %r; failed", job_id, err, exc_info=err)
+        self.forget(job_id)
+        outcome.failed.append((job_id, clip_text(f"placement could not match this job: {err!r}")))
+
     async def persist(self, conn: Any, outcome: Outcome) -> None:
         """Allocations and job rows of ``outcome`` in one statement each, on ``conn``."""
         if outcome.placements:
@@ -250,6 +293,10 @@ class Scheduler:
                 ["{" + ",".join(map(str, pl.placement.devices)) + "}" for pl in ps],
                 *alloc,
                 self.sync.replica_id,
+            )
+        if outcome.failed:
+            await Store.execute(
+                conn, "fail_pending", [j for j, _ in outcome.failed], [r for _, r in outcome.failed]
             )
         if outcome.waiting:
             await Store.execute(

@@ -29,7 +29,9 @@ from typing import Any
 import asyncpg
 from nats.aio.client import Client
 
+from gpulayer_contracts.bounds import max_job_bytes
 from gpulayer_placement.api import Api
+from gpulayer_placement.dead_letters import DeadLetters
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.intake import Intake
 from gpulayer_placement.liveness import Liveness
@@ -42,6 +44,8 @@ from gpulayer_placement.settings import Settings
 from gpulayer_placement.status import ExecutorStatus
 from gpulayer_placement.store import migrate
 from gpulayer_placement.wake import Wake
+from gpulayer_runtime.settings import ConfigError
+from gpulayer_runtime.signing import Signer
 from gpulayer_runtime.telemetry import DISABLED, Telemetry
 
 __all__ = ["PlacementService", "Settings"]
@@ -56,6 +60,7 @@ class PlacementService:
         pool: asyncpg.Pool,
         settings: Settings | None = None,
         telemetry: Telemetry = DISABLED,
+        signer: Signer | None = None,
     ) -> None:
         self.nc = nc
         self.pool = pool
@@ -67,6 +72,7 @@ class PlacementService:
         self.fleet = Fleet()
         self.stop = asyncio.Event()
         self.wake = Wake()
+        self.signer = signer
         self._wire(telemetry)
         self._tasks: list[asyncio.Task[None]] = []
         # Unsubscribed on close, or draining the connection would wait out its timeout.
@@ -76,8 +82,11 @@ class PlacementService:
         """Build the parts, each given the collaborators it calls."""
         nc, js, pool, s = self.nc, self.js, self.pool, self.settings
         fleet, stop, wake = self.fleet, self.stop, self.wake
+        # The server's limit, from its INFO (NATS' default before a connection says otherwise).
+        max_payload = nc.max_payload or (1 << 20)
+        self.dead = DeadLetters(js, telemetry, max_payload)
         self.sync = ReplicaSync(pool, fleet, wake, stop, self.replica_id)
-        self.publisher = Publisher(js, pool, s, telemetry)
+        self.publisher = Publisher(js, pool, s, telemetry, self.signer)
         self.scheduler = Scheduler(
             pool=pool,
             fleet=fleet,
@@ -97,7 +106,15 @@ class PlacementService:
             settings=s,
             stop=stop,
             telemetry=telemetry,
+            dead=self.dead,
+            max_payload=max_payload,
         )
+        self._wire_reports(telemetry, max_payload)
+
+    def _wire_reports(self, telemetry: Telemetry, max_payload: int) -> None:
+        """The parts that take what nodes report and what the CLI asks."""
+        nc, js, pool, s = self.nc, self.js, self.pool, self.settings
+        fleet, stop, wake = self.fleet, self.stop, self.wake
         self.status = ExecutorStatus(
             js=js,
             pool=pool,
@@ -108,6 +125,7 @@ class PlacementService:
             stop=stop,
             replica_id=self.replica_id,
             telemetry=telemetry,
+            dead=self.dead,
         )
         self.liveness = Liveness(
             nc=nc,
@@ -130,6 +148,7 @@ class PlacementService:
             forget=self.forget,
             admins=s.admins,
         )
+        self.publisher.max_payload = self.api.max_payload = max_payload
         self.gauges = Gauges(pool, fleet, telemetry)
 
     def forget(self, job_id: str) -> None:
@@ -138,7 +157,12 @@ class PlacementService:
         self.scheduler.forget(job_id)
 
     async def start(self) -> None:
-        """Migrate, load the fleet, subscribe, and start every task."""
+        """Check the server's max_payload, migrate, load the fleet, subscribe, and start every
+        task. Raises ConfigError when the server's max_payload is too small for any job."""
+        try:
+            max_job_bytes(self.dead.max_payload)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         async with self.pool.acquire() as conn:
             await migrate(conn)
             await self.liveness.load_nodes(conn)
@@ -149,6 +173,7 @@ class PlacementService:
         status = await self.status.subscribe()
         self._subs += [jobs, status]
         self._subs += await self.api.subscribe()
+        self._subs.append(await self.dead.watch_advisories(self.nc))
         self.wake.capacity()
         s, stop = self.settings, self.stop
         self._spawn("ingest", self.intake.run(jobs))

@@ -17,8 +17,16 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from gpulayer_contracts.codec import status_decoder
+from gpulayer_contracts.bounds import MAX_REASON_BYTES, clip_text, validate_job_status
+from gpulayer_contracts.codec import (
+    InvalidInput,
+    best_effort_job_id,
+    decode_message,
+    status_decoder,
+)
+from gpulayer_contracts.events import JobStatus
 from gpulayer_contracts.subjects import NODE_WILDCARD_STATUS, node_from_subject
+from gpulayer_placement.dead_letters import MAX_DELIVER, DeadLetters
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.loops import consume
 from gpulayer_placement.settings import Settings
@@ -31,6 +39,8 @@ log = logging.getLogger("gpulayer_placement.service")
 
 # job id, grant id, node (from the subject), state, exit code, reason: one ``apply_status`` row
 Report = tuple[str, str, str, str, int | None, str | None]
+# A report that can't be applied: the message, why, the reason's class, the job id if readable.
+Poison = tuple[Msg, str, str, str | None]
 
 
 class ExecutorStatus:
@@ -46,6 +56,7 @@ class ExecutorStatus:
         stop: asyncio.Event,
         replica_id: str,
         telemetry: Telemetry = DISABLED,
+        dead: DeadLetters | None = None,
     ) -> None:
         self.js = js
         self.pool = pool
@@ -56,22 +67,26 @@ class ExecutorStatus:
         self.stop = stop
         self.replica_id = replica_id
         self.tel = telemetry
+        self.dead = dead if dead is not None else DeadLetters(js, telemetry)
 
     async def subscribe(self) -> JetStreamContext.PullSubscription:
         """The durable pull consumer on every node's status subject."""
         return await self.js.pull_subscribe(
             NODE_WILDCARD_STATUS,
             durable="placement-status",
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30),
+            config=ConsumerConfig(
+                ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_deliver=MAX_DELIVER
+            ),
         )
 
     async def run(self, sub: JetStreamContext.PullSubscription) -> None:
         """Apply batches from ``sub`` until the service stops."""
-        await consume(self.stop, sub, self.settings.batch_size, self.apply)
+        await consume(self.stop, sub, self.settings.batch_size, self.apply, self.dead)
 
-    def read(self, msgs: list[Msg]) -> list[Report]:
-        """The latest report per (job, grant) in ``msgs``; malformed ones are logged and
-        skipped. The node is the one the subject names: a node can only report its own jobs."""
+    def read(self, msgs: list[Msg], poison: list[Poison] | None = None) -> list[Report]:
+        """The latest report per (job, grant) in ``msgs``. Malformed or out-of-range ones are
+        logged, counted and added to ``poison`` (to be dead-lettered). The node is the one the
+        subject names: a node can only report its own jobs."""
         latest: dict[tuple[str, str], Report] = {}
         for msg in msgs:
             if self.tel.enabled and (msg.metadata.num_delivered or 0) > 1:
@@ -79,18 +94,17 @@ class ExecutorStatus:
                     "gpulayer.consumer.redeliveries", 1, {"consumer": "placement-status"}
                 )
             try:
-                status = status_decoder.decode(msg.data)
-                node = node_from_subject(msg.subject)
-            except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as err:
+                status = self._decode(msg)
+            except InvalidInput as err:
                 log.warning("rejected status message on %s: %s", msg.subject, err)
+                why = "invalid" if isinstance(err, _OutOfBounds) else "malformed"
                 self.tel.count(
-                    "gpulayer.messages.rejected", 1, {"subject": "node.status", "why": "malformed"}
+                    "gpulayer.messages.rejected", 1, {"subject": "node.status", "why": why}
                 )
+                if poison is not None:
+                    poison.append((msg, str(err), why, best_effort_job_id(msg.data)))
                 continue
-            if status.node_id != node:
-                log.warning(
-                    "status for node %s arrived on %s; using the subject", status.node_id, node
-                )
+            node = status.node_id
             key = (status.job_id, status.grant_id)
             # "running" never replaces a final state reported in the same batch.
             if key in latest and status.state == "running":
@@ -105,9 +119,37 @@ class ExecutorStatus:
             )
         return list(latest.values())
 
+    @staticmethod
+    def _decode(msg: Msg) -> JobStatus:
+        """The report, named by its subject's node, its reason clipped; InvalidInput when it
+        is not one or breaks a bound (ids, exit code, pid)."""
+        try:
+            node = node_from_subject(msg.subject)
+        except ValueError as err:
+            raise InvalidInput(str(err)) from None
+        status = decode_message(status_decoder, msg.data)
+        if status.node_id != node:
+            log.warning(
+                "status for node %s arrived on %s; using the subject",
+                clip_text(repr(status.node_id), 80),
+                node,
+            )
+            status = msgspec.structs.replace(status, node_id=node)
+        reason = status.reason
+        if reason is not None and (len(reason) > MAX_REASON_BYTES // 4 or "\x00" in reason):
+            # A long or NUL-holding reason is no reason to lose the job's end: it is clipped
+            # (4 bytes a character at most) and its NULs written out.
+            reason = clip_text(reason.replace("\x00", "\\x00"), MAX_REASON_BYTES // 4)
+            status = msgspec.structs.replace(status, reason=reason)
+        errors = validate_job_status(status)
+        if errors:
+            raise _OutOfBounds("; ".join(errors))
+        return status
+
     async def apply(self, msgs: list[Msg]) -> None:
         """Apply one batch of reports in one statement, release devices, then ack it."""
-        rows = self.read(msgs)
+        poison: list[Poison] = []
+        rows = self.read(msgs, poison)
         if rows:
             async with self.pool.acquire() as conn:
                 changed = await Store.fetch(
@@ -124,4 +166,11 @@ class ExecutorStatus:
                 self.forget(job_id)
             if finished:
                 self.wake.capacity()
-        await asyncio.gather(*(m.ack() for m in msgs))
+        dead = {id(p[0]) for p in poison}
+        await asyncio.gather(*(m.ack() for m in msgs if id(m) not in dead))
+        for msg, reason, why, job_id in poison:
+            await self.dead.send(msg, reason, why, job_id)
+
+
+class _OutOfBounds(InvalidInput):
+    """A report that decodes but breaks a hard bound."""

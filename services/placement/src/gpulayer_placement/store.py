@@ -21,6 +21,15 @@ DB_ERRORS: tuple[type[BaseException], ...] = (
     TimeoutError,
 )
 
+# What PostgreSQL raises for the data of one statement, not for its own state: a value it
+# can't hold (NUL in text, a number out of range), a broken constraint, nesting deeper than its
+# stack. Retrying the same rows gives the same error, so handlers isolate the row instead.
+DATA_ERRORS: tuple[type[BaseException], ...] = (
+    asyncpg.DataError,
+    asyncpg.IntegrityConstraintViolationError,
+    asyncpg.ProgramLimitExceededError,
+)
+
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)

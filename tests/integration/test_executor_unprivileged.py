@@ -1,0 +1,203 @@
+"""Jobs of an executor running as root run unprivileged, and can't reach its state or each
+other (issue 12): each job is started as a real job against a real NATS server, and tries."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import pwd
+import stat
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from tests.helpers import TEST_PUBLIC_KEYS
+from tests.integration.test_executor import job_events_until_terminal, make_grant, publish_grant
+
+from gpulayer_cli.logs import run_logs
+from gpulayer_contracts.events import AnyJobEvent, Grant
+from gpulayer_executor.__main__ import settings
+from gpulayer_executor.env import RunAs
+from gpulayer_executor.service import Executor
+from gpulayer_executor.state import grant_key
+from gpulayer_runtime.nats import ensure_streams
+from gpulayer_runtime.signing import PUBLIC_KEYS_SETTING
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(os.geteuid() != 0, reason="switching to a job user needs root"),
+]
+
+NODE = "node-a"
+TOKEN = "hf_0123456789abcdefSECRET"
+
+StartExecutor = Callable[..., Awaitable[Executor]]
+
+
+def _nobody() -> pwd.struct_passwd:
+    try:
+        return pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no 'nobody' account here to run jobs as")
+
+
+def _unused_uid(start: int) -> int:
+    """A uid no account has: a job can run as a bare uid (the executor only needs numbers),
+    so a second job user needs no change to this machine's accounts."""
+    uid = start
+    while True:
+        try:
+            pwd.getpwuid(uid)
+        except KeyError:
+            return uid
+        uid += 1
+
+
+@pytest.fixture
+async def js(nc: Client) -> JetStreamContext:
+    js = nc.jetstream()
+    await ensure_streams(js)
+    return js
+
+
+@pytest.fixture
+async def start_executor(nc: Client, tmp_path: Path) -> AsyncIterator[StartExecutor]:
+    """An executor configured as ``gpulayer-executor`` configures itself (``settings``), as
+    root, from ``env``; ``overrides`` replace fields of that configuration."""
+    running: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
+
+    async def start(env: dict[str, str] | None = None, **overrides: Any) -> Executor:
+        base = {
+            "PATH": os.environ.get("PATH", os.defpath),
+            "HOME": "/root",
+            "GPULAYER_NODE_ID": NODE,
+            "GPULAYER_EXECUTOR_WORKDIR": str(tmp_path / "executor"),
+            PUBLIC_KEYS_SETTING: ",".join(TEST_PUBLIC_KEYS),
+        }
+        config = settings({**base, **(env or {})}, euid=0)
+        config = msgspec.structs.replace(config, kill_grace_s=0.5, fetch_timeout_s=0.2, **overrides)
+        executor = Executor(nc, config)
+        stop = asyncio.Event()
+        running.append((stop, asyncio.create_task(executor.run(stop))))
+        await asyncio.wait_for(executor.ready.wait(), 10)
+        return executor
+
+    yield start
+    for stop, _ in running:
+        stop.set()
+    await asyncio.gather(*(task for _, task in running))
+
+
+async def run_job(js: JetStreamContext, grant: Grant) -> AnyJobEvent:
+    await publish_grant(js, grant)
+    return (await job_events_until_terminal(js, grant.job.job_id))[-1]
+
+
+async def logs(nats_url: str, job_id: str) -> str:
+    out = io.StringIO()
+    assert await run_logs(nats_url, job_id, follow=False, out=out) == 0
+    return out.getvalue()
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+async def test_a_job_cannot_read_the_executors_state(
+    nats_url: str, js: JetStreamContext, start_executor: StartExecutor
+) -> None:
+    _nobody()
+    executor = await start_executor()
+    # A first job with a token in its env: the grant (env included) is in the state database.
+    first = make_grant(["true"], env={"HF_TOKEN": TOKEN})
+    assert (await run_job(js, first)).__struct_config__.tag == "succeeded"
+    root = executor.store.root
+    wal = root / "state.db-wal"
+    on_disk = b"".join(p.read_bytes() for p in sorted(root.glob("state.db*")))
+    assert TOKEN.encode() in on_disk  # so the attempt below goes for a real secret
+    for path in (root / "state.db", wal, root / "state.db-shm"):
+        assert (mode(path), path.stat().st_uid) == (0o600, 0), path
+    assert mode(root) == mode(executor.store.jobs_dir) == 0o711  # pass through, never list
+
+    # The issue's attack, from the job's working folder <root>/jobs/<grant>/.
+    thief = make_grant(["cat", "../../state.db-wal", "../../state.db", "../../state.db-shm"])
+    end = await run_job(js, thief)
+    assert end.__struct_config__.tag == "failed"
+    assert getattr(end, "exit_code", None) == 1
+    said = await logs(nats_url, thief.job.job_id)
+    assert said.count("Permission denied") == 3, said
+    assert TOKEN not in said
+
+    lister = make_grant(["ls", "../.."])
+    assert (await run_job(js, lister)).__struct_config__.tag == "failed"
+    assert "Permission denied" in await logs(nats_url, lister.job.job_id)
+
+
+async def test_a_job_cannot_read_another_owners_job_folder(
+    nats_url: str, js: JetStreamContext, start_executor: StartExecutor
+) -> None:
+    _nobody()
+    alice_uid = _unused_uid(61000)
+    bob_uid = _unused_uid(alice_uid + 1)
+    alice = RunAs(name="gl-test-alice", uid=alice_uid, gid=alice_uid, home="")
+    bob = RunAs(name="gl-test-bob", uid=bob_uid, gid=bob_uid, home="")
+    executor = await start_executor(user_map={"alice": alice, "bob": bob})
+
+    theirs = msgspec.structs.replace(
+        make_grant(["sh", "-c", f"echo {TOKEN} > secret.txt"]), owner="alice"
+    )
+    assert (await run_job(js, theirs)).__struct_config__.tag == "succeeded"
+    folder = executor.store.job_dir(theirs.grant_id)
+    assert (folder / "secret.txt").read_text().strip() == TOKEN
+    assert (mode(folder), folder.stat().st_uid) == (0o700, alice_uid)
+    assert mode(folder / "secret.txt") == 0o600  # the job's umask: 077
+
+    reader = msgspec.structs.replace(
+        make_grant(["cat", f"../{grant_key(theirs.grant_id)}/secret.txt"]), owner="bob"
+    )
+    end = await run_job(js, reader)
+    assert end.__struct_config__.tag == "failed"
+    said = await logs(nats_url, reader.job.job_id)
+    assert "Permission denied" in said
+    assert TOKEN not in said
+    whoami = msgspec.structs.replace(make_grant(["sh", "-c", "id -u > uid.txt"]), owner="bob")
+    assert (await run_job(js, whoami)).__struct_config__.tag == "succeeded"
+    assert (executor.store.job_dir(whoami.grant_id) / "uid.txt").read_text().strip() == str(bob_uid)
+
+
+async def test_a_job_runs_as_the_job_user_with_none_of_the_executors_secrets(
+    js: JetStreamContext, start_executor: StartExecutor
+) -> None:
+    nobody = _nobody()
+    secrets = {
+        "GPULAYER_NATS_CREDS": "/etc/gpulayer/node.creds",
+        "GPULAYER_DATABASE_URL": "postgresql://gpulayer:pw-in-url@db/gpulayer",
+        "NATS_TOKEN": "nats-token-value",
+        "AWS_SECRET_ACCESS_KEY": "aws-secret-value",
+    }
+    executor = await start_executor({"GPULAYER_EXECUTOR_JOB_USER": "nobody", **secrets})
+    assert executor.config.run_as is not None
+    assert executor.config.run_as.uid == nobody.pw_uid
+    grant = make_grant(
+        ["sh", "-c", "id -u > id.txt; id -G >> id.txt; umask >> id.txt; env > env.txt"]
+    )
+    assert (await run_job(js, grant)).__struct_config__.tag == "succeeded"
+    folder = executor.store.job_dir(grant.grant_id)
+    uid, groups, umask = (folder / "id.txt").read_text().splitlines()
+    assert uid == str(nobody.pw_uid)
+    assert groups.split() == [str(nobody.pw_gid)]  # supplementary groups dropped
+    assert umask == "0077"
+    assert (folder / "env.txt").stat().st_uid == nobody.pw_uid
+    env_text = (folder / "env.txt").read_text()
+    env = dict(line.split("=", 1) for line in env_text.splitlines() if "=" in line)
+    assert (env["USER"], env["LOGNAME"]) == ("nobody", "nobody")
+    # nobody's home doesn't exist: the job's own folder is its HOME, never the executor's.
+    assert env["HOME"] == str(folder)
+    for name, value in secrets.items():
+        assert name not in env
+        assert value not in env_text
