@@ -30,6 +30,7 @@ from gpulayer_contracts.events import (
 )
 from gpulayer_contracts.jobs import JobRequest, Sandbox, SandboxDevices
 from gpulayer_contracts.subjects import (
+    ANONYMOUS,
     job_events,
     node_grants,
     node_status,
@@ -83,10 +84,10 @@ def cancel_of(grant: Grant, reason: str = "cancelled by user") -> CancelJob:
 
 
 async def job_events_until_terminal(
-    js: JetStreamContext, job_id: str, timeout: float = 20.0
+    js: JetStreamContext, job_id: str, timeout: float = 20.0, owner: str = ANONYMOUS
 ) -> list[AnyJobEvent]:
     """Every event of the job from the start of its history up to its terminal one."""
-    sub = await js.subscribe(job_events(job_id), ordered_consumer=True)
+    sub = await js.subscribe(job_events(job_id, owner), ordered_consumer=True)
     events: list[AnyJobEvent] = []
     try:
         async with asyncio.timeout(timeout):
