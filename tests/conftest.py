@@ -5,6 +5,10 @@
 - ``GPULAYER_NATS_URL`` / ``GPULAYER_DATABASE_URL``: use existing servers instead (streams are
   deleted before each test; each test still gets its own database).
 - ``GPULAYER_TEST_BACKEND=containers``: testcontainers starts both, where Docker exists.
+- Auth is on by default: the embedded nats-server runs with a generated operator config, the
+  ``nc`` fixture and every process the tests start (which inherit ``GPULAYER_NATS_CREDS``) are
+  the admin ``admin``, and ``tests.helpers.Services`` gives each service its own role's
+  credential. ``GPULAYER_TEST_AUTH=off`` (or an existing server) runs without.
 """
 
 from __future__ import annotations
@@ -14,12 +18,16 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
 from nats.aio.client import Client
+from tests import helpers
 
+from gpulayer_runtime.auth import AuthStore
 from gpulayer_runtime.nats import connect
+from gpulayer_runtime.roles import Role
 from gpulayer_runtime.servers import EmbeddedNats, EmbeddedPostgres
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -106,6 +114,34 @@ async def database_url(postgres_admin_url: str) -> AsyncIterator[str]:
         await admin.close()
 
 
+TEST_ADMIN = "admin"
+
+
+def _auth_on() -> bool:
+    if os.environ.get("GPULAYER_TEST_AUTH", "on").strip().lower() == "off":
+        return False
+    return not os.environ.get("GPULAYER_NATS_URL") and _backend() != "containers"
+
+
+@pytest.fixture(scope="session")
+def nats_creds(auth_store: AuthStore) -> Iterator[str | None]:
+    """The admin credential the tests act as (None with auth off). Set as
+    ``GPULAYER_NATS_CREDS`` for the session, so processes the tests start inherit it."""
+    if not _auth_on():
+        yield None
+        return
+    creds = str(auth_store.ensure("admin", TEST_ADMIN))
+    before = os.environ.get("GPULAYER_NATS_CREDS")
+    os.environ["GPULAYER_NATS_CREDS"] = creds
+    helpers.AUTH_STORE, helpers.TEST_CREDS = auth_store, creds
+    yield creds
+    helpers.AUTH_STORE, helpers.TEST_CREDS = None, None
+    if before is None:
+        os.environ.pop("GPULAYER_NATS_CREDS", None)
+    else:
+        os.environ["GPULAYER_NATS_CREDS"] = before
+
+
 @pytest.fixture(scope="session")
 def _nats_container() -> Iterator[str | None]:
     if _backend() != "containers" or os.environ.get("GPULAYER_NATS_URL"):
@@ -118,8 +154,11 @@ def _nats_container() -> Iterator[str | None]:
 
 
 @pytest.fixture
-async def nats_url(tmp_path: Path, _nats_container: str | None) -> AsyncIterator[str]:
-    """A NATS server with JetStream and no gpulayer streams in it yet."""
+async def nats_url(
+    tmp_path: Path, _nats_container: str | None, auth_store: AuthStore, nats_creds: str | None
+) -> AsyncIterator[str]:
+    """A NATS server with JetStream and no gpulayer streams in it yet (with auth on: the
+    generated auth config, see ``nats_creds``)."""
     existing = os.environ.get("GPULAYER_NATS_URL") or _nats_container
     if existing:
         nc = await connect(existing, "test-cleanup")
@@ -130,7 +169,8 @@ async def nats_url(tmp_path: Path, _nats_container: str | None) -> AsyncIterator
         await nc.close()
         yield existing
         return
-    server = EmbeddedNats(tmp_path / "nats").start()
+    auth_conf = auth_store.server_conf if nats_creds else None
+    server = EmbeddedNats(tmp_path / "nats", auth_conf=auth_conf).start()
     try:
         yield server.url
     finally:
@@ -138,7 +178,41 @@ async def nats_url(tmp_path: Path, _nats_container: str | None) -> AsyncIterator
 
 
 @pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[Client]:
-    client = await connect(nats_url, "test")
+async def nc(nats_url: str, nats_creds: str | None) -> AsyncIterator[Client]:
+    """A connection as the test admin (anonymous with auth off)."""
+    client = await connect(nats_url, "test", creds=nats_creds)
     yield client
     await client.drain()
+
+
+@pytest.fixture(scope="session")
+def auth_store(tmp_path_factory: pytest.TempPathFactory) -> AuthStore:
+    """One operator and account for the session; credentials are minted on first use."""
+    return AuthStore(tmp_path_factory.mktemp("auth") / "auth").init()
+
+
+class SecureNats:
+    """A nats-server started with gpulayer's generated auth config."""
+
+    def __init__(self, server: EmbeddedNats, store: AuthStore) -> None:
+        self.server = server
+        self.store = store
+        self.url = server.url
+
+    def creds(self, role: Role, name: str = "") -> str:
+        """The path of a credential of ``role`` (minted when missing)."""
+        return str(self.store.ensure(role, name))
+
+    async def connect(self, role: Role, name: str = "", **kwargs: Any) -> Client:
+        return await connect(
+            self.url, f"test-{role}-{name}", creds=self.creds(role, name), **kwargs
+        )
+
+
+@pytest.fixture
+async def secure_nats(tmp_path: Path, auth_store: AuthStore) -> AsyncIterator[SecureNats]:
+    server = EmbeddedNats(tmp_path / "nats-auth", auth_conf=auth_store.server_conf).start()
+    try:
+        yield SecureNats(server, auth_store)
+    finally:
+        server.stop()

@@ -16,7 +16,14 @@ from nats.js import JetStreamContext
 
 from gpulayer_contracts.codec import encode, event_decoder
 from gpulayer_contracts.events import CancelJob, Grant
-from gpulayer_contracts.subjects import MSG_ID_HEADER, node_control, node_grants
+from gpulayer_contracts.subjects import (
+    JOB_WILDCARD_EVENTS,
+    MSG_ID_HEADER,
+    node_control,
+    node_grants,
+)
+from gpulayer_runtime.auth import AuthStore
+from gpulayer_runtime.roles import Role
 from gpulayer_runtime.signing import (
     PUBLIC_KEYS_SETTING,
     SIGNING_KEY_SETTING,
@@ -25,6 +32,11 @@ from gpulayer_runtime.signing import (
 )
 
 BIN = Path(sys.executable).parent
+
+# Set by tests/conftest.py while auth is on: the store minting role credentials, and the admin
+# credential the tests (and the processes they start) act as.
+AUTH_STORE: AuthStore | None = None
+TEST_CREDS: str | None = None
 
 
 # Placement's signing key in tests: one per test session. Executors started by tests accept it;
@@ -94,6 +106,30 @@ def service_env(
     return env
 
 
+def role_creds(role: Role, name: str = "") -> str | None:
+    """The credential of ``role`` (None with auth off)."""
+    return str(AUTH_STORE.ensure(role, name)) if AUTH_STORE is not None else None
+
+
+def connect_args() -> dict[str, str | None]:
+    """What ``gpulayer_runtime.nats.connect`` needs to act as the test admin."""
+    return {"creds": TEST_CREDS}
+
+
+def with_role_creds(name: str, env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the credential of service ``name``'s role (placement, or the node named by
+    ``GPULAYER_NODE_ID``) in place of the test admin's; unchanged otherwise."""
+    if AUTH_STORE is None or env.get("GPULAYER_NATS_CREDS") != TEST_CREDS:
+        return env
+    if name == "gpulayer-placement":
+        creds = AUTH_STORE.ensure("placement")
+    elif name in ("gpulayer-executor", "gpulayer-probe") and env.get("GPULAYER_NODE_ID"):
+        creds = AUTH_STORE.ensure("node", env["GPULAYER_NODE_ID"])
+    else:
+        return env
+    return dict(env, GPULAYER_NATS_CREDS=str(creds))
+
+
 def reason(event: object) -> str | None:
     """An event's ``reason``, checked to be a string when present."""
     value = getattr(event, "reason", None)
@@ -126,7 +162,9 @@ class Services:
     async def start(
         self, name: str, env: dict[str, str], log: Path, key: str | None = None
     ) -> None:
-        """Start console script ``name``; ``key`` names it when one script runs several times."""
+        """Start console script ``name``; ``key`` names it when one script runs several times.
+        With auth on, a service that would act as the test admin gets its own role instead."""
+        env = with_role_creds(name, env)
         with log.open("ab") as out:
             self.procs[key or name] = await asyncio.create_subprocess_exec(
                 bin_path(name), env=env, stdout=out, stderr=asyncio.subprocess.STDOUT
@@ -159,7 +197,7 @@ async def events_until(
             if all(set(types) & terminal for types in seen.values()):
                 done.set()
 
-    sub = await nc.subscribe("gpulayer.job.*.events", cb=cb)
+    sub = await nc.subscribe(JOB_WILDCARD_EVENTS, cb=cb)
     try:
         await asyncio.wait_for(done.wait(), timeout)
     finally:

@@ -130,7 +130,7 @@ async def test_heterogeneous_fleet(fleet: dict[str, str], nc: Client, tmp_path: 
         if ev["type"] == "pending" and ev["job_id"] == "too-big":
             too_big_waiting.set()
 
-    await nc.subscribe("gpulayer.job.*.events", cb=on_event)
+    await nc.subscribe("gpulayer.job.*.*.events", cb=on_event)
     cuda_out = tmp_path / "cuda.txt"
     big_cuda = {
         "requirements": {

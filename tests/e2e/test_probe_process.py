@@ -15,6 +15,7 @@ from nats.aio.msg import Msg
 
 from gpulayer_contracts.codec import capabilities_decoder, heartbeat_decoder
 from gpulayer_contracts.subjects import node_capabilities, node_heartbeat
+from gpulayer_runtime.nats import ensure_streams
 
 pytestmark = pytest.mark.e2e
 
@@ -34,6 +35,8 @@ async def test_console_script_publishes_and_stops_cleanly(
     node = "probe-e2e"
     caps_q: asyncio.Queue[Msg] = asyncio.Queue()
     beats_q: asyncio.Queue[Msg] = asyncio.Queue()
+    # Placement declares the streams; the probe waits for them.
+    await ensure_streams(nc.jetstream())
     await nc.subscribe(node_capabilities(node), cb=caps_q.put)
     await nc.subscribe(node_heartbeat(node), cb=beats_q.put)
     await nc.flush()

@@ -144,16 +144,15 @@ async def test_readme_snippet_runs_against_dev_up(tmp_path: Path) -> None:
             lines.append(hint)
         assert url is not None
         # The hint it prints is enough for the CLI in another shell to reach the stack.
-        said = re.match(
-            r"in another shell: (?:export GPULAYER_NATS_URL=(\S+), then )?(\S+) nodes, ", hint
-        )
+        said = re.match(r"in another shell: ((?:export \S+=\S+, )*)(?:then )?(\S+) nodes, ", hint)
         assert said, hint
-        cli_env = dict(env)
-        if said[1]:
-            assert said[1] == url, hint
-            cli_env["GPULAYER_NATS_URL"] = url
-        else:
-            assert url == "nats://127.0.0.1:4222", hint
+        exports = dict(re.findall(r"export (\S+)=([^\s,]+)", said[1]))
+        cli_env = dict(env, **exports)
+        assert exports.get("GPULAYER_NATS_URL", "nats://127.0.0.1:4222") == url, hint
+        # The stack is locked, and the hint names the user's credential (the data folder is not
+        # ./.gpulayer, where the CLI would find it by itself).
+        creds = exports["GPULAYER_NATS_CREDS"]
+        assert creds.endswith("auth/creds/user-dev.creds"), hint
         # The command as printed (gpulayer, or its path when PATH doesn't find this one), run
         # from the folder dev up runs in, with PATH as the test has it.
         nodes = await asyncio.create_subprocess_exec(
@@ -163,8 +162,23 @@ async def test_readme_snippet_runs_against_dev_up(tmp_path: Path) -> None:
         listed, problem = await asyncio.wait_for(nodes.communicate(), 30)
         assert nodes.returncode == 0, (hint, problem.decode())
         assert isinstance(json.loads(listed), list)
+        # The newcomer's path, with the stack locked: submit and wait, as the dev user.
+        submitted = await asyncio.create_subprocess_exec(
+            said[2], "submit", str(ROOT / "examples" / "cpu-hello.toml"), "--wait", "--json",
+            env=cli_env, cwd=tmp_path,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        printed, problem = await asyncio.wait_for(submitted.communicate(), 60)
+        assert submitted.returncode == 0, (printed.decode(), problem.decode())
+        followed = [json.loads(line) for line in printed.decode().splitlines()]
+        assert followed[-1]["type"] == "succeeded"
+        assert {e["owner"] for e in followed} == {"dev"}
         script = tmp_path / "snippet.py"
-        script.write_text(snippet[1].replace("nats://127.0.0.1:4222", url))
+        script.write_text(
+            snippet[1]
+            .replace("nats://127.0.0.1:4222", url)
+            .replace(".gpulayer/auth/creds/user-dev.creds", creds)
+        )
         # Only nats-py: the snippet imports nothing of gpulayer.
         assert "gpulayer_" not in snippet[1]
         run = await asyncio.create_subprocess_exec(

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from tests.helpers import pid_alive, reason, signing_env
+from tests.helpers import pid_alive, reason, role_creds, signing_env
 from tests.helpers import publish_grant as signed_grant
 
 from gpulayer_contracts.codec import event_decoder, status_decoder
@@ -119,6 +119,8 @@ class ExecutorProcess:
             "GPULAYER_EXECUTOR_ALLOW_ROOT_JOBS": "1",
             **signing_env(workdir.parent / "keys"),
         }
+        if creds := role_creds("node", NODE):  # auth on: the node's own credential
+            self.env["GPULAYER_NATS_CREDS"] = creds
         self.workdir = workdir
         self.log = log
         self.proc: asyncio.subprocess.Process | None = None

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from tests.helpers import TEST_PUBLIC_KEYS, pid_alive, publish_cancel, reason
+from tests.helpers import TEST_PUBLIC_KEYS, connect_args, pid_alive, publish_cancel, reason
 from tests.integration.test_executor import (
     NODE,
     job_events_until_terminal,
@@ -160,7 +160,10 @@ async def test_last_lines_before_exit_are_kept_despite_a_child_holding_the_pipe(
     grant = executor.store.load(grant_id)
     assert grant is not None
     out = io.StringIO()
-    assert await run_logs(nats_url, grant.job_id, follow=False, out=out) == 0
+    assert (
+        await run_logs(nats_url, grant.job_id, follow=False, out=out, connect_args=connect_args())
+        == 0
+    )
     lines = out.getvalue().splitlines()
     assert "last words" in lines
     assert [line for line in lines if line != "last words"] == [str(i) for i in range(1, 2001)]

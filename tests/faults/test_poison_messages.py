@@ -45,6 +45,7 @@ from gpulayer_contracts.subjects import (
     DLQ_REASON_HEADER,
     DLQ_STREAM_HEADER,
     DLQ_SUBJECT_HEADER,
+    JOB_WILDCARD_EVENTS,
     JOBS_SUBMIT,
     MSG_ID_HEADER,
     node_capabilities,
@@ -181,7 +182,7 @@ async def stack(
         executor_task = asyncio.create_task(executor.run(stop))
         await asyncio.wait_for(executor.ready.wait(), 10)
         s = Stack(nc, placement_nc, svc, executor, database_url)
-        await nc.subscribe("gpulayer.job.*.events", cb=s.on_event)
+        await nc.subscribe(JOB_WILDCARD_EVENTS, cb=s.on_event)
         await nc.subscribe("gpulayer.dlq.>", cb=s.on_dead)
         await nc.jetstream().publish(
             node_capabilities(NODE), encode(node_caps(NODE, python=PYTHON))
@@ -445,7 +446,7 @@ async def test_max_deliveries_advisories_are_counted(stack: Stack) -> None:
     js = stack.nc.jetstream()
     before = stack.svc.dead.max_deliveries
     sub = await js.pull_subscribe(
-        "gpulayer.job.*.events",
+        JOB_WILDCARD_EVENTS,
         durable=f"adv-{uuid.uuid4().hex[:8]}",
         config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, max_deliver=1, ack_wait=0.5),
     )

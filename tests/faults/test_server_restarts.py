@@ -79,7 +79,7 @@ async def test_services_ride_out_a_nats_restart(
                 "job_id": "across",
                 "command": ["sh", "-c", f'while [ ! -e "{go}" ]; do sleep 0.05; done'],
             }
-            sub = await nc.subscribe("gpulayer.job.across.events", cb=on_event)
+            sub = await nc.subscribe("gpulayer.job.anonymous.across.events", cb=on_event)
             await nc.jetstream().publish(
                 JOBS_SUBMIT, json.dumps(job).encode(), headers={MSG_ID_HEADER: "across"}
             )
@@ -94,7 +94,7 @@ async def test_services_ride_out_a_nats_restart(
             assert seen["after-restart"].count("running") == 1
             # What the stream kept for the job that ended during the outage.
             stored = await nc.jetstream().pull_subscribe(
-                "gpulayer.job.across.events", stream="JOB_EVENTS"
+                "gpulayer.job.anonymous.across.events", stream="JOB_EVENTS"
             )
             kept: list[str] = []
             async with asyncio.timeout(30):

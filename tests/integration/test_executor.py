@@ -16,7 +16,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from tests.helpers import TEST_PUBLIC_KEYS, pid_alive, publish_cancel, reason
+from tests.helpers import TEST_PUBLIC_KEYS, connect_args, pid_alive, publish_cancel, reason
 from tests.helpers import publish_grant as signed_grant
 
 from gpulayer_cli.logs import run_logs
@@ -30,6 +30,7 @@ from gpulayer_contracts.events import (
 )
 from gpulayer_contracts.jobs import JobRequest, Sandbox, SandboxDevices
 from gpulayer_contracts.subjects import (
+    ANONYMOUS,
     job_events,
     node_grants,
     node_status,
@@ -83,10 +84,10 @@ def cancel_of(grant: Grant, reason: str = "cancelled by user") -> CancelJob:
 
 
 async def job_events_until_terminal(
-    js: JetStreamContext, job_id: str, timeout: float = 20.0
+    js: JetStreamContext, job_id: str, timeout: float = 20.0, owner: str = ANONYMOUS
 ) -> list[AnyJobEvent]:
     """Every event of the job from the start of its history up to its terminal one."""
-    sub = await js.subscribe(job_events(job_id), ordered_consumer=True)
+    sub = await js.subscribe(job_events(job_id, owner), ordered_consumer=True)
     events: list[AnyJobEvent] = []
     try:
         async with asyncio.timeout(timeout):
@@ -516,7 +517,12 @@ async def test_logs_of_a_finished_job_and_following_a_running_one(
     await publish_grant(js, done)
     await job_events_until_terminal(js, done.job.job_id)
     out = io.StringIO()
-    assert await run_logs(nats_url, done.job.job_id, follow=False, out=out) == 0
+    assert (
+        await run_logs(
+            nats_url, done.job.job_id, follow=False, out=out, connect_args=connect_args()
+        )
+        == 0
+    )
     assert sorted(out.getvalue().splitlines()) == ["no newline", "one", "two"]
 
     # Follow: the job prints, waits for a go file, prints again; run_logs returns at its end.
@@ -526,7 +532,9 @@ async def test_logs_of_a_finished_job_and_following_a_running_one(
     )
     await publish_grant(js, live)
     followed = io.StringIO()
-    follower = asyncio.create_task(run_logs(nats_url, live.job.job_id, follow=True, out=followed))
+    follower = asyncio.create_task(
+        run_logs(nats_url, live.job.job_id, follow=True, out=followed, connect_args=connect_args())
+    )
 
     async def printed_first() -> bool:
         return "first" in followed.getvalue()
@@ -540,7 +548,12 @@ async def test_logs_of_a_finished_job_and_following_a_running_one(
 
 async def test_unknown_job_logs_say_so(nats_url: str, js: JetStreamContext) -> None:
     out, err = io.StringIO(), io.StringIO()
-    assert await run_logs(nats_url, "no-such-job", follow=False, out=out, err=err) == 1
+    assert (
+        await run_logs(
+            nats_url, "no-such-job", follow=False, out=out, err=err, connect_args=connect_args()
+        )
+        == 1
+    )
     assert "no-such-job" in err.getvalue()
 
 
@@ -559,7 +572,12 @@ async def test_a_flood_of_output_is_bounded(
     events = await job_events_until_terminal(js, grant.job.job_id, timeout=40)
     assert events[-1].__struct_config__.tag == "succeeded"
     out = io.StringIO()
-    assert await run_logs(nats_url, grant.job.job_id, follow=False, out=out) == 0
+    assert (
+        await run_logs(
+            nats_url, grant.job.job_id, follow=False, out=out, connect_args=connect_args()
+        )
+        == 0
+    )
     lines = out.getvalue().splitlines()
     assert lines[0] == "y" * 1000 + " [gpulayer: line truncated, 999000 bytes dropped]"
     # Dropped and counted, not buffered: far fewer lines stored, with markers saying so.

@@ -16,11 +16,12 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from tests.helpers import TEST_PUBLIC_KEYS
+from tests.helpers import TEST_PUBLIC_KEYS, connect_args
 from tests.integration.test_executor import job_events_until_terminal, make_grant, publish_grant
 
 from gpulayer_cli.logs import run_logs
 from gpulayer_contracts.events import AnyJobEvent, Grant
+from gpulayer_contracts.subjects import ANONYMOUS
 from gpulayer_executor.__main__ import settings
 from gpulayer_executor.env import RunAs
 from gpulayer_executor.service import Executor
@@ -95,12 +96,15 @@ async def start_executor(nc: Client, tmp_path: Path) -> AsyncIterator[StartExecu
 
 async def run_job(js: JetStreamContext, grant: Grant) -> AnyJobEvent:
     await publish_grant(js, grant)
-    return (await job_events_until_terminal(js, grant.job.job_id))[-1]
+    return (await job_events_until_terminal(js, grant.job.job_id, owner=grant.owner))[-1]
 
 
-async def logs(nats_url: str, job_id: str) -> str:
+async def logs(nats_url: str, job_id: str, owner: str = ANONYMOUS) -> str:
     out = io.StringIO()
-    assert await run_logs(nats_url, job_id, follow=False, out=out) == 0
+    code = await run_logs(
+        nats_url, job_id, follow=False, out=out, owner=owner, connect_args=connect_args()
+    )
+    assert code == 0
     return out.getvalue()
 
 
@@ -162,7 +166,7 @@ async def test_a_job_cannot_read_another_owners_job_folder(
     )
     end = await run_job(js, reader)
     assert end.__struct_config__.tag == "failed"
-    said = await logs(nats_url, reader.job.job_id)
+    said = await logs(nats_url, reader.job.job_id, owner="bob")
     assert "Permission denied" in said
     assert TOKEN not in said
     whoami = msgspec.structs.replace(make_grant(["sh", "-c", "id -u > uid.txt"]), owner="bob")

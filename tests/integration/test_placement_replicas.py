@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 
 import pytest
 from nats.aio.client import Client
+from tests.helpers import role_creds
 
 from gpulayer_contracts import (
     AcceleratorDevice,
@@ -78,7 +79,7 @@ async def replicas(
     started: list[tuple[PlacementService, Client]] = []
     for i in range(3):
         # Each replica has its own NATS connection and pool, as separate processes would.
-        conn = await connect(nats_url, f"placement-{i}")
+        conn = await connect(nats_url, f"placement-{i}", creds=role_creds("placement"))
         pool = await create_pool(database_url, min_size=1, max_size=4)
         svc = PlacementService(
             conn, pool, Settings(node_timeout_s=30, resend_after_s=60, batch_size=64)
@@ -215,7 +216,7 @@ async def test_silent_node_goes_offline_and_its_jobs_are_lost(
 
     try:
         js = nc.jetstream()
-        await nc.subscribe("gpulayer.job.*.events", cb=on_event)
+        await nc.subscribe("gpulayer.job.*.*.events", cb=on_event)
         placed = asyncio.Event()
 
         async def on_grant(msg: object) -> None:

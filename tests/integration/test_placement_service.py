@@ -90,7 +90,7 @@ class Events:
 @pytest.fixture
 async def events(nc: Client) -> Events:
     ev = Events()
-    await nc.subscribe("gpulayer.job.*.events", cb=ev.cb)
+    await nc.subscribe("gpulayer.job.*.*.events", cb=ev.cb)
     return ev
 
 
@@ -255,7 +255,7 @@ async def test_grant_lost_between_commit_and_publish_is_resent(
 
     try:
         await nc.subscribe(node_grants("node-r"), cb=on_grant)
-        await nc.subscribe("gpulayer.job.orphan.events", cb=on_event)
+        await nc.subscribe("gpulayer.job.anonymous.orphan.events", cb=on_event)
         request = json.dumps({"job_id": "orphan", "command": ["true"]})
         async with pool.acquire() as conn:
             await conn.execute(
@@ -300,7 +300,9 @@ async def test_job_announced_once_when_publishing_its_events_failed(
     failed = asyncio.Event()
 
     async def flaky(items: list[tuple[str, bytes, dict[str, str]]]) -> bool:
-        if not failed.is_set() and any(s == "gpulayer.job.flaky-1.events" for s, _, _ in items):
+        if not failed.is_set() and any(
+            s == "gpulayer.job.anonymous.flaky-1.events" for s, _, _ in items
+        ):
             failed.set()
             if failure == "stored but unacknowledged":
                 await real_publish(items)
@@ -319,7 +321,7 @@ async def test_job_announced_once_when_publishing_its_events_failed(
             resent.set()
 
     sub = await nc.subscribe(node_grants("node-f"), cb=on_grant)
-    subject = "gpulayer.job.flaky-1.events"
+    subject = "gpulayer.job.anonymous.flaky-1.events"
     try:
         await js.publish(node_capabilities("node-f"), encode(caps("node-f")))
         body = json.dumps({"job_id": "flaky-1", "command": ["true"]}).encode()
@@ -452,7 +454,7 @@ async def test_a_redelivered_submit_re_announces_only_a_young_job(
                 if calls >= 2 and info.num_ack_pending == 0 and info.num_pending == 0:
                     break
                 await asyncio.sleep(0.05)
-        subject = "gpulayer.job.known-1.events"
+        subject = "gpulayer.job.anonymous.known-1.events"
         stored: list[str] = []
         if ((await js.stream_info("JOB_EVENTS", subjects_filter=subject)).state.subjects or {}).get(
             subject

@@ -327,16 +327,16 @@ def test_gen_env_writes_every_required_variable_privately(tmp_path: Path) -> Non
 def test_nats_runs_with_the_generated_auth_config() -> None:
     nats = _services()["nats"]
     config = nats["command"][nats["command"].index("-c") + 1]
-    assert _generated(nats).get(config) == "./auth/nats.conf"
+    assert _generated(nats).get(config) == "./auth/server.conf"
 
 
 def test_each_service_connects_with_its_own_credentials() -> None:
     services = _services()
     node = _env(services["executor"])["GPULAYER_NODE_ID"]
     expected = {
-        "placement": "./auth/placement.creds",
-        "probe": f"./auth/node-{node}.creds",
-        "executor": f"./auth/node-{node}.creds",
+        "placement": "./auth/creds/placement.creds",
+        "probe": f"./auth/creds/node-{node}.creds",
+        "executor": f"./auth/creds/node-{node}.creds",
     }
     for name, source in expected.items():
         creds = _env(services[name])["GPULAYER_NATS_CREDS"]

@@ -66,7 +66,12 @@ def test_architecture_names_every_stream_and_subject() -> None:
     for spec in STREAMS:
         assert f"`{spec.name}`" in text, f"docs/architecture.md: stream {spec.name} missing"
         for subject in spec.subjects:
-            shown = subject.replace("node.*.", "node.<node>.").replace("job.*.", "job.<job>.")
+            shown = (
+                subject.replace("node.*.", "node.<node>.")
+                .replace("job.*.*.", "job.<owner>.<job>.")
+                .replace("job.*.", "job.<job>.")
+                .replace("submit.*", "submit.<owner>")
+            )
             assert f"`{shown}`" in text, f"docs/architecture.md: subject {shown} missing"
     assert "allocations_no_double_booking" in text
     migrations = ROOT / "services/placement/src/gpulayer_placement/migrations"

@@ -45,7 +45,7 @@ def beat(node: str, source: str | None = None) -> Msg:
 
 
 async def test_reaper_takes_only_silent_nodes_offline_and_loses_their_jobs() -> None:
-    lost = [{"job_id": "victim", "node_id": "silent"}]
+    lost = [{"job_id": "victim", "node_id": "silent", "owner": "alice"}]
     conn = FakeConn({"lose_node_jobs": lost, "load_node_allocations": []})
     liveness, fleet, wake, js = build(conn)
     fleet.upsert(gpu_node("silent", 1))
@@ -65,7 +65,7 @@ async def test_reaper_takes_only_silent_nodes_offline_and_loses_their_jobs() -> 
     assert silent.exclusive == frozenset()
     assert beating.online
     ((subject, data, _),) = js.sent
-    assert subject == "gpulayer.job.victim.events"
+    assert subject == "gpulayer.job.alice.victim.events"
     assert b'"lost"' in data
     assert wake.capacity_changed
 

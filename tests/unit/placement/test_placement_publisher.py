@@ -44,7 +44,7 @@ def ids(js: FakeJetStream) -> list[str]:
 def test_event_ids_name_announcements_by_job_and_other_events_by_time() -> None:
     at = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
     subject, _, headers = Publisher.event_item(Accepted(job_id="j1"))
-    assert subject == "gpulayer.job.j1.events"
+    assert subject == "gpulayer.job.anonymous.j1.events"
     assert headers == {MSG_ID_HEADER: "j1:accepted"}
     assert Publisher.event_item(Rejected(job_id="j1", reasons=["x"]))[2] == {
         MSG_ID_HEADER: "j1:rejected"
@@ -61,7 +61,7 @@ def test_grant_and_placed_are_named_by_the_grant_and_carry_the_trace() -> None:
     assert msgspec.json.decode(data)["grant_id"] == "j1-3"
     assert Publisher.grant_item(grant)[2] == {MSG_ID_HEADER: "j1-3"}
     subject, data, headers = Publisher.placed_item(grant)
-    assert subject == "gpulayer.job.j1.events"
+    assert subject == "gpulayer.job.anonymous.j1.events"
     assert headers == {MSG_ID_HEADER: "j1-3:placed"}
     assert msgspec.json.decode(data)["node_id"] == "node-7"
 

@@ -6,18 +6,27 @@ import asyncio
 import contextlib
 import secrets
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from gpulayer_contracts import JobEvent, JobRequest, encode, is_terminal
 from gpulayer_contracts.codec import event_decoder
-from gpulayer_contracts.subjects import JOBS_SUBMIT, MSG_ID_HEADER, job_events
+from gpulayer_contracts.subjects import (
+    ANONYMOUS,
+    MSG_ID_HEADER,
+    api_subject,
+    job_events,
+    jobs_submit,
+)
+
+# A reading consumer the CLI made goes away this long after its subscription does.
+READER_INACTIVE_S = 30.0
 
 
 class ApiUnavailable(RuntimeError):
@@ -38,20 +47,60 @@ def _traceparent(parent: str | None) -> str:
     return f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
 
 
-async def submit(nc: Client, job: JobRequest, parent: str | None = None) -> str:
-    """Publish a job; returns its trace id. The job id is the message id, so a retried publish
-    is deduplicated."""
+async def submit(
+    nc: Client, job: JobRequest, parent: str | None = None, owner: str = ANONYMOUS
+) -> str:
+    """Publish a job as ``owner`` (the identity of ``nc``'s credentials); returns its trace id.
+    The job id is the message id, so a retried publish is deduplicated."""
     traceparent = _traceparent(parent)
     headers = {MSG_ID_HEADER: job.job_id, "traceparent": traceparent}
-    await nc.jetstream().publish(JOBS_SUBMIT, encode(job), headers=headers)
+    await nc.jetstream().publish(jobs_submit(owner), encode(job), headers=headers)
     return traceparent.split("-")[1]
 
 
+async def read_subject(
+    nc: Client,
+    stream: str,
+    subject: str,
+    cb: Callable[[Any], Awaitable[None]],
+    deliver_policy: DeliverPolicy = DeliverPolicy.ALL,
+) -> tuple[Any, int]:
+    """Deliver ``subject``'s stored messages (and new ones) to ``cb``; returns the subscription
+    and how many messages were stored when it began.
+
+    A named consumer whose filter is in the API subject, delivering to this client's inbox: the
+    one kind of consumer a user's credential may create, and only on its own jobs' subjects
+    (docs/security.md). Not acked; the server removes it once the subscription is gone."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox, cb=cb)
+    try:
+        info = await nc.jetstream().add_consumer(
+            stream,
+            ConsumerConfig(
+                name=secrets.token_hex(8),
+                filter_subject=subject,
+                deliver_subject=inbox,
+                deliver_policy=deliver_policy,
+                ack_policy=AckPolicy.NONE,
+                inactive_threshold=READER_INACTIVE_S,
+                mem_storage=True,
+            ),
+        )
+    except BaseException:
+        await sub.unsubscribe()
+        raise
+    return sub, int(info.num_pending or 0)
+
+
 async def follow_events(
-    nc: Client, job_ids: list[str], *, stop_when: Callable[[JobEvent], bool] = is_terminal
+    nc: Client,
+    job_ids: list[str],
+    *,
+    stop_when: Callable[[JobEvent], bool] = is_terminal,
+    owner: str = ANONYMOUS,
 ) -> AsyncIterator[JobEvent]:
-    """Every event of ``job_ids`` from the start of their history, until ``stop_when`` held for
-    each job."""
+    """Every event of ``owner``'s ``job_ids`` from the start of their history, until
+    ``stop_when`` held for each job."""
     queue: asyncio.Queue[JobEvent] = asyncio.Queue()
 
     async def cb(msg: Any) -> None:
@@ -59,17 +108,10 @@ async def follow_events(
         with contextlib.suppress(msgspec.ValidationError):
             await queue.put(event_decoder.decode(msg.data))
 
-    js = nc.jetstream()
     subs = []
     for job_id in job_ids:
-        subs.append(
-            await js.subscribe(
-                job_events(job_id),
-                cb=cb,
-                ordered_consumer=True,
-                config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL),
-            )
-        )
+        sub, _ = await read_subject(nc, "JOB_EVENTS", job_events(job_id, owner), cb)
+        subs.append(sub)
     open_jobs = set(job_ids)
     try:
         while open_jobs:
@@ -83,8 +125,15 @@ async def follow_events(
 
 
 async def api(
-    nc: Client, subject: str, payload: dict[str, Any] | None = None, timeout: float = 5.0
+    nc: Client,
+    subject: str,
+    payload: dict[str, Any] | None = None,
+    timeout: float = 5.0,
+    caller: str = ANONYMOUS,
 ) -> Any:
+    """Ask placement on ``subject`` (``API_JOBS`` ...) as ``caller``, the identity of ``nc``'s
+    credentials: placement answers each caller with its own rights."""
+    subject = api_subject(subject, caller)
     try:
         reply = await nc.request(subject, encode(payload or {}), timeout=timeout)
     except (NoRespondersError, NatsTimeoutError) as err:
@@ -99,28 +148,23 @@ async def api(
     return body.get("data")
 
 
-async def history(nc: Client, job_id: str, timeout: float = 5.0) -> list[JobEvent]:
-    """Every event of a job stored so far (the JOB_EVENTS stream keeps them for a week)."""
-    js = nc.jetstream()
+async def history(
+    nc: Client, job_id: str, timeout: float = 5.0, owner: str = ANONYMOUS
+) -> list[JobEvent]:
+    """Every event of ``owner``'s job stored so far (the JOB_EVENTS stream keeps them a week)."""
     events: list[JobEvent] = []
     done = asyncio.Event()
 
     async def cb(msg: Any) -> None:
-        with contextlib.suppress(msgspec.ValidationError):
+        with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
             events.append(event_decoder.decode(msg.data))
         if msg.metadata.num_pending == 0:
             done.set()
 
-    # Nothing stored yet: an empty history, not a wait.
-    info = await js.stream_info("JOB_EVENTS", subjects_filter=job_events(job_id))
-    if not (info.state.subjects or {}).get(job_events(job_id)):
+    sub, stored = await read_subject(nc, "JOB_EVENTS", job_events(job_id, owner), cb)
+    if not stored:  # nothing stored yet: an empty history, not a wait
+        await sub.unsubscribe()
         return events
-    sub = await js.subscribe(
-        job_events(job_id),
-        cb=cb,
-        ordered_consumer=True,
-        config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL),
-    )
     try:
         await asyncio.wait_for(done.wait(), timeout)
     finally:

@@ -3,6 +3,10 @@
 Starts nats-server and PostgreSQL from their wheels (unless GPULAYER_NATS_URL /
 GPULAYER_DATABASE_URL point elsewhere), the three services as separate processes, submits the
 example jobs and prints their events.
+
+NATS is locked by default: the first run makes an operator, an account and a credential per role
+under ``<data dir>/auth`` (kept for later runs), starts nats-server with that config and gives
+each service its own credential. ``--no-auth`` or ``GPULAYER_AUTH=off`` starts it open, as before.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ import msgspec
 from rich.console import Console
 
 from gpulayer_cli.client import follow_events, submit
+from gpulayer_cli.identity import DEFAULT_DATA_DIR, DEV_USER, auth_off, dev_store
 from gpulayer_cli.render import event_tag, print_event
 from gpulayer_contracts import InvalidInput, JobEvent, JobRequest, is_terminal, load_job_file
+from gpulayer_contracts.subjects import ANONYMOUS, JOB_WILDCARD_EVENTS
 from gpulayer_runtime.nats import connect, ensure_streams
 from gpulayer_runtime.servers import (
     EmbeddedNats,
@@ -41,6 +47,9 @@ from gpulayer_runtime.signing import (
     generate_key_pair,
     signing_required,
 )
+
+# dev up's own connection: it declares the streams and watches every job's events.
+DEV_ADMIN = "admin"
 
 SERVICES = ("gpulayer-placement", "gpulayer-executor", "gpulayer-probe")
 
@@ -58,6 +67,9 @@ class Stack:
     nats_url: str = ""
     database_url: str = ""
     node_id: str = ""
+    # Credentials per service and for dev up itself; empty when NATS is open (auth off) or
+    # external (the environment's GPULAYER_NATS_CREDS, if any, is passed on as it is).
+    creds: dict[str, str] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     servers: list[EmbeddedNats | EmbeddedPostgres] = field(default_factory=list)
 
@@ -131,19 +143,36 @@ def start_stack(data_dir: Path, console: Console, env: dict[str, str]) -> Stack:
     except BaseException:
         stop_stack(stack, console)
         raise
-    stack.node_id = env.get("GPULAYER_NODE_ID") or default_node_id()
     console.print(f"NATS        [bold]{stack.nats_url}[/bold]")
     console.print(f"PostgreSQL  [bold]{stack.database_url}[/bold]")
     console.print(f"node        [bold]{stack.node_id}[/bold]")
     return stack
 
 
+def _credentials(stack: Stack, data_dir: Path) -> Path:
+    """The auth folder's server config, made on the first run; a credential per service (the
+    node's named by this machine), an admin for dev up, and the user the CLI finds by itself."""
+    store = dev_store(data_dir).init()
+    stack.creds = {
+        "gpulayer-placement": str(store.ensure("placement")),
+        "gpulayer-executor": str(store.ensure("node", stack.node_id)),
+        "gpulayer-probe": str(store.ensure("node", stack.node_id)),
+        "dev": str(store.ensure("admin", DEV_ADMIN)),
+        "user": str(store.ensure("user", DEV_USER)),
+    }
+    return store.server_conf
+
+
 def _start_servers(stack: Stack, data_dir: Path, env: dict[str, str]) -> None:
+    stack.node_id = env.get("GPULAYER_NODE_ID") or default_node_id()
     if env.get("GPULAYER_NATS_URL"):
         stack.nats_url = env["GPULAYER_NATS_URL"]
     else:
+        auth_conf = None if auth_off(env) else _credentials(stack, data_dir)
         # NATS on its usual port when it is free, so the CLI's default URL reaches it.
-        nats = EmbeddedNats(data_dir / "nats", port=preferred_port(NATS_DEFAULT_PORT))
+        nats = EmbeddedNats(
+            data_dir / "nats", port=preferred_port(NATS_DEFAULT_PORT), auth_conf=auth_conf
+        )
         stack.servers.append(nats)  # before start: a half-started server is stopped too
         stack.nats_url = nats.start().url
     if env.get("GPULAYER_DATABASE_URL"):
@@ -162,13 +191,18 @@ def start_services(stack: Stack, console: Console, env: dict[str, str]) -> None:
         GPULAYER_NODE_ID=stack.node_id,
     )
     child_env.setdefault("GPULAYER_EXECUTOR_WORKDIR", str(stack.data_dir / "executor"))
+    if stack.creds:
+        child_env.setdefault("GPULAYER_ADMINS", DEV_ADMIN)
     own = signing_settings(stack.data_dir, env)
     for name in SERVICES:
         log_path = stack.data_dir / "logs" / f"{name}.log"
+        service_env = dict(child_env)
+        if name in stack.creds:
+            service_env["GPULAYER_NATS_CREDS"] = stack.creds[name]
         with open(log_path, "ab") as log:
             stack.procs[name] = subprocess.Popen(
                 [_bin(name)],
-                env={**child_env, **own.get(name, {})},
+                env={**service_env, **own.get(name, {})},
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
@@ -217,9 +251,17 @@ def _settled(example: Example, event: JobEvent) -> bool:
 
 
 def run_dev(
-    *, once: bool, examples_dir: Path, data_dir: Path, timeout_s: float, console: Console
+    *,
+    once: bool,
+    examples_dir: Path,
+    data_dir: Path,
+    timeout_s: float,
+    console: Console,
+    auth: bool = True,
 ) -> int:
     env = dict(os.environ)
+    if not auth:
+        env["GPULAYER_AUTH"] = "off"
     run_tag = time.strftime("%H%M%S")
     try:
         examples = load_examples(examples_dir, run_tag) if examples_dir.exists() else []
@@ -251,7 +293,11 @@ async def _run(
 ) -> int:
     await _ensure_database(stack.database_url)
     start_services(stack, console, env)
-    nc = await connect(stack.nats_url, "gpulayer-dev")
+    nc = await connect(
+        stack.nats_url,
+        "gpulayer-dev",
+        creds=stack.creds.get("dev") or env.get("GPULAYER_NATS_CREDS") or None,
+    )
     try:
         await ensure_streams(nc.jetstream())
         # Ready means placement answers and knows this machine: before the examples, and
@@ -262,19 +308,39 @@ async def _run(
         )
         if once:
             return 0 if ok else 1
-        console.print("serving; publish jobs to [bold]gpulayer.jobs.submit[/bold]. Ctrl-C stops.")
-        cli = _cli_command()
-        if stack.nats_url == DEFAULT_NATS_URL:
-            console.print(f"in another shell: [bold]{cli} nodes[/bold], [bold]{cli} jobs[/bold]")
-        else:
-            console.print(
-                f"in another shell: [bold]export GPULAYER_NATS_URL={stack.nats_url}[/bold], "
-                f"then [bold]{cli} nodes[/bold], [bold]{cli} jobs[/bold]"
-            )
+        console.print(_serving_line(stack))
+        console.print(_hint(stack))
         await _serve(nc, stack, console)
         return 0
     finally:
         await nc.drain()
+
+
+def _serving_line(stack: Stack) -> str:
+    if "user" not in stack.creds:
+        return "serving; publish jobs to [bold]gpulayer.jobs.submit[/bold]. Ctrl-C stops."
+    auth = Path(stack.creds["user"]).parent
+    return (
+        f"serving, locked: NATS wants credentials ({auth}: user-{DEV_USER}.creds for you, one "
+        f"per service, admin-{DEV_ADMIN}.creds); as {DEV_USER}, publish jobs to "
+        f"[bold]gpulayer.jobs.submit.{DEV_USER}[/bold]. Ctrl-C stops."
+    )
+
+
+def _hint(stack: Stack) -> str:
+    """What another shell needs: the URL when NATS isn't on its usual port, the user's
+    credential when the CLI won't find it by itself (a data folder other than ./.gpulayer)."""
+    exports = []
+    if stack.nats_url != DEFAULT_NATS_URL:
+        exports.append(f"export GPULAYER_NATS_URL={stack.nats_url}")
+    user = stack.creds.get("user")
+    found_alone = dev_store(DEFAULT_DATA_DIR).creds_path("user", DEV_USER).absolute()
+    if user and Path(user).absolute() != found_alone:
+        exports.append(f"export GPULAYER_NATS_CREDS={user}")
+    cli = _cli_command()
+    then = "then " if exports else ""
+    steps = "".join(f"[bold]{e}[/bold], " for e in exports)
+    return f"in another shell: {steps}{then}[bold]{cli} nodes[/bold], [bold]{cli} jobs[/bold]"
 
 
 async def _run_examples(
@@ -288,12 +354,14 @@ async def _run_examples(
 ) -> bool:
     if not examples:
         return True
+    owner = DEV_USER if "user" in stack.creds else ANONYMOUS
     by_id = {e.job.job_id: e for e in examples}
     for e in examples:
         console.print(
             f"submitting {e.path.name} as [bold]{e.job.job_id}[/bold] (expect: {e.expect})"
         )
-        await submit(nc, e.job)  # type: ignore[arg-type]
+        # As the dev user when NATS is locked: the jobs are the user's, seen by the CLI as its own.
+        await submit(nc, e.job, owner=owner)  # type: ignore[arg-type]
     outcome: dict[str, str] = {}
 
     async def watch() -> None:
@@ -301,6 +369,7 @@ async def _run_examples(
             nc,  # type: ignore[arg-type]
             list(by_id),
             stop_when=lambda ev: _settled(by_id[ev.job_id], ev),
+            owner=owner,
         ):
             print_event(console, event)
             if _settled(by_id[event.job_id], event):
@@ -365,7 +434,7 @@ async def _serve(nc: object, stack: Stack, console: Console) -> None:
         with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
             print_event(console, event_decoder.decode(msg.data))  # type: ignore[attr-defined]
 
-    await nc.subscribe("gpulayer.job.*.events", cb=cb)  # type: ignore[attr-defined]
+    await nc.subscribe(JOB_WILDCARD_EVENTS, cb=cb)  # type: ignore[attr-defined]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

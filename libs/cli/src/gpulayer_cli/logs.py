@@ -9,18 +9,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-from typing import TextIO
+from collections.abc import Mapping
+from typing import Any, TextIO
 
 import msgspec
 import nats
 import nats.errors
 import nats.js.errors
+from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js import JetStreamContext
+from nats.js.api import DeliverPolicy
 
+from gpulayer_cli.client import read_subject
 from gpulayer_contracts.codec import log_line_decoder
 from gpulayer_contracts.events import TERMINAL_EVENT_TYPES
-from gpulayer_contracts.subjects import job_events, job_logs
+from gpulayer_contracts.subjects import ANONYMOUS, job_events, job_logs
+from gpulayer_runtime.nats import connect
 
 LOGS_STREAM = "LOGS"
 EVENTS_STREAM = "JOB_EVENTS"
@@ -58,46 +62,64 @@ class _Printer:
             self.reached.set()
 
 
-async def _last_seq(js: JetStreamContext, stream: str, subject: str) -> int | None:
+async def _last_seq(nc: Client, stream: str, subject: str) -> int | None:
+    """The stream sequence of ``subject``'s last stored message, None when there is none."""
+    last: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    async def cb(msg: Msg) -> None:
+        if not last.done():
+            last.set_result(msg.metadata.sequence.stream)
+
+    sub, stored = await read_subject(nc, stream, subject, cb, DeliverPolicy.LAST)
     try:
-        msg = await js.get_last_msg(stream, subject)
-    except nats.js.errors.NotFoundError:
-        return None
-    return msg.seq
+        return await asyncio.wait_for(last, 10) if stored else None
+    finally:
+        await sub.unsubscribe()
 
 
 async def run_logs(
-    nats_url: str, job_id: str, *, follow: bool, out: TextIO, err: TextIO | None = None
+    nats_url: str,
+    job_id: str,
+    *,
+    follow: bool,
+    out: TextIO,
+    err: TextIO | None = None,
+    owner: str = ANONYMOUS,
+    connect_args: Mapping[str, Any] | None = None,
 ) -> int:
-    """Print the job's output lines; with ``follow`` until the job has ended. Exit status:
-    0, or 1 when the job is unknown / NATS can't be reached, 2 for an invalid job id."""
+    """Print ``owner``'s job's output lines; with ``follow`` until the job has ended. Exit
+    status: 0, or 1 when the job is unknown / NATS can't be reached, 2 for an invalid job id.
+    ``connect_args``: credentials and TLS files for ``gpulayer_runtime.nats.connect``."""
     err = err or sys.stderr
     try:
-        logs_subject, events_subject = job_logs(job_id), job_events(job_id)
+        logs_subject, events_subject = job_logs(job_id, owner), job_events(job_id, owner)
     except ValueError as e:
         err.write(f"gpulayer logs: {e}\n")
         return 2
     try:
-        nc = await nats.connect(
-            nats_url, name="gpulayer-logs", connect_timeout=5, max_reconnect_attempts=3
+        nc = await connect(
+            nats_url,
+            "gpulayer-logs",
+            connect_timeout=5,
+            max_reconnect_attempts=3,
+            **dict(connect_args or {}),
         )
     except (nats.errors.Error, OSError) as e:
         err.write(f"gpulayer logs: cannot reach NATS at {nats_url}: {e}\n")
         return 3  # as every other command that can't reach the stack
     try:
-        js = nc.jetstream()
         printer = _Printer(out)
         try:
-            last = await _last_seq(js, LOGS_STREAM, logs_subject)
+            last = await _last_seq(nc, LOGS_STREAM, logs_subject)
             if not follow:
                 if last is None:
-                    if await _last_seq(js, EVENTS_STREAM, events_subject) is None:
+                    if await _last_seq(nc, EVENTS_STREAM, events_subject) is None:
                         err.write(f"gpulayer logs: no logs or events for job {job_id}\n")
                         return 1
                     return 0
-                await _print_until(js, logs_subject, printer, last)
+                await _print_until(nc, logs_subject, printer, last)
                 return 0
-            return await _follow(js, logs_subject, events_subject, printer)
+            return await _follow(nc, logs_subject, events_subject, printer)
         except nats.js.errors.NotFoundError:
             err.write(
                 "gpulayer logs: the LOGS and JOB_EVENTS streams do not exist (is gpulayer running?)\n"
@@ -108,18 +130,16 @@ async def run_logs(
             await nc.close()
 
 
-async def _print_until(js: JetStreamContext, subject: str, printer: _Printer, last: int) -> None:
+async def _print_until(nc: Client, subject: str, printer: _Printer, last: int) -> None:
     printer.until(last)
-    sub = await js.subscribe(subject, ordered_consumer=True, cb=printer.on_msg)
+    sub, _ = await read_subject(nc, LOGS_STREAM, subject, printer.on_msg)
     try:
         await printer.reached.wait()
     finally:
         await sub.unsubscribe()
 
 
-async def _follow(
-    js: JetStreamContext, logs_subject: str, events_subject: str, printer: _Printer
-) -> int:
+async def _follow(nc: Client, logs_subject: str, events_subject: str, printer: _Printer) -> int:
     ended = asyncio.Event()
 
     async def on_event(msg: Msg) -> None:
@@ -128,13 +148,13 @@ async def _follow(
             if isinstance(raw, dict) and raw.get("type") in TERMINAL_EVENT_TYPES:
                 ended.set()
 
-    logs_sub = await js.subscribe(logs_subject, ordered_consumer=True, cb=printer.on_msg)
-    events_sub = await js.subscribe(events_subject, ordered_consumer=True, cb=on_event)
+    logs_sub, _ = await read_subject(nc, LOGS_STREAM, logs_subject, printer.on_msg)
+    events_sub, _ = await read_subject(nc, EVENTS_STREAM, events_subject, on_event)
     try:
         await ended.wait()
         # The executor publishes a job's lines before its terminal event: print up to the last
         # line stored now, then stop.
-        last = await _last_seq(js, LOGS_STREAM, logs_subject)
+        last = await _last_seq(nc, LOGS_STREAM, logs_subject)
         if last is not None:
             printer.until(last)
             with contextlib.suppress(TimeoutError):

@@ -30,10 +30,18 @@ from gpulayer_contracts import (
 EXIT_FAILED, EXIT_INVALID, EXIT_UNREACHABLE = 1, 2, 3
 
 
-def _nats_url() -> str:
-    from gpulayer_runtime.settings import nats_url
+def _nats() -> Any:
+    """The CLI's NATS settings (``gpulayer_cli.identity``)."""
+    from gpulayer_cli.identity import cli_nats_settings
 
-    return nats_url(os.environ)
+    return cli_nats_settings(os.environ)
+
+
+def _me() -> str:
+    """The name this CLI submits and asks as (its credentials' identity)."""
+    from gpulayer_cli.identity import whoami
+
+    return whoami(_nats())
 
 
 def _console() -> Console:
@@ -56,6 +64,7 @@ def cmd_dev_up(args: argparse.Namespace) -> int:
         data_dir=Path(args.data_dir),
         timeout_s=args.timeout,
         console=_console(),
+        auth=not args.no_auth,
     )
 
 
@@ -83,13 +92,26 @@ async def _quiet(err: Exception) -> None:
     """The CLI reports a failed connection once, itself, instead of per attempt."""
 
 
-async def _with_nats(fn: Callable[[Any], Awaitable[int]]) -> int:
-    from nats.errors import NoServersError
+async def _with_nats(fn: Callable[[Any], Awaitable[int]], *, quiet: bool = False) -> int:
+    """Connect as the CLI's identity and run ``fn``; failures to connect are one line (none
+    with ``quiet``) and exit status 3, a bad setting exit status 2."""
+    import nats.errors
 
     from gpulayer_cli.client import ApiFailed, ApiUnavailable
+    from gpulayer_runtime.auth import AuthError
     from gpulayer_runtime.nats import connect
+    from gpulayer_runtime.settings import ConfigError
 
-    url = _nats_url()
+    def say(text: str) -> None:
+        if not quiet:
+            print(f"gpulayer: {text}", file=sys.stderr)
+
+    try:
+        settings = _nats()
+    except (ConfigError, AuthError) as err:
+        say(str(err))
+        return EXIT_INVALID
+    url = settings.url
     try:
         nc = await asyncio.wait_for(
             connect(
@@ -98,14 +120,25 @@ async def _with_nats(fn: Callable[[Any], Awaitable[int]]) -> int:
                 max_reconnect_attempts=0,
                 allow_reconnect=False,
                 error_cb=_quiet,
+                **settings.connect_args(),
             ),
             5,
         )
-    except (OSError, TimeoutError, NoServersError) as err:
-        print(
-            f"gpulayer: cannot reach NATS at {url}: {str(err) or 'no server answered'}",
-            file=sys.stderr,
-        )
+    except nats.errors.Error as err:
+        if "authorization" in str(err).lower():
+            say(
+                f"NATS at {url} refused the connection: "
+                + (
+                    f"credentials {settings.creds} are not valid there"
+                    if settings.creds
+                    else "it needs credentials (GPULAYER_NATS_CREDS; docs/security.md)"
+                )
+            )
+        else:
+            say(f"cannot reach NATS at {url}: {str(err) or 'no server answered'}")
+        return EXIT_UNREACHABLE
+    except (OSError, TimeoutError) as err:
+        say(f"cannot reach NATS at {url}: {str(err) or 'no server answered'}")
         return EXIT_UNREACHABLE
     try:
         return await fn(nc)
@@ -138,7 +171,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     async def go(nc: Any) -> int:
         existing = await _known_job(nc, job.job_id)
         if existing is None:
-            await submit(nc, job, os.environ.get("TRACEPARENT"))
+            await submit(nc, job, os.environ.get("TRACEPARENT"), owner=_me())
         elif not _same_request(existing.get("request"), job):
             print(
                 f"gpulayer: job id {job.job_id!r} already names a different job "
@@ -157,7 +190,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
             print(job.job_id)
             return 0
         last = ""
-        async for event in follow_events(nc, [job.job_id]):
+        owner = (existing or {}).get("owner") or _me()
+        async for event in follow_events(nc, [job.job_id], owner=owner):
             if args.json:
                 from gpulayer_contracts import encode
 
@@ -186,7 +220,7 @@ async def _known_job(nc: Any, job_id: str) -> dict[str, Any] | None:
     from gpulayer_contracts.subjects import API_JOB
 
     try:
-        record = await api(nc, API_JOB, {"job_id": job_id}, timeout=2.0)
+        record = await api(nc, API_JOB, {"job_id": job_id}, timeout=2.0, caller=_me())
     except (ApiFailed, ApiUnavailable):
         return None
     return record if isinstance(record, dict) else None
@@ -208,7 +242,7 @@ def _api_command(
         from gpulayer_cli.client import api
 
         async def go(nc: Any) -> int:
-            data = await api(nc, subject, payload(args))
+            data = await api(nc, subject, payload(args), caller=_me())
             if args.json:
                 print(json.dumps(data, indent=2, default=str))
             else:
@@ -240,8 +274,8 @@ def cmd_job(args: argparse.Namespace) -> int:
     from gpulayer_contracts.subjects import API_JOB
 
     async def go(nc: Any) -> int:
-        record = await api(nc, API_JOB, {"job_id": args.job_id})
-        events = await history(nc, args.job_id)
+        record = await api(nc, API_JOB, {"job_id": args.job_id}, caller=_me())
+        events = await history(nc, args.job_id, owner=record.get("owner") or _me())
         if args.json:
             print(
                 json.dumps(
@@ -259,7 +293,7 @@ def cmd_job(args: argparse.Namespace) -> int:
         )
         console.print(
             f"[bold]{record['job_id']}[/bold] {record['state']} {where}, "
-            f"submitted {str(record['submitted_at'])[:19]}"
+            f"submitted {str(record['submitted_at'])[:19]} by {record.get('owner', 'anonymous')}"
         )
         for event in events:
             print_event(console, event)
@@ -303,7 +337,35 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 def cmd_logs(args: argparse.Namespace) -> int:
     from gpulayer_cli.logs import run_logs
 
-    return int(asyncio.run(run_logs(_nats_url(), args.job_id, follow=args.follow, out=sys.stdout)))
+    nats = _nats()
+    owner = asyncio.run(_owner_of(args.job_id))
+    return int(
+        asyncio.run(
+            run_logs(
+                nats.url,
+                args.job_id,
+                follow=args.follow,
+                out=sys.stdout,
+                owner=owner,
+                connect_args=nats.connect_args(),
+            )
+        )
+    )
+
+
+async def _owner_of(job_id: str) -> str:
+    """Whose job this is, as placement recorded it; the CLI's own name when placement can't
+    say (a user reads only its own jobs anyway)."""
+    me = _me()
+
+    async def ask(nc: Any) -> int:
+        record = await _known_job(nc, job_id)
+        found.append(str((record or {}).get("owner") or me))
+        return 0
+
+    found: list[str] = []
+    await _with_nats(ask, quiet=True)
+    return found[0] if found else me
 
 
 def cmd_dlq(args: argparse.Namespace) -> int:
@@ -343,7 +405,16 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--examples", default="examples", help="folder of example job files")
     up.add_argument("--data-dir", default=".gpulayer", help="where servers keep their data")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the examples")
+    up.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="NATS without credentials: anyone who reaches it may do anything (GPULAYER_AUTH=off)",
+    )
     up.set_defaults(fn=cmd_dev_up)
+
+    from gpulayer_cli.auth_cmd import add_parser as add_auth_parser
+
+    add_auth_parser(sub)
 
     keys = sub.add_parser("keys", help="placement's grant signing key")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)

@@ -29,8 +29,9 @@ class Grant(Wire, frozen=True):
     devices: list[int] = []
     visible_env: dict[str, str] = {}
     granted_at: datetime = msgspec.field(default_factory=utcnow)
-    # Who submitted the job, as placement established it (never the job's own payload): the
-    # executor picks the local account the job runs as by it. "anonymous" without auth.
+    # Who submitted the job, as placement established it from the submit subject (never the
+    # job's own payload): the executor publishes the job's events and logs under it, and picks
+    # the local account the job runs as by it. "anonymous" without auth.
     owner: str = "anonymous"
 
 
@@ -62,7 +63,7 @@ class CancelJob(Wire, frozen=True):
 
 
 class LogLine(Wire, frozen=True):
-    """One output line of a job on ``gpulayer.job.<job>.logs``."""
+    """One output line of a job on ``gpulayer.job.<owner>.<job>.logs``."""
 
     job_id: str
     stream: Literal["stdout", "stderr"]
@@ -70,12 +71,14 @@ class LogLine(Wire, frozen=True):
     at: datetime = msgspec.field(default_factory=utcnow)
 
 
-# --- Job events: one tagged union on gpulayer.job.<job>.events, tag field "type". ---
+# --- Job events: one tagged union on gpulayer.job.<owner>.<job>.events, tag field "type". ---
 
 
 class JobEvent(Wire, frozen=True, tag_field="type"):
     job_id: str
     at: datetime = msgspec.field(default_factory=utcnow)
+    # The job's owner: its events are published on gpulayer.job.<owner>.<job>.events.
+    owner: str = "anonymous"
 
 
 class Accepted(JobEvent, frozen=True, tag="accepted", kw_only=True):

@@ -11,7 +11,12 @@ import msgspec
 
 PREFIX = "gpulayer"
 
+# Bare: owner "anonymous" (auth off, or an admin); with a last token: that owner's submits.
 JOBS_SUBMIT = f"{PREFIX}.jobs.submit"
+JOBS_SUBMIT_OWNED = f"{PREFIX}.jobs.submit.*"
+# Both of the above, as one consumer filter.
+JOBS_SUBMIT_ALL = f"{PREFIX}.jobs.>"
+ANONYMOUS = "anonymous"
 
 NODE_WILDCARD_CAPABILITIES = f"{PREFIX}.node.*.capabilities"
 NODE_WILDCARD_HEARTBEAT = f"{PREFIX}.node.*.heartbeat"
@@ -19,8 +24,9 @@ NODE_WILDCARD_GRANTS = f"{PREFIX}.node.*.grants"
 NODE_WILDCARD_STATUS = f"{PREFIX}.node.*.status"
 NODE_WILDCARD_CONTROL = f"{PREFIX}.node.*.control"
 NODE_WILDCARD_DOCTOR = f"{PREFIX}.node.*.doctor"
-JOB_WILDCARD_EVENTS = f"{PREFIX}.job.*.events"
-JOB_WILDCARD_LOGS = f"{PREFIX}.job.*.logs"
+# gpulayer.job.<owner>.<job>.events|logs: a user's credential may read only its own owner token.
+JOB_WILDCARD_EVENTS = f"{PREFIX}.job.*.*.events"
+JOB_WILDCARD_LOGS = f"{PREFIX}.job.*.*.logs"
 DLQ_WILDCARD = f"{PREFIX}.dlq.>"
 
 API_NODES = f"{PREFIX}.api.nodes"
@@ -29,6 +35,9 @@ API_JOB = f"{PREFIX}.api.job"
 API_EXPLAIN = f"{PREFIX}.api.explain"
 API_CANCEL = f"{PREFIX}.api.cancel"
 API_MATRIX = f"{PREFIX}.api.matrix"
+# Placement answers ``gpulayer.api.<verb>`` (caller anonymous) and ``gpulayer.api.<verb>.<caller>``
+# (only the caller's credential may publish there, so the token names who asks).
+API_VERBS = (API_NODES, API_JOBS, API_JOB, API_EXPLAIN, API_CANCEL, API_MATRIX)
 
 # Header names. Nats-Msg-Id is JetStream's own dedupe header.
 MSG_ID_HEADER = "Nats-Msg-Id"
@@ -56,6 +65,30 @@ def _token(value: str, what: str) -> str:
     return value
 
 
+def valid_owner(owner: str) -> str:
+    """``owner`` when it can be a subject token, else ``anonymous``: a grant from an older or
+    broken sender never stops its job's reports (they go where no user reads)."""
+    try:
+        return _token(owner, "owner")
+    except ValueError:
+        return ANONYMOUS
+
+
+def jobs_submit(owner: str = ANONYMOUS) -> str:
+    """Where ``owner`` submits jobs; the owner's credentials are the only ones that may."""
+    return JOBS_SUBMIT if owner == ANONYMOUS else f"{JOBS_SUBMIT}.{_token(owner, 'owner')}"
+
+
+def owner_from_submit(subject: str) -> str:
+    """The owner a submit subject names: ``anonymous`` for the bare subject."""
+    if subject == JOBS_SUBMIT:
+        return ANONYMOUS
+    head, _, owner = subject.rpartition(".")
+    if head != JOBS_SUBMIT or not owner:
+        raise ValueError(f"not a submit subject: {subject!r}")
+    return owner
+
+
 def node_capabilities(node_id: str) -> str:
     return f"{PREFIX}.node.{_token(node_id, 'node id')}.capabilities"
 
@@ -81,12 +114,33 @@ def node_doctor(node_id: str) -> str:
     return f"{PREFIX}.node.{_token(node_id, 'node id')}.doctor"
 
 
-def job_events(job_id: str) -> str:
-    return f"{PREFIX}.job.{_token(job_id, 'job id')}.events"
+def job_events(job_id: str, owner: str = ANONYMOUS) -> str:
+    """Where a job's events go: under its owner, whose credential alone may read them."""
+    return f"{PREFIX}.job.{_token(owner, 'owner')}.{_token(job_id, 'job id')}.events"
 
 
-def job_logs(job_id: str) -> str:
-    return f"{PREFIX}.job.{_token(job_id, 'job id')}.logs"
+def job_logs(job_id: str, owner: str = ANONYMOUS) -> str:
+    return f"{PREFIX}.job.{_token(owner, 'owner')}.{_token(job_id, 'job id')}.logs"
+
+
+def owner_jobs(owner: str) -> str:
+    """Every event and log subject of ``owner``'s jobs."""
+    return f"{PREFIX}.job.{_token(owner, 'owner')}.>"
+
+
+def api_subject(verb_subject: str, caller: str = ANONYMOUS) -> str:
+    """``gpulayer.api.<verb>`` asked as ``caller`` (``API_JOBS`` ... as ``verb_subject``)."""
+    return verb_subject if caller == ANONYMOUS else f"{verb_subject}.{_token(caller, 'caller')}"
+
+
+def api_caller(subject: str) -> str:
+    """Who asked on an API subject: its fourth token, ``anonymous`` when there is none."""
+    parts = subject.split(".")
+    if len(parts) == 3:
+        return ANONYMOUS
+    if len(parts) != 4 or not parts[3]:
+        raise ValueError(f"not an API subject: {subject!r}")
+    return parts[3]
 
 
 def dlq_subject(stream: str) -> str:
@@ -103,10 +157,11 @@ def node_from_subject(subject: str) -> str:
 
 
 def job_from_subject(subject: str) -> str:
+    """The job id token of a ``gpulayer.job.<owner>.<job>.<kind>`` subject."""
     parts = subject.split(".")
-    if len(parts) != 4 or parts[0] != PREFIX or parts[1] != "job":
+    if len(parts) != 5 or parts[0] != PREFIX or parts[1] != "job":
         raise ValueError(f"not a job subject: {subject!r}")
-    return parts[2]
+    return parts[3]
 
 
 class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -130,7 +185,7 @@ STREAMS: tuple[StreamSpec, ...] = (
     ),
     StreamSpec(
         name="JOBS",
-        subjects=[JOBS_SUBMIT],
+        subjects=[JOBS_SUBMIT, JOBS_SUBMIT_OWNED],
         retention="workqueue",
         # Within this window JetStream drops a re-published job id itself; after it, placement's
         # primary key on job_id still makes a second submission the same job.

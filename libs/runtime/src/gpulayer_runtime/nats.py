@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import ssl
 
 import nats
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError
+from nats.js.errors import BadRequestError, NotFoundError
 
 from gpulayer_contracts.subjects import STREAMS, StreamSpec
+from gpulayer_runtime import roles
+from gpulayer_runtime.auth import identity_of
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +40,43 @@ def stream_config(spec: StreamSpec, *, prefix: str = "") -> StreamConfig:
     )
 
 
-async def connect(url: str, name: str, **kwargs: object) -> Client:
-    """Connect with reconnects forever: a NATS restart must not end a service."""
+def server_list(url: str) -> list[str]:
+    """``GPULAYER_NATS_URL`` may name several servers of one cluster, comma-separated."""
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    if not servers:
+        raise ValueError(f"no NATS server URL in {url!r}")
+    return servers
+
+
+def tls_context(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLContext | None:
+    """A client TLS context: verify the server against ``ca`` (else the system's CAs), present
+    ``cert``/``key`` when given. None when no TLS setting is given (``tls://`` URLs still
+    get the system's default context from nats-py)."""
+    if not (ca or cert or key):
+        return None
+    if bool(cert) != bool(key):
+        raise ValueError("GPULAYER_NATS_TLS_CERT and GPULAYER_NATS_TLS_KEY go together")
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca or None)
+    if cert and key:
+        ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+async def connect(
+    url: str,
+    name: str,
+    *,
+    creds: str | None = None,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    inbox_prefix: str | None = None,
+    **kwargs: object,
+) -> Client:
+    """Connect with reconnects forever: a NATS restart must not end a service. ``url``: one
+    or more server URLs, comma-separated; ``creds``: a ``.creds`` file (NATS JWT auth);
+    ``tls_*``: files for TLS; ``inbox_prefix``: this identity's reply subjects (its
+    permissions let only it read there)."""
 
     async def on_error(err: Exception) -> None:
         log.warning("nats error: %s", err)
@@ -57,8 +96,16 @@ async def connect(url: str, name: str, **kwargs: object) -> Client:
         "disconnected_cb": on_disconnect,
         "reconnected_cb": on_reconnect,
     }
+    if creds:
+        options["user_credentials"] = creds
+        if inbox_prefix is None and (identity := identity_of(creds)) is not None:
+            inbox_prefix = roles.inbox_prefix(*identity)
+    if (ctx := tls_context(tls_ca, tls_cert, tls_key)) is not None:
+        options["tls"] = ctx
+    if inbox_prefix:
+        options["inbox_prefix"] = inbox_prefix
     options.update(kwargs)
-    return await nats.connect(url, **options)
+    return await nats.connect(server_list(url), **options)
 
 
 async def ensure_streams(js: JetStreamContext) -> None:
@@ -70,3 +117,27 @@ async def ensure_streams(js: JetStreamContext) -> None:
         except BadRequestError:
             # Exists with another config (an older version declared it): bring it up to date.
             await js.update_stream(config)
+
+
+async def wait_for_streams(
+    js: JetStreamContext, names: list[str], *, poll_s: float = 0.5, timeout_s: float | None = None
+) -> None:
+    """Wait until placement has declared the streams ``names``: services other than placement
+    have no right to create streams (docs/security.md). ``timeout_s`` None: wait forever."""
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout_s is None else loop.time() + timeout_s
+    for name in names:
+        warned = False
+        while True:
+            try:
+                await js.stream_info(name)
+                break
+            except NotFoundError:
+                if deadline is not None and loop.time() > deadline:
+                    raise TimeoutError(
+                        f"stream {name} does not exist (is placement running?)"
+                    ) from None
+                if not warned:
+                    log.info("waiting for stream %s (placement declares it)", name)
+                    warned = True
+                await asyncio.sleep(poll_s)

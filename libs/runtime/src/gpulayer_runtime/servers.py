@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import shutil
 import socket
@@ -18,6 +19,8 @@ import sysconfig
 import time
 from pathlib import Path
 from types import TracebackType
+
+import msgspec
 
 _PG_SYSTEM_USER = "gpulayer_pg"
 
@@ -91,22 +94,63 @@ def postgres_bin_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
 
 
+class NatsTls(msgspec.Struct, frozen=True, kw_only=True):
+    """The server's certificate and key, and the CA it checks client certificates against
+    (``verify``: clients must present one)."""
+
+    cert: Path
+    key: Path
+    ca: Path | None = None
+    verify: bool = False
+
+
 class EmbeddedNats:
-    """A nats-server with JetStream, storing under ``data_dir``."""
+    """A nats-server with JetStream, storing under ``data_dir``. ``auth_conf``: the server part
+    of gpulayer's auth (``AuthStore.server_conf``); without it, anyone who reaches the port
+    may do anything (``GPULAYER_AUTH=off``)."""
 
     def __init__(
-        self, data_dir: Path, port: int | None = None, monitor_port: int | None = None
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        monitor_port: int | None = None,
+        *,
+        auth_conf: Path | None = None,
+        tls: NatsTls | None = None,
     ) -> None:
         # Absolute: the servers change their working directory (PostgreSQL into its data
         # directory), so a relative socket or lock path would point elsewhere.
         self.data_dir = Path(data_dir).absolute()
         self.port = port or free_port()
         self.monitor_port = monitor_port or free_port()
+        self.auth_conf = auth_conf
+        self.tls = tls
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://127.0.0.1:{self.port}"
+
+    def _config_file(self) -> Path | None:
+        if self.auth_conf is None and self.tls is None:
+            return None
+        lines = []
+        if self.auth_conf is not None:
+            lines.append(Path(self.auth_conf).read_text())
+        if self.tls is not None:
+            lines.append("tls {")
+            lines.append(f"  cert_file: {json.dumps(str(self.tls.cert))}")
+            lines.append(f"  key_file: {json.dumps(str(self.tls.key))}")
+            if self.tls.ca is not None:
+                lines.append(f"  ca_file: {json.dumps(str(self.tls.ca))}")
+            lines.append(f"  verify: {'true' if self.tls.verify else 'false'}")
+            lines.append("}")
+        conf = self.data_dir / "nats.conf"
+        # It embeds the operator's and accounts' JWTs (public) but nothing secret; still 0600.
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        return conf
 
     def start(self, timeout: float = 15.0) -> EmbeddedNats:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -120,6 +164,8 @@ class EmbeddedNats:
             "-sd", str(self.data_dir / "jetstream"),
             "-l", str(log),
         ]  # fmt: skip
+        if (conf := self._config_file()) is not None:
+            argv += ["-c", str(conf)]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait_for_port(self.port, self.proc, "nats-server", log, timeout)
         return self

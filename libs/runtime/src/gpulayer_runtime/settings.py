@@ -9,6 +9,8 @@ import socket
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
+import msgspec
+
 from gpulayer_runtime.logs import setup_logging
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
@@ -52,6 +54,47 @@ def env_int(env: Mapping[str, str], name: str, default: int) -> int:
 
 def nats_url(env: Mapping[str, str] | None = None) -> str:
     return env_str(os.environ if env is None else env, "GPULAYER_NATS_URL", DEFAULT_NATS_URL)
+
+
+class NatsSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """How to reach and log into NATS: passed to ``gpulayer_runtime.nats.connect``."""
+
+    url: str = DEFAULT_NATS_URL
+    creds: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    def connect_args(self) -> dict[str, str | None]:
+        return {
+            "creds": self.creds,
+            "tls_ca": self.tls_ca,
+            "tls_cert": self.tls_cert,
+            "tls_key": self.tls_key,
+        }
+
+
+def _env_file(env: Mapping[str, str], name: str) -> str | None:
+    value = env.get(name, "").strip()
+    if value and not os.path.isfile(value):
+        raise ConfigError(f"{name}={value!r}: no such file")
+    return value or None
+
+
+def nats_settings(env: Mapping[str, str] | None = None) -> NatsSettings:
+    """``GPULAYER_NATS_URL`` (comma-separated servers), ``GPULAYER_NATS_CREDS`` (a .creds
+    file), ``GPULAYER_NATS_TLS_CA`` / ``_CERT`` / ``_KEY`` (PEM files)."""
+    env = os.environ if env is None else env
+    settings = NatsSettings(
+        url=nats_url(env),
+        creds=_env_file(env, "GPULAYER_NATS_CREDS"),
+        tls_ca=_env_file(env, "GPULAYER_NATS_TLS_CA"),
+        tls_cert=_env_file(env, "GPULAYER_NATS_TLS_CERT"),
+        tls_key=_env_file(env, "GPULAYER_NATS_TLS_KEY"),
+    )
+    if bool(settings.tls_cert) != bool(settings.tls_key):
+        raise ConfigError("GPULAYER_NATS_TLS_CERT and GPULAYER_NATS_TLS_KEY go together")
+    return settings
 
 
 def database_url(env: Mapping[str, str] | None = None) -> str:

@@ -15,13 +15,13 @@ from pathlib import Path
 from gpulayer_executor import users
 from gpulayer_executor.env import RunAs, base_environment
 from gpulayer_executor.service import ExecutorConfig
-from gpulayer_runtime.nats import connect, ensure_streams
+from gpulayer_runtime.nats import connect, wait_for_streams
 from gpulayer_runtime.settings import (
     ConfigError,
     env_float,
     env_int,
     env_str,
-    nats_url,
+    nats_settings,
     node_id,
     run_service,
 )
@@ -154,12 +154,12 @@ def settings(env: Mapping[str, str], *, euid: int | None = None) -> ExecutorConf
 
 async def _amain() -> None:
     env = os.environ
-    url = nats_url(env)
+    nats = nats_settings(env)
     config = settings(env)
     log.info(
         "settings: nats=%s node=%s workdir=%s user=%s kill_grace_s=%s max_jobs=%s drain_s=%s "
         "signed grants=%s (%d keys, max age %ss)",
-        url,
+        nats,
         config.node_id,
         config.workdir,
         config.run_as.name if config.run_as else "(executor's own)",
@@ -187,9 +187,11 @@ async def _amain() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     telemetry = setup_telemetry("gpulayer-executor", env)
-    nc = await connect(url, f"gpulayer-executor-{config.node_id}")
+    nc = await connect(nats.url, f"gpulayer-executor-{config.node_id}", **nats.connect_args())
     try:
-        await ensure_streams(nc.jetstream())
+        # Placement declares the streams (all at once); a node's credential may not, and may
+        # look up only those it consumes (docs/security.md).
+        await wait_for_streams(nc.jetstream(), ["GRANTS", "CONTROL"])
         await Executor(nc, config, telemetry).run(stop)
     finally:
         await nc.drain()

@@ -230,6 +230,7 @@ class JobRunner:
             self._nc,
             self._js,
             grant.job.job_id,
+            owner=grant.owner,
             max_backlog_bytes=self._config.max_log_backlog_bytes,
         )
         sink.start()

@@ -24,7 +24,7 @@ from nats.js.api import PubAck
 
 from gpulayer_contracts.codec import encode
 from gpulayer_contracts.events import LogLine
-from gpulayer_contracts.subjects import job_logs
+from gpulayer_contracts.subjects import job_logs, valid_owner
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,7 @@ class LogSink:
         js: JetStreamContext,
         job_id: str,
         *,
+        owner: str = "anonymous",
         max_backlog_bytes: int = 1 << 20,
         max_in_flight: int = 256,
         max_bytes_per_s: int = 1 << 20,
@@ -119,7 +120,7 @@ class LogSink:
         # Plain publishes for the lines between acked sync points (they need no ack each).
         self._nc = nc
         self.job_id = job_id
-        self.subject = job_logs(job_id)
+        self.subject = job_logs(job_id, valid_owner(owner))
         self.max_backlog_bytes = max_backlog_bytes
         self.max_in_flight = max_in_flight
         # A token bucket in backlog bytes (line + 64), one second deep: what a job may have

@@ -23,7 +23,7 @@ from gpulayer_contracts.events import (
     Running,
     Succeeded,
 )
-from gpulayer_contracts.subjects import MSG_ID_HEADER, job_events, node_status
+from gpulayer_contracts.subjects import MSG_ID_HEADER, job_events, node_status, valid_owner
 from gpulayer_executor import state as st
 from gpulayer_executor.writer import DurableWriter
 
@@ -42,6 +42,7 @@ def int32_exit_code(code: int | None) -> int | None:
 def status_for(rec: st.GrantRecord, node_id: str) -> tuple[JobStatus, JobEvent]:
     """The status message and job event reporting the record's latest state. Pure."""
     job_id, grant_id = rec.job_id, rec.grant_id
+    owner = valid_owner(rec.grant.owner)
     out = rec.outcome
     if out is None:
         proc = rec.process
@@ -51,7 +52,7 @@ def status_for(rec: st.GrantRecord, node_id: str) -> tuple[JobStatus, JobEvent]:
             JobStatus(
                 job_id=job_id, grant_id=grant_id, node_id=node_id, state="running", pid=pid, at=at
             ),
-            Running(job_id=job_id, node_id=node_id, pid=pid, at=at),
+            Running(job_id=job_id, node_id=node_id, pid=pid, at=at, owner=owner),
         )
     status = JobStatus(
         job_id=job_id,
@@ -66,7 +67,9 @@ def status_for(rec: st.GrantRecord, node_id: str) -> tuple[JobStatus, JobEvent]:
     )
     event: JobEvent
     if out.state == "succeeded":
-        event = Succeeded(job_id=job_id, node_id=node_id, exit_code=out.exit_code or 0, at=out.at)
+        event = Succeeded(
+            job_id=job_id, node_id=node_id, exit_code=out.exit_code or 0, at=out.at, owner=owner
+        )
     elif out.state == "failed":
         event = Failed(
             job_id=job_id,
@@ -75,11 +78,12 @@ def status_for(rec: st.GrantRecord, node_id: str) -> tuple[JobStatus, JobEvent]:
             signal=out.signal,
             reason=out.reason,
             at=out.at,
+            owner=owner,
         )
     elif out.state == "cancelled":
-        event = Cancelled(job_id=job_id, node_id=node_id, reason=out.reason, at=out.at)
+        event = Cancelled(job_id=job_id, node_id=node_id, reason=out.reason, at=out.at, owner=owner)
     else:
-        event = Lost(job_id=job_id, node_id=node_id, reason=out.reason, at=out.at)
+        event = Lost(job_id=job_id, node_id=node_id, reason=out.reason, at=out.at, owner=owner)
     return status, event
 
 
@@ -113,7 +117,7 @@ class Reporter:
         # Independent streams: both in flight at once, one round trip instead of two.
         to_placement, to_user = await asyncio.gather(
             self._publish(node_status(self._node_id), encode(status), msg_id),
-            self._publish(job_events(rec.job_id), encode(event), msg_id),
+            self._publish(job_events(rec.job_id, event.owner), encode(event), msg_id),
         )
         return to_placement and to_user
 

@@ -11,10 +11,12 @@ from contextlib import AsyncExitStack
 
 from gpulayer_runtime.nats import connect, ensure_streams
 from gpulayer_runtime.settings import (
+    ConfigError,
     database_url,
     env_float,
     env_int,
-    nats_url,
+    env_str,
+    nats_settings,
     run_service,
 )
 from gpulayer_runtime.signing import signer_from_env
@@ -28,15 +30,16 @@ async def _amain() -> None:
     from gpulayer_placement.store import create_pool
 
     env = os.environ
-    url = nats_url(env)
+    nats = nats_settings(env)
     db = database_url(env)
     settings = Settings(
         node_timeout_s=env_float(env, "GPULAYER_NODE_TIMEOUT_S", 15.0),
         resend_after_s=env_float(env, "GPULAYER_GRANT_RESEND_S", 30.0),
         batch_size=env_int(env, "GPULAYER_PLACEMENT_BATCH", 256),
+        admins=_admins(env_str(env, "GPULAYER_ADMINS", "admin")),
     )
     signer = signer_from_env(env)
-    log.info("settings: nats=%s database=%s %s", url, _redact(db), settings)
+    log.info("settings: nats=%s database=%s %s", nats, _redact(db), settings)
     if signer is None:
         log.warning("grant signing is OFF: executors that require signatures refuse every grant")
     else:
@@ -48,7 +51,7 @@ async def _amain() -> None:
         loop.add_signal_handler(sig, stop.set)
     async with AsyncExitStack() as stack:
         stack.callback(telemetry.shutdown)
-        nc = await connect(url, "gpulayer-placement")
+        nc = await connect(nats.url, "gpulayer-placement", **nats.connect_args())
         stack.push_async_callback(nc.drain)
         await ensure_streams(nc.jetstream())
         pool = await create_pool(db)
@@ -67,6 +70,14 @@ async def _amain() -> None:
         if service.stop.is_set() and not stop.is_set():
             raise SystemExit("placement stopped after an internal failure (see log)")
         log.info("stopping")
+
+
+def _admins(raw: str) -> frozenset[str]:
+    names = frozenset(n.strip() for n in raw.split(",") if n.strip())
+    for name in names:
+        if any(c in name for c in ".*> \t"):
+            raise ConfigError(f"GPULAYER_ADMINS: {name!r} is not a valid identity name")
+    return names
 
 
 def _redact(url: str) -> str:

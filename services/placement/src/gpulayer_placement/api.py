@@ -1,5 +1,10 @@
 """Request/reply API on ``gpulayer.api.*`` for the CLI. One replica answers each request
 (queue group). Replies are JSON: ``{"ok": true, "data": ...}`` or ``{"ok": false, "error": "..."}``.
+
+Who asks is the subject's last token (``gpulayer.api.<verb>.<caller>``): only the caller's
+credential may publish there. The bare ``gpulayer.api.<verb>`` is the anonymous caller, which
+only an admin's credential reaches when auth is on, and everyone when it is off: both have every
+right. Others may cancel only their own jobs and see only their own jobs' env values.
 """
 
 from __future__ import annotations
@@ -20,12 +25,14 @@ from gpulayer_contracts.bounds import clip_text
 from gpulayer_contracts.codec import capabilities_decoder, job_request_decoder
 from gpulayer_contracts.matrix import SUPPORT_MATRIX
 from gpulayer_contracts.subjects import (
+    ANONYMOUS,
     API_CANCEL,
     API_EXPLAIN,
     API_JOB,
     API_JOBS,
     API_MATRIX,
     API_NODES,
+    api_caller,
 )
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.publisher import Publisher
@@ -34,6 +41,7 @@ from gpulayer_placement.store import Store
 log = logging.getLogger(__name__)
 
 QUEUE = "placement-api"
+REDACTED = "<redacted>"
 
 
 class ApiError(Exception):
@@ -76,6 +84,7 @@ class Api:
         fleet: Fleet,
         publisher: Publisher,
         forget: Callable[[str], None],
+        admins: frozenset[str] = frozenset({"admin"}),
     ) -> None:
         self.nc = nc
         self.js = js
@@ -83,11 +92,12 @@ class Api:
         self.fleet = fleet
         self.publisher = publisher
         self.forget = forget
+        self.admins = admins
         self.max_payload = 1 << 20  # the server's (set from its INFO when wired)
 
     async def subscribe(self) -> list[Any]:
         """One queue-group subscription per API subject; the caller unsubscribes them."""
-        routes: dict[str, Callable[[bytes], Awaitable[Any]]] = {
+        routes: dict[str, Callable[[bytes, str], Awaitable[Any]]] = {
             API_NODES: self.nodes,
             API_JOBS: self.jobs,
             API_JOB: self.job,
@@ -97,14 +107,22 @@ class Api:
         }
         return [
             await self.nc.subscribe(subject, queue=QUEUE, cb=self._wrap(handler))
-            for subject, handler in routes.items()
+            for verb, handler in routes.items()
+            for subject in (verb, f"{verb}.*")  # anonymous, and as a named caller
         ]
 
-    def _wrap(self, handler: Callable[[bytes], Awaitable[Any]]) -> Callable[[Msg], Awaitable[None]]:
+    def privileged(self, caller: str) -> bool:
+        """Admins, and the anonymous caller (auth off, or an admin on the bare subject)."""
+        return caller == ANONYMOUS or caller in self.admins
+
+    def _wrap(
+        self, handler: Callable[[bytes, str], Awaitable[Any]]
+    ) -> Callable[[Msg], Awaitable[None]]:
         async def cb(msg: Msg) -> None:
             try:
-                reply: dict[str, Any] = {"ok": True, "data": await handler(msg.data)}
-            except (ApiError, msgspec.ValidationError, msgspec.DecodeError) as err:
+                caller = api_caller(msg.subject)
+                reply: dict[str, Any] = {"ok": True, "data": await handler(msg.data, caller)}
+            except (ApiError, ValueError, msgspec.ValidationError, msgspec.DecodeError) as err:
                 reply = {"ok": False, "error": clip_text(str(err))}
             except RecursionError:
                 reply = {"ok": False, "error": "not valid JSON: nested too deeply"}
@@ -143,7 +161,7 @@ class Api:
                 return data
         return encode({"ok": False, "error": f"the reply ({len(data)} bytes) is too large"})
 
-    async def nodes(self, data: bytes) -> Any:
+    async def nodes(self, data: bytes, caller: str = ANONYMOUS) -> Any:
         async with self.pool.acquire() as conn:
             rows = await Store.fetch(conn, "list_nodes")
         out = []
@@ -164,7 +182,7 @@ class Api:
             )
         return out
 
-    async def jobs(self, data: bytes) -> Any:
+    async def jobs(self, data: bytes, caller: str = ANONYMOUS) -> Any:
         q = msgspec.json.decode(data or b"{}", type=_JobsQuery)
         async with self.pool.acquire() as conn:
             rows = await Store.fetch(conn, "list_jobs", q.state, min(max(q.limit, 1), 10_000))
@@ -177,13 +195,21 @@ class Api:
             raise ApiError(f"no job {job_id!r}")
         return dict(row)
 
-    async def job(self, data: bytes) -> Any:
+    async def job(self, data: bytes, caller: str = ANONYMOUS) -> Any:
+        """A job's record. Its env values only for its owner and admins: others see the names."""
         q = msgspec.json.decode(data, type=_JobQuery)
         row = await self._job_row(q.job_id)
-        row["request"] = msgspec.json.decode(row["request"])
+        request = msgspec.json.decode(row["request"])
+        if (
+            isinstance(request, dict)
+            and isinstance(request.get("env"), dict)
+            and not (self.privileged(caller) or row.get("owner") == caller)
+        ):
+            request["env"] = dict.fromkeys(request["env"], REDACTED)
+        row["request"] = request
         return {k: _iso(v) for k, v in row.items()}
 
-    async def explain(self, data: bytes) -> Any:
+    async def explain(self, data: bytes, caller: str = ANONYMOUS) -> Any:
         q = msgspec.json.decode(data, type=_JobQuery)
         row = await self._job_row(q.job_id)
         out: dict[str, Any] = {"job_id": q.job_id, "state": row["state"]}
@@ -206,13 +232,20 @@ class Api:
             )
         return out
 
-    async def cancel(self, data: bytes) -> Any:
+    async def cancel(self, data: bytes, caller: str = ANONYMOUS) -> Any:
+        """Only the job's owner or an admin may cancel it."""
         q = msgspec.json.decode(data, type=_CancelQuery)
+        row = await self._job_row(q.job_id)
+        owner = row.get("owner") or ANONYMOUS
+        if owner != caller and not self.privileged(caller):
+            log.warning("refused: %s tried to cancel job %s of %s", caller, q.job_id, owner)
+            raise ApiError(f"job {q.job_id} belongs to another user: only its owner may cancel it")
         async with self.pool.acquire() as conn:
             done = await Store.fetchrow(conn, "cancel_pending", q.job_id, q.reason)
         if done is not None:
             self.forget(q.job_id)
-            await self.publisher.publish_events([Cancelled(job_id=q.job_id, reason=q.reason)])
+            cancelled = Cancelled(job_id=q.job_id, reason=q.reason, owner=owner)
+            await self.publisher.publish_events([cancelled])
             return {"job_id": q.job_id, "state": "cancelled"}
         row = await self._job_row(q.job_id)
         if row["state"] in ("placed", "running"):
@@ -222,5 +255,5 @@ class Api:
             return {"job_id": q.job_id, "state": "cancelling", "node_id": row["node_id"]}
         raise ApiError(f"job {q.job_id} is already {row['state']}")
 
-    async def matrix(self, data: bytes) -> Any:
+    async def matrix(self, data: bytes, caller: str = ANONYMOUS) -> Any:
         return SUPPORT_MATRIX

@@ -21,7 +21,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from gpulayer_contracts import Accepted, JobEvent, JobRequest, Rejected, encode, validate_job
 from gpulayer_contracts.bounds import bound_messages, clip_text, job_size_error
 from gpulayer_contracts.codec import InvalidInput, best_effort_job_id, decode_job_json
-from gpulayer_contracts.subjects import JOBS_SUBMIT
+from gpulayer_contracts.subjects import ANONYMOUS, JOBS_SUBMIT_ALL, owner_from_submit
 from gpulayer_placement.dead_letters import MAX_DELIVER, DeadLetters
 from gpulayer_placement.loops import consume
 from gpulayer_placement.outcome import Outcome
@@ -52,6 +52,8 @@ class Batch:
     # Messages that are no job and name none (or can't be stored at all): message, reason,
     # reason class, job id if one was read. Dead-lettered, never acked with the batch.
     dead: list[tuple[Msg, str, str, str | None]] = field(default_factory=list)
+    # From the submit subject, which only the owner's credential may publish on.
+    owners: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -93,17 +95,20 @@ class Intake:
         self.max_payload = max_payload
 
     async def subscribe(self) -> JetStreamContext.PullSubscription:
-        """The durable pull consumer on the JOBS work queue."""
-        return await self.js.pull_subscribe(
-            JOBS_SUBMIT,
-            durable="placement-jobs",
-            config=ConsumerConfig(
-                ack_policy=AckPolicy.EXPLICIT,
-                ack_wait=30,
-                max_ack_pending=20_000,
-                max_deliver=MAX_DELIVER,
-            ),
+        """The durable pull consumer on the JOBS work queue, every owner's submit subject."""
+        config = ConsumerConfig(
+            name="placement-jobs",
+            durable_name="placement-jobs",
+            filter_subject=JOBS_SUBMIT_ALL,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=30,
+            max_ack_pending=20_000,
+            max_deliver=MAX_DELIVER,
         )
+        # Created or updated: a consumer made by an earlier version filtered on the bare
+        # subject only, and had no delivery limit.
+        await self.js.add_consumer("JOBS", config)
+        return await self.js.pull_subscribe_bind("placement-jobs", stream="JOBS")
 
     async def run(self, sub: JetStreamContext.PullSubscription) -> None:
         """Ingest batches from ``sub`` until the service stops."""
@@ -167,6 +172,7 @@ class Intake:
         if job.job_id in b.rows:
             return  # the same id twice in one batch is one job
         b.origin[job.job_id] = msg
+        b.owners[job.job_id] = _owner(msg)
         result = validate_job(job)
         errors = result.errors
         try:
@@ -211,6 +217,7 @@ class Intake:
             )
         elif job_id not in b.rows:
             b.origin[job_id] = msg
+            b.owners[job_id] = _owner(msg)
             b.rejections[job_id] = [str(err)]
             text = _stored_text(msg.data.decode("utf-8", "replace"))
             b.rows[job_id] = (job_id, text, "rejected", traceparent)
@@ -233,8 +240,9 @@ class Intake:
         reasons = ["; ".join(b.rejections[i]) if i in b.rejections else None for i in ids]
         try:
             async with self.pool.acquire() as conn, conn.transaction():
+                owners = [b.owners.get(i, ANONYMOUS) for i in ids]
                 inserted = await Store.fetch(
-                    conn, "insert_jobs", ids, bodies, states, reasons, parents
+                    conn, "insert_jobs", ids, bodies, states, reasons, parents, owners
                 )
                 stored.new = {r["job_id"] for r in inserted}
                 stored.fresh = [j for j in b.accepted if j in stored.new]
@@ -256,7 +264,7 @@ class Intake:
         for job_id, (_, body, state, parent) in list(b.rows.items()):
             reason = "; ".join(b.rejections[job_id]) if job_id in b.rejections else None
             try:
-                stored.new |= await self._insert_one(job_id, body, state, reason, parent)
+                stored.new |= await self._insert_one(b, job_id, body, state, reason, parent)
                 continue
             except DATA_ERRORS as err:
                 why = clip_text(f"$: could not be stored: {err}".replace("\x00", "\\x00"))
@@ -265,7 +273,7 @@ class Intake:
             text = _stored_text(body)
             b.rows[job_id] = (job_id, text, "rejected", parent)
             try:
-                stored.new |= await self._insert_one(job_id, text, "rejected", why, parent)
+                stored.new |= await self._insert_one(b, job_id, text, "rejected", why, parent)
             except DATA_ERRORS as err:
                 msg = b.origin.pop(job_id)
                 del b.rows[job_id], b.rejections[job_id]
@@ -275,11 +283,12 @@ class Intake:
         return stored
 
     async def _insert_one(
-        self, job_id: str, body: str, state: str, reason: str | None, parent: str | None
+        self, b: Batch, job_id: str, body: str, state: str, reason: str | None, parent: str | None
     ) -> set[str]:
+        owner = b.owners.get(job_id, ANONYMOUS)
         async with self.pool.acquire() as conn:
             rows = await Store.fetch(
-                conn, "insert_jobs", [job_id], [body], [state], [reason], [parent]
+                conn, "insert_jobs", [job_id], [body], [state], [reason], [parent], [owner]
             )
         return {r["job_id"] for r in rows}
 
@@ -306,10 +315,11 @@ class Intake:
                     job_id,
                     extra=job_context(job_id, traceparent=b.rows[job_id][3]),
                 )
+            owner = b.owners.get(job_id, ANONYMOUS)
             if job_id in b.rejections:
-                events.append(Rejected(job_id=job_id, reasons=b.rejections[job_id]))
+                events.append(Rejected(job_id=job_id, reasons=b.rejections[job_id], owner=owner))
             else:
-                events.append(Accepted(job_id=job_id, warnings=b.warnings[job_id]))
+                events.append(Accepted(job_id=job_id, warnings=b.warnings[job_id], owner=owner))
         return events
 
     async def _announce_again(self, job_ids: list[str]) -> set[str]:
@@ -318,6 +328,14 @@ class Intake:
         async with self.pool.acquire() as conn:
             rows = await Store.fetch(conn, "job_ages", job_ids)
         return {r["job_id"] for r in rows if r["age_s"] < ANNOUNCE_AGAIN_WITHIN_S}
+
+
+def _owner(msg: Msg) -> str:
+    """The job's owner, from the subject it was submitted on (never from the payload)."""
+    try:
+        return owner_from_submit(msg.subject)
+    except ValueError:  # not a submit subject: the stream holds none, so nobody's in particular
+        return ANONYMOUS
 
 
 def _redelivered(msg: Msg) -> bool:

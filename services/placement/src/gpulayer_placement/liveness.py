@@ -260,7 +260,10 @@ class Liveness:
             log.warning("node %s is offline: %s", node, reason, extra=job_context(node_id=node))
         await self.sync.reload(stale)
         await self.publisher.publish_events(
-            [Lost(job_id=r["job_id"], node_id=r["node_id"], reason=reason) for r in lost]
+            [
+                Lost(job_id=r["job_id"], node_id=r["node_id"], reason=reason, owner=r["owner"])
+                for r in lost
+            ]
         )
         if lost:
             self.wake.capacity()

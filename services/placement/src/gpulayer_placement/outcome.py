@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpulayer_contracts import Grant, JobRequest
+from gpulayer_contracts.subjects import ANONYMOUS
 from gpulayer_contracts.validation import visibility_env
 from gpulayer_matching import NoPlacement, Placement
 
@@ -19,6 +20,7 @@ class PlacedJob:
     traceparent: str | None
     submitted: float  # epoch seconds the job entered the JOBS stream (or the table)
     match_ns: tuple[int, int]  # wall-clock start/end of matching, for the job's trace
+    owner: str = ANONYMOUS  # who submitted it (the submit subject)
 
 
 @dataclass
@@ -28,6 +30,7 @@ class Outcome:
     # Jobs whose matching raised (job id, reason): failed, so a pass goes on without them.
     failed: list[tuple[str, str]] = field(default_factory=list)
     commit_ns: tuple[int, int] = (0, 0)
+    owners: dict[str, str] = field(default_factory=dict)  # of waiting jobs; absent: anonymous
 
 
 def mode(p: Placement) -> str:
@@ -36,7 +39,12 @@ def mode(p: Placement) -> str:
 
 
 def make_grant(
-    job: JobRequest, node_id: str, grant_id: str, accelerator: Any, devices: list[int]
+    job: JobRequest,
+    node_id: str,
+    grant_id: str,
+    accelerator: Any,
+    devices: list[int],
+    owner: str = ANONYMOUS,
 ) -> Grant:
     """The grant an executor receives: the job, its devices and the visibility env for them."""
     return Grant(
@@ -46,4 +54,5 @@ def make_grant(
         accelerator=accelerator,
         devices=devices,
         visible_env=visibility_env(accelerator, devices, job.sandbox.devices.gpu == "compute"),
+        owner=owner,
     )

@@ -31,6 +31,7 @@ from gpulayer_contracts import (
 from gpulayer_contracts.bounds import MAX_EVENT_BYTES, bound_event
 from gpulayer_contracts.codec import job_request_decoder
 from gpulayer_contracts.subjects import (
+    ANONYMOUS,
     MSG_ID_HEADER,
     STREAMS,
     job_events,
@@ -139,7 +140,7 @@ class Publisher:
         data = encode(event)
         if len(data) > MAX_EVENT_BYTES:  # one encode on the common path: clip only when needed
             data = encode(bound_event(event))
-        return job_events(event.job_id), data, headers
+        return job_events(event.job_id, event.owner), data, headers
 
     @staticmethod
     def grant_item(
@@ -185,6 +186,7 @@ class Publisher:
             node_id=grant.node_id,
             accelerator=grant.accelerator,
             devices=grant.devices,
+            owner=grant.owner,
         )
         return Publisher.event_item(placed, msg_id=f"{grant.grant_id}:placed")
 
@@ -202,14 +204,11 @@ class Publisher:
                 pl.grant_id,
                 pl.placement.accelerator,
                 pl.placement.devices,
+                pl.owner,
             )
             for pl in outcome.placements
         ]
-        waiting: list[JobEvent] = [
-            Pending(job_id=j, summary=d.summary, reasons=d.reasons, unsatisfiable=d.unsatisfiable)
-            for j, d in outcome.waiting
-        ]
-        waiting += [Failed(job_id=j, reason=why) for j, why in outcome.failed]
+        waiting = _waiting_events(outcome)
         # Events first: a user watching the job sees "placed" before the executor's "running".
         owed = [
             self._unannounced[j]
@@ -339,7 +338,10 @@ class Publisher:
             r["node_id"],
             extra=job_context(r["job_id"], r["node_id"], r["traceparent"]),
         )
-        grant = make_grant(job, r["node_id"], r["grant_id"], r["accelerator"], list(r["devices"]))
+        owner = r.get("owner") or ANONYMOUS
+        grant = make_grant(
+            job, r["node_id"], r["grant_id"], r["accelerator"], list(r["devices"]), owner
+        )
         items = [
             self.placed_item(grant),
             # Signed anew: a resent grant carries a fresh issued-at, so a grant that waited for
@@ -358,7 +360,8 @@ class Publisher:
         if r["age_s"] < ANNOUNCE_AGAIN_WITHIN_S:
             # Placed where it was ingested, so its "accepted" went out (or not) with this
             # grant; only a copy this young is sure to be dropped if it was stored before.
-            accepted = Accepted(job_id=job.job_id, warnings=validate_job(job).warnings)
+            warnings = validate_job(job).warnings
+            accepted = Accepted(job_id=job.job_id, warnings=warnings, owner=owner)
             items.insert(0, self.event_item(accepted))
         return items
 
@@ -383,5 +386,31 @@ class Publisher:
         for r, _ in failed:
             self.forget(r["job_id"])
         await self.publish_events(
-            [Failed(job_id=r["job_id"], node_id=r["node_id"], reason=why) for r, why in failed]
+            [
+                Failed(
+                    job_id=r["job_id"],
+                    node_id=r["node_id"],
+                    reason=why,
+                    owner=r.get("owner") or ANONYMOUS,
+                )
+                for r, why in failed
+            ]
         )
+
+
+def _waiting_events(outcome: Outcome) -> list[JobEvent]:
+    """``pending`` for the jobs still waiting and ``failed`` for those that can't be matched,
+    each on its owner's subject."""
+    owner = outcome.owners.get
+    events: list[JobEvent] = [
+        Pending(
+            job_id=j,
+            summary=d.summary,
+            reasons=d.reasons,
+            unsatisfiable=d.unsatisfiable,
+            owner=owner(j, ANONYMOUS),
+        )
+        for j, d in outcome.waiting
+    ]
+    events += [Failed(job_id=j, reason=why, owner=owner(j, ANONYMOUS)) for j, why in outcome.failed]
+    return events

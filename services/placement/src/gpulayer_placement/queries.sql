@@ -36,30 +36,34 @@ RETURNING node_id;
 WITH lost AS (
     UPDATE jobs SET state = 'lost', reason = $2, updated_at = now()
     WHERE node_id = ANY($1::text[]) AND state IN ('placed', 'running')
-    RETURNING job_id, node_id
+    RETURNING job_id, node_id, owner
 ), released AS (
     DELETE FROM allocations a USING lost WHERE a.job_id = lost.job_id
 )
-SELECT job_id, node_id FROM lost;
+SELECT job_id, node_id, owner FROM lost;
 
 -- name: insert_jobs
-INSERT INTO jobs (job_id, request, state, reason, traceparent)
-SELECT j.job_id, j.request::jsonb, j.state, j.reason, j.traceparent
-FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[])
-     AS j(job_id, request, state, reason, traceparent)
+-- $6: owners; NULL (a caller of an older version) is 'anonymous'.
+INSERT INTO jobs (job_id, request, state, reason, traceparent, owner)
+SELECT j.job_id, j.request::jsonb, j.state, j.reason, j.traceparent,
+       coalesce(j.owner, 'anonymous')
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[])
+     AS j(job_id, request, state, reason, traceparent, owner)
 ON CONFLICT (job_id) DO NOTHING
 RETURNING job_id;
 
 -- name: take_pending
 -- Oldest first, a page after ($2, $3). SKIP LOCKED lets several replicas split waiting jobs.
-SELECT job_id, request::text AS request, reason, attempt, submitted_at, traceparent FROM jobs
+SELECT job_id, request::text AS request, reason, attempt, submitted_at, traceparent, owner
+FROM jobs
 WHERE state = 'pending' AND (submitted_at, job_id) > ($2::timestamptz, $3::text)
 ORDER BY submitted_at, job_id
 LIMIT $1
 FOR UPDATE SKIP LOCKED;
 
 -- name: take_jobs
-SELECT job_id, request::text AS request, reason, attempt, submitted_at, traceparent FROM jobs
+SELECT job_id, request::text AS request, reason, attempt, submitted_at, traceparent, owner
+FROM jobs
 WHERE state = 'pending' AND job_id = ANY($1::text[])
 ORDER BY submitted_at, job_id
 FOR UPDATE SKIP LOCKED;
@@ -118,7 +122,7 @@ FROM changed c LEFT JOIN released r ON r.job_id = c.job_id;
 -- Placed jobs whose executor never said "running": re-send the grant (executors start a grant
 -- at most once, so this is safe).
 SELECT job_id, request::text AS request, node_id, grant_id, accelerator, devices, traceparent,
-       extract(epoch FROM now() - submitted_at)::float8 AS age_s
+       owner, extract(epoch FROM now() - submitted_at)::float8 AS age_s
 FROM jobs
 WHERE state = 'placed' AND updated_at < now() - make_interval(secs => $1);
 
@@ -143,11 +147,12 @@ RETURNING job_id;
 
 -- name: get_job
 SELECT job_id, request::text AS request, state, submitted_at, updated_at, node_id, grant_id,
-       accelerator, devices, exit_code, reason, unsatisfiable, attempt
+       accelerator, devices, exit_code, reason, unsatisfiable, attempt, owner
 FROM jobs WHERE job_id = $1;
 
 -- name: list_jobs
-SELECT job_id, state, submitted_at, updated_at, node_id, accelerator, devices, exit_code, reason
+SELECT job_id, state, submitted_at, updated_at, node_id, accelerator, devices, exit_code, reason,
+       owner
 FROM jobs
 WHERE ($1::text IS NULL OR state = $1)
 ORDER BY submitted_at DESC, job_id

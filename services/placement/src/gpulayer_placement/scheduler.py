@@ -24,6 +24,7 @@ import asyncpg
 from gpulayer_contracts import JobRequest, encode
 from gpulayer_contracts.bounds import clip_text
 from gpulayer_contracts.codec import job_request_decoder
+from gpulayer_contracts.subjects import ANONYMOUS
 from gpulayer_contracts.validation import requested_gpu_count
 from gpulayer_matching import NoPlacement, Placement, match
 from gpulayer_placement import waiting
@@ -191,6 +192,7 @@ class Scheduler:
         either."""
         for row in rows:
             job_id = row["job_id"]
+            owner = row.get("owner") or ANONYMOUS
             try:
                 job = self._jobs.get(job_id)
                 if job is None:
@@ -198,12 +200,14 @@ class Scheduler:
                     self._jobs[job_id] = job
                 key = _requirement_key(job)
             except Exception as err:  # a stored row this version can't read
+                outcome.owners[job_id] = owner
                 self._isolate_job(job_id, err, outcome)
                 continue
             tel = self.tel.enabled
             t0 = time.time_ns() if tel else 0
             decision = failed.get(key) or self._match(job_id, job, outcome)
-            if decision is None:
+            if decision is None:  # failed: its event goes to the owner's subject
+                outcome.owners[job_id] = owner
                 continue
             if tel:
                 t1 = time.time_ns()
@@ -221,6 +225,7 @@ class Scheduler:
                         traceparent=row["traceparent"],
                         submitted=submitted,
                         match_ns=(t0, t1),
+                        owner=owner,
                     )
                 )
                 # Held at once, so later jobs of this batch see the devices taken.
@@ -231,6 +236,7 @@ class Scheduler:
                     self._deviceless_waiting.add(job_id)
                 if decision.summary != row["reason"]:
                     outcome.waiting.append((job_id, decision))
+                    outcome.owners[job_id] = owner
 
     def _match(
         self, job_id: str, job: JobRequest, outcome: Outcome

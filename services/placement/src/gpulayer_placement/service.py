@@ -109,6 +109,12 @@ class PlacementService:
             dead=self.dead,
             max_payload=max_payload,
         )
+        self._wire_reports(telemetry, max_payload)
+
+    def _wire_reports(self, telemetry: Telemetry, max_payload: int) -> None:
+        """The parts that take what nodes report and what the CLI asks."""
+        nc, js, pool, s = self.nc, self.js, self.pool, self.settings
+        fleet, stop, wake = self.fleet, self.stop, self.wake
         self.status = ExecutorStatus(
             js=js,
             pool=pool,
@@ -134,7 +140,13 @@ class PlacementService:
             telemetry=telemetry,
         )
         self.api = Api(
-            nc=nc, js=js, pool=pool, fleet=fleet, publisher=self.publisher, forget=self.forget
+            nc=nc,
+            js=js,
+            pool=pool,
+            fleet=fleet,
+            publisher=self.publisher,
+            forget=self.forget,
+            admins=s.admins,
         )
         self.publisher.max_payload = self.api.max_payload = max_payload
         self.gauges = Gauges(pool, fleet, telemetry)

@@ -13,3 +13,7 @@ class Settings:
     page_size: int = 1000
     publish_timeout_s: float = 10.0
     thorough_pass_s: float = 30.0
+    # Identities whose API requests may cancel any job and read any job's env
+    # (``GPULAYER_ADMINS``). Their caller token is trustworthy: only the credential of that
+    # name may publish on gpulayer.api.<verb>.<name>.
+    admins: frozenset[str] = frozenset({"admin"})

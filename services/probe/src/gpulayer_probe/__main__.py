@@ -16,11 +16,12 @@ import sys
 from collections.abc import Mapping
 
 from gpulayer_probe.service import ProbeService, ProbeSettings
-from gpulayer_runtime.nats import connect, ensure_streams
+from gpulayer_runtime.nats import connect, wait_for_streams
 from gpulayer_runtime.settings import (
+    NatsSettings,
     env_float,
     env_str,
-    nats_url,
+    nats_settings,
     node_id,
     run_service,
 )
@@ -29,8 +30,9 @@ from gpulayer_runtime.telemetry import setup_telemetry
 log = logging.getLogger("gpulayer_probe")
 
 
-def read_settings(env: Mapping[str, str]) -> tuple[str, str, ProbeSettings]:
-    """NATS URL, node id and probe settings from ``env``. Raises ConfigError on bad values."""
+def read_settings(env: Mapping[str, str]) -> tuple[NatsSettings, str, ProbeSettings]:
+    """NATS settings, node id and probe settings from ``env``. Raises ConfigError on bad
+    values."""
     settings = ProbeSettings(
         python=env_str(env, "GPULAYER_WORKLOAD_PYTHON", sys.executable),
         refresh_s=env_float(env, "GPULAYER_PROBE_REFRESH_S", 60.0),
@@ -39,20 +41,21 @@ def read_settings(env: Mapping[str, str]) -> tuple[str, str, ProbeSettings]:
         torch_timeout=env_float(env, "GPULAYER_PROBE_TORCH_TIMEOUT_S", 60.0),
         advertise_address=env.get("GPULAYER_ADVERTISE_ADDRESS", "").strip() or None,
     )
-    return nats_url(env), node_id(env), settings
+    return nats_settings(env), node_id(env), settings
 
 
 async def _amain() -> None:
-    url, node, settings = read_settings(os.environ)
-    log.info("settings: nats=%s node=%s %s", url, node, settings)
+    nats, node, settings = read_settings(os.environ)
+    log.info("settings: nats=%s node=%s %s", nats, node, settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     telemetry = setup_telemetry("gpulayer-probe", os.environ)
-    nc = await connect(url, f"gpulayer-probe-{node}")
+    nc = await connect(nats.url, f"gpulayer-probe-{node}", **nats.connect_args())
     try:
-        await ensure_streams(nc.jetstream())
+        # Placement declares the streams; a node's credential may not (docs/security.md).
+        await wait_for_streams(nc.jetstream(), ["NODES"])
         await ProbeService(nc, node, settings, telemetry=telemetry).run(stop)
     finally:
         await nc.drain()
