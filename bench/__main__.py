@@ -55,7 +55,8 @@ GOAL_PROBE_MS = 150.0
 GOAL_RSS_MB = 300.0
 # Hostile-input issue: a job printing 200 MB no slower than 2x the same job printing to /dev/null.
 GOAL_FLOOD_RATIO = 2.0
-# Security issue: placement with grant signing on at least 0.9x its throughput with it off.
+# Security issue: placement with NATS auth and grant signing on at least 0.9x its throughput
+# with both off.
 GOAL_SIGNING_RATIO = 0.9
 
 
@@ -80,7 +81,11 @@ class Run:
 
     @contextlib.asynccontextmanager
     async def scenario(
-        self, name: str, placement_env: dict[str, str] | None = None, replicas: int = 1
+        self,
+        name: str,
+        placement_env: dict[str, str] | None = None,
+        replicas: int = 1,
+        auth: bool = True,
     ) -> AsyncIterator[Scenario]:
         async with scenario(
             name,
@@ -89,6 +94,7 @@ class Run:
             profile_dir=self.profile,
             placement_env=placement_env,
             replicas=replicas,
+            auth=auth,
         ) as s:
             yield s
 
@@ -287,33 +293,37 @@ SIGNING_ROUNDS = ROUNDS
 
 
 async def signing_group(run: Run) -> None:
-    """Placement throughput with grant signing on (the default) and off
-    (``GPULAYER_GRANT_SIGNING=off``), alternating on/off/on/off so drift hits both alike; the
-    medians and their ratio. Then the cost of one signature and one check, in microseconds."""
+    """Placement throughput secure (NATS auth and grant signing on: the default) and open (no
+    auth, ``GPULAYER_GRANT_SIGNING=off``), alternating on/off/on/off so drift hits both alike;
+    the medians and their ratio. Then the cost of one signature and one check, in microseconds."""
     sz = run.sizes
     shape = FleetShape.of(sz.small_nodes)
-    variants = {"on": None, "off": {"GPULAYER_GRANT_SIGNING": "off"}}
+    variants = {"on": (None, True), "off": ({"GPULAYER_GRANT_SIGNING": "off"}, False)}
     rates: dict[str, list[float]] = {k: [] for k in variants}
     names = [
-        ("placement_signing_on_jobs_per_s", "jobs/s"),
-        ("placement_signing_off_jobs_per_s", "jobs/s"),
+        ("placement_auth_signing_on_jobs_per_s", "jobs/s"),
+        ("placement_auth_signing_off_jobs_per_s", "jobs/s"),
     ]
 
     async def work() -> None:
         for round_ in range(SIGNING_ROUNDS):
-            for variant, env in variants.items():
-                async with run.scenario(f"sig{round_}{variant}", placement_env=env) as s:
+            for variant, (env, auth) in variants.items():
+                async with run.scenario(f"sig{round_}{variant}", placement_env=env, auth=auth) as s:
                     await load_fleet(s, fleet(f"s{round_}", sz.small_nodes), timeout=60)
                     tp = await placement_throughput(s, f"s{round_}{variant}", sz.jobs, shape)
                     if tp.granted < tp.submitted:
                         raise BenchError(f"signing {variant}: {tp.granted}/{tp.submitted} granted")
                     rates[variant].append(tp.rate)
         on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
-        print(f"# signing runs, jobs/s: on {rates['on']}, off {rates['off']}", flush=True)
+        print(f"# auth + signing runs, jobs/s: on {rates['on']}, off {rates['off']}", flush=True)
         run.add(
-            Figure("placement_signing_on_jobs_per_s", on, "jobs/s", note=f"runs {rates['on']}"),
-            Figure("placement_signing_off_jobs_per_s", off, "jobs/s", note=f"runs {rates['off']}"),
-            Figure("signing_on_over_off", on / off, "x"),
+            Figure(
+                "placement_auth_signing_on_jobs_per_s", on, "jobs/s", note=f"runs {rates['on']}"
+            ),
+            Figure(
+                "placement_auth_signing_off_jobs_per_s", off, "jobs/s", note=f"runs {rates['off']}"
+            ),
+            Figure("auth_signing_on_over_off", on / off, "x"),
         )
 
     await _guard(run, names, work)
@@ -348,7 +358,7 @@ def judge_all(run: Run) -> None:
     goal("telemetry_noop_share_of_placement", "<=", 5.0)
     goal("placement_telemetry_off_over_removed", ">=", 0.95, ">= 0.95 x (within 5%)")
     goal("executor_output_flood_over_devnull", "<=", GOAL_FLOOD_RATIO)
-    goal("signing_on_over_off", ">=", GOAL_SIGNING_RATIO, ">= 0.9 x (signing off)")
+    goal("auth_signing_on_over_off", ">=", GOAL_SIGNING_RATIO, ">= 0.9 x (auth and signing off)")
     p1k = run.get("placement_1k_nodes")
     p10k = run.get("placement_10k_nodes")
     if p1k and p10k:

@@ -26,6 +26,7 @@ from nats.js import JetStreamContext
 
 from gpulayer_contracts import WorkerCapabilities, encode
 from gpulayer_contracts.subjects import JOBS_SUBMIT, MSG_ID_HEADER, node_capabilities
+from gpulayer_runtime.auth import AuthStore
 from gpulayer_runtime.nats import connect, ensure_streams
 from gpulayer_runtime.servers import EmbeddedNats
 from gpulayer_runtime.signing import PUBLIC_KEYS_SETTING, SIGNING_KEY_SETTING, generate_key_pair
@@ -305,10 +306,17 @@ async def scenario(
     profile_dir: Path | None = None,
     placement_env: dict[str, str] | None = None,
     replicas: int = 1,
+    auth: bool = True,
 ) -> AsyncIterator[Scenario]:
+    """A NATS server, a database and placement, as production runs them: NATS with auth (the
+    bench acts as an admin, placement with its own credential) and grants signed, unless
+    ``auth`` is False or ``placement_env`` turns signing off."""
     workdir = root / name
     workdir.mkdir(parents=True, exist_ok=True)
-    nats_server = EmbeddedNats(workdir / "nats").start()
+    store = AuthStore(workdir / "auth").init() if auth else None
+    nats_server = EmbeddedNats(
+        workdir / "nats", auth_conf=store.server_conf if store else None
+    ).start()
     db_name = f"bench_{name}"
     placement: ServiceProcess | None = None
     others: list[ServiceProcess] = []
@@ -316,7 +324,8 @@ async def scenario(
     db: asyncpg.Connection | None = None
     try:
         db_url = await create_database(admin_url, db_name)
-        nc = await connect(nats_server.url, f"bench-{name}")
+        admin = str(store.mint("admin", "bench")) if store else None
+        nc = await connect(nats_server.url, f"bench-{name}", creds=admin)
         js = nc.jetstream()
         await ensure_streams(js)
         env = {
@@ -327,6 +336,7 @@ async def scenario(
             "GPULAYER_NODE_TIMEOUT_S": "3600",
             "GPULAYER_GRANT_RESEND_S": "3600",
             **signing_env(root),
+            **({"GPULAYER_NATS_CREDS": str(store.mint("placement"))} if store else {}),
             **(placement_env or {}),
         }
         placement = ServiceProcess("gpulayer_placement", env, workdir / "placement.log").start()

@@ -183,7 +183,7 @@ def _message(
 #
 # The header value is hex and decimals, one header: NATS clients handle a header value per
 # character, and base64's larger alphabet and extra headers cost placement more than the
-# signature itself did (bench: ``grant_sign_us``, ``signing_on_over_off``).
+# signature itself did (bench: ``grant_sign_us``, ``auth_signing_on_over_off``).
 
 MAX_BATCH = 1 << 16
 _LEAF, _NODE = b"\x00", b"\x01"
