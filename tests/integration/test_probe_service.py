@@ -109,6 +109,18 @@ async def test_republishes_exactly_once_when_the_hardware_changes(nc: Client, re
     assert len(capabilities_decoder.decode(last.data).accelerators) == 3
 
 
+async def test_unchanged_capabilities_are_published_again_when_due(nc: Client, recording) -> None:  # type: ignore[no-untyped-def]
+    # Once the report is older than republish_s, the next refresh publishes it whole again.
+    recording("rtx-4090")
+    caps_inbox = await subscribe(nc, node_capabilities(NODE))
+    settings = ProbeSettings(python=sys.executable, refresh_s=0.2, republish_s=0.5, timeout=5)
+    async with running(nc, settings):
+        first = capabilities_decoder.decode((await caps_inbox.next()).data)
+        again = capabilities_decoder.decode((await caps_inbox.next()).data)
+    assert again.accelerators == first.accelerators
+    assert again.detected_at > first.detected_at
+
+
 async def test_doctor_redetects_now_and_replies(nc: Client, recording) -> None:  # type: ignore[no-untyped-def]
     recording("driver-failure")
     caps_inbox = await subscribe(nc, node_capabilities(NODE))

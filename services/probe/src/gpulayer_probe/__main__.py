@@ -1,7 +1,8 @@
 """``gpulayer-probe``: configuration is read here, from the environment, and nowhere deeper.
 
 GPULAYER_NATS_URL, GPULAYER_NODE_ID (default: hostname), GPULAYER_WORKLOAD_PYTHON (default: this
-interpreter), GPULAYER_PROBE_REFRESH_S (60), GPULAYER_HEARTBEAT_S (5), GPULAYER_PROBE_TIMEOUT_S
+interpreter), GPULAYER_PROBE_REFRESH_S (60), GPULAYER_PROBE_REPUBLISH_S (600),
+GPULAYER_HEARTBEAT_S (5), GPULAYER_PROBE_TIMEOUT_S
 (10, each source), GPULAYER_PROBE_TORCH_TIMEOUT_S (60), GPULAYER_ADVERTISE_ADDRESS (default:
 detected), GPULAYER_LOG_FORMAT (text|json).
 """
@@ -36,6 +37,7 @@ def read_settings(env: Mapping[str, str]) -> tuple[NatsSettings, str, ProbeSetti
     settings = ProbeSettings(
         python=env_str(env, "GPULAYER_WORKLOAD_PYTHON", sys.executable),
         refresh_s=env_float(env, "GPULAYER_PROBE_REFRESH_S", 60.0),
+        republish_s=env_float(env, "GPULAYER_PROBE_REPUBLISH_S", 600.0),
         heartbeat_s=env_float(env, "GPULAYER_HEARTBEAT_S", 5.0),
         timeout=env_float(env, "GPULAYER_PROBE_TIMEOUT_S", 10.0),
         torch_timeout=env_float(env, "GPULAYER_PROBE_TORCH_TIMEOUT_S", 60.0),

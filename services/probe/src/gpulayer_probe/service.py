@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -69,6 +70,9 @@ def significantly_changed(old: WorkerCapabilities | None, new: WorkerCapabilitie
 class ProbeSettings:
     python: str = sys.executable
     refresh_s: float = 60.0
+    # Unchanged capabilities are published again this often (checked at each refresh): a report
+    # that slipped onto this node's subject some other way can't stand for long.
+    republish_s: float = 600.0
     heartbeat_s: float = 5.0
     timeout: float = 10.0
     torch_timeout: float = 60.0
@@ -97,6 +101,7 @@ class ProbeService:
         self._torch_key: tuple[object, ...] | None = None
         self._torch_task: asyncio.Task[None] | None = None
         self._published: WorkerCapabilities | None = None
+        self._published_at = 0.0  # time.monotonic() of the last publish
         self.current: WorkerCapabilities | None = None
         self.detections = 0  # completed refresh cycles, for tests and metrics
         self._detected = asyncio.Condition()
@@ -178,7 +183,8 @@ class ProbeService:
     # -- publishing ------------------------------------------------------------------------
 
     async def _publish_if_changed(self, caps: WorkerCapabilities) -> bool:
-        if not significantly_changed(self._published, caps):
+        due = time.monotonic() - self._published_at >= self._s.republish_s
+        if not due and not significantly_changed(self._published, caps):
             return False
         try:
             # Each capability update is a trace of its own.
@@ -200,6 +206,7 @@ class ProbeService:
             log.warning("publishing capabilities failed: %s", err)
             return False
         self._published = caps
+        self._published_at = time.monotonic()
         log.info(
             "published capabilities for %s: %d device(s), apis %s",
             self._node,
