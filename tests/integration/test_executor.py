@@ -31,6 +31,7 @@ from gpulayer_contracts.events import (
 from gpulayer_contracts.jobs import JobRequest, Sandbox, SandboxDevices
 from gpulayer_contracts.subjects import (
     ANONYMOUS,
+    STREAMS,
     job_events,
     node_grants,
     node_status,
@@ -579,9 +580,13 @@ async def test_a_flood_of_output_is_bounded(
         == 0
     )
     lines = out.getvalue().splitlines()
-    assert lines[0] == "y" * 1000 + " [gpulayer: line truncated, 999000 bytes dropped]"
+    # LOGS keeps a job's last lines only: the first is there unless the executor got that many
+    # through (it may, on a machine where the job itself is slow).
+    kept = next(s.max_msgs_per_subject for s in STREAMS if s.name == "LOGS")
+    assert len(lines) <= kept
+    if len(lines) < kept:
+        assert lines[0] == "y" * 1000 + " [gpulayer: line truncated, 999000 bytes dropped]"
     # Dropped and counted, not buffered: far fewer lines stored, with markers saying so.
-    assert len(lines) < 200_000
     dropped = [line for line in lines if line.startswith("[gpulayer: ")]
     assert dropped
     assert all("lines dropped" in line for line in dropped)
