@@ -546,6 +546,7 @@ async def full_loop(s: Scenario, burst: int, paced: int, time_limit: float) -> F
             "GPULAYER_NODE_ID": node,
             "GPULAYER_EXECUTOR_WORKDIR": str(s.workdir / "executor"),
             **signing_env(s.workdir.parent),
+            **s.creds_env("node", node),
         },
         s.workdir / "executor.log",
     ).start()
@@ -747,6 +748,9 @@ async def output_flood(root: Path, rounds: int = 3) -> list[Figure]:
             "GPULAYER_NODE_ID": node,
             "GPULAYER_EXECUTOR_WORKDIR": str(root / "flood-executor"),
             **signing_env(root),
+            # The job runs this venv's Python, which an unprivileged account may not reach
+            # (it lives under /root here); what is measured is the output path, not the account.
+            "GPULAYER_EXECUTOR_ALLOW_ROOT_JOBS": "1",
         },
         root / "flood-executor.log",
     )

@@ -28,6 +28,7 @@ from gpulayer_contracts import WorkerCapabilities, encode
 from gpulayer_contracts.subjects import JOBS_SUBMIT, MSG_ID_HEADER, node_capabilities
 from gpulayer_runtime.auth import AuthStore
 from gpulayer_runtime.nats import connect, ensure_streams
+from gpulayer_runtime.roles import Role
 from gpulayer_runtime.servers import EmbeddedNats
 from gpulayer_runtime.signing import PUBLIC_KEYS_SETTING, SIGNING_KEY_SETTING, generate_key_pair
 
@@ -288,6 +289,12 @@ class Scenario:
     profile_dir: Path | None = None
     # Further placement replicas beside ``placement`` (same stream consumers, same database).
     replicas: list[ServiceProcess] = field(default_factory=list)
+    # The NATS auth in force (None: the server is open), for credentials of further services.
+    auth: AuthStore | None = None
+
+    def creds_env(self, role: Role, name: str = "") -> dict[str, str]:
+        """``GPULAYER_NATS_CREDS`` for a service of ``role``, when the server has auth."""
+        return {} if self.auth is None else {"GPULAYER_NATS_CREDS": str(self.auth.mint(role, name))}
 
 
 def signing_env(root: Path) -> dict[str, str]:
@@ -349,7 +356,9 @@ async def scenario(
         db = await asyncpg.connect(db_url)
         if profile_dir is not None:
             placement.profile(profile_dir / f"placement-{name}.txt")
-        yield Scenario(nats_server, nc, js, db_url, db, placement, workdir, profile_dir, others)
+        yield Scenario(
+            nats_server, nc, js, db_url, db, placement, workdir, profile_dir, others, store
+        )
     finally:
         for other in others:
             other.stop()
