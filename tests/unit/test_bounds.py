@@ -962,3 +962,59 @@ def test_the_fast_check_agrees_with_the_detailed_one(
     detailed = list(b._job_bounds(job))
     event("within bounds" if not detailed else "out of bounds")
     assert b._within_bounds(job) == (not detailed), detailed
+
+
+_cap_text = st.one_of(
+    st.text(max_size=6),
+    st.sampled_from(["", "x\x00", "\ud800", "é" * 200, "a" * 256, "a" * 257, "a" * 1025]),
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    agent=_cap_text,
+    hostname=st.one_of(st.none(), _cap_text),
+    cores=st.one_of(st.none(), st.sampled_from([0, 1, b.MAX_CPU_CORES, b.MAX_CPU_CORES + 1, -1])),
+    index=st.sampled_from([0, b.MAX_DEVICE_INDEX, b.MAX_DEVICE_INDEX + 1, -1, 2**40]),
+    memory=st.one_of(st.none(), st.sampled_from([0, b.MAX_DEVICE_MEMORY_MIB + 1])),
+    name=st.one_of(st.none(), _cap_text),
+    cc=st.one_of(st.none(), st.sampled_from(["8.6", "99.99", "100.0", "x", 9.0, float("inf")])),
+    dev_notes=st.lists(_cap_text, max_size=3),
+    notes=st.lists(_cap_text, max_size=3),
+    frameworks=st.dictionaries(_cap_text, _cap_text, max_size=2),
+    evidence=st.dictionaries(_cap_text, _cap_text, max_size=2),
+    launchers=st.lists(_cap_text, max_size=3),
+    python=st.one_of(st.none(), _cap_text),
+)
+def test_the_fast_capabilities_check_agrees_with_the_detailed_one(
+    agent: str,
+    hostname: str | None,
+    cores: int | None,
+    index: int,
+    memory: int | None,
+    name: str | None,
+    cc: float | str | None,
+    dev_notes: list[str],
+    notes: list[str],
+    frameworks: dict[str, str],
+    evidence: dict[str, str],
+    launchers: list[str],
+    python: str | None,
+) -> None:
+    report = caps(
+        agent_version=agent,
+        host=HostInfo(hostname=hostname, cpu_cores=cores),
+        accelerators=[
+            device(
+                index=index, memory_mib=memory, name=name, compute_capability=cc, notes=dev_notes
+            )
+        ],
+        notes=notes,
+        frameworks=frameworks,
+        gpu_apis=GpuApis(evidence=evidence),
+        launchers=launchers,
+        workload_python=python,
+    )
+    detailed = list(b._capabilities(report))
+    event("within bounds" if not detailed else "out of bounds")
+    assert b._capabilities_within_bounds(report) == (not detailed), detailed

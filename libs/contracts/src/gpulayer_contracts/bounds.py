@@ -12,6 +12,7 @@ decides what to do (reject the job, drop the capabilities report and keep the la
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterator, Sized
@@ -435,7 +436,100 @@ def node_id_errors(node_id: str, path: str = "$.node_id") -> list[str]:
 def validate_capabilities(caps: WorkerCapabilities) -> list[str]:
     """Every hard bound a capabilities report breaks. Placement drops a report with errors and
     keeps the node's last good capabilities (a report is all or nothing)."""
+    if _capabilities_within_bounds(caps):
+        return []  # the common case: ~10k reports a second at start, no path built per field
     return bound_messages(list(_capabilities(caps)))
+
+
+def _in(value: int | None, low: int, high: int) -> bool:
+    return value is None or (isinstance(value, int) and low <= value <= high)
+
+
+def _capabilities_within_bounds(caps: WorkerCapabilities) -> bool:
+    """True when ``_capabilities`` would find nothing; False means: look closer. The fast
+    mirror of ``_capabilities`` (tests/unit/test_bounds.py compares the two)."""
+    if node_id_errors(caps.node_id):
+        return False
+    host = caps.host
+    if not (
+        _in(host.cpu_cores, 0, MAX_CPU_CORES)
+        and _in(host.memory_bytes, 0, MAX_HOST_BYTES)
+        and _in(host.disk_free_bytes, 0, MAX_HOST_BYTES)
+    ):
+        return False
+    apis = caps.gpu_apis
+    short = [
+        caps.agent_version,
+        caps.origin,
+        *(
+            v
+            for v in (
+                host.hostname,
+                host.os,
+                host.os_release,
+                host.platform,
+                host.arch,
+                host.python_version,
+                caps.workload_python_version,
+                caps.advertise_address,
+            )
+            if v is not None
+        ),
+        *caps.frameworks,
+        *caps.frameworks.values(),
+        *apis.evidence,
+    ]
+    notes = [*caps.notes, *apis.evidence.values()]
+    lists: list[tuple[list[str], int]] = [
+        (caps.framework_capabilities, MAX_LIST_ITEMS),
+        (caps.distributed_backends, MAX_LIST_ITEMS),
+        (caps.launchers, MAX_LIST_ITEMS),
+        (apis.host, MAX_LIST_ITEMS),
+        (apis.containers, MAX_LIST_ITEMS),
+        (caps.notes, MAX_NOTES),
+    ]
+    for items, _ in lists[:5]:
+        short += items
+    if len(caps.accelerators) > MAX_DEVICES_PER_NODE:
+        return False
+    for d in caps.accelerators:
+        if not (_in(d.index, 0, MAX_DEVICE_INDEX) and _in(d.memory_mib, 0, MAX_DEVICE_MEMORY_MIB)):
+            return False
+        short += [
+            v
+            for v in (d.vendor, d.name, d.uuid, d.driver_version, d.cuda_driver_version, d.mig_mode)
+            if v is not None
+        ]
+        notes += d.notes
+        lists.append((d.notes, MAX_NOTES))
+        if d.compute_capability is not None and not _compute_capability_ok(d.compute_capability):
+            return False
+    if len(caps.frameworks) > MAX_CAP_FRAMEWORKS or len(apis.evidence) > MAX_LIST_ITEMS:
+        return False
+    if any(len(items) > most for items, most in lists):
+        return False
+    path = [caps.workload_python] if caps.workload_python is not None else []
+    return (
+        _all_fit(short, MAX_SHORT_TEXT_BYTES)
+        and _all_fit(notes, MAX_NOTE_BYTES)
+        and _all_fit(path, MAX_PATH_BYTES)
+    )
+
+
+def _all_fit(texts: list[str], max_bytes: int) -> bool:
+    """``_fits`` for each of ``texts``, in a few C-speed passes when all are ASCII."""
+    if not texts:
+        return True
+    joined = "".join(texts)
+    if joined.isascii() and "\x00" not in joined:
+        return max(map(len, texts)) <= max_bytes
+    return all(_fits(x, max_bytes) for x in texts)
+
+
+@functools.lru_cache(maxsize=1024)
+def _compute_capability_ok(value: float | str) -> bool:
+    # A fleet reports a handful of distinct values: each is judged once.
+    return not any(_compute_capability("", value))
 
 
 def _capabilities(caps: WorkerCapabilities) -> Iterator[str]:
