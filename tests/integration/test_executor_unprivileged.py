@@ -205,3 +205,38 @@ async def test_a_job_runs_as_the_job_user_with_none_of_the_executors_secrets(
     for name, value in secrets.items():
         assert name not in env
         assert value not in env_text
+
+
+async def test_owners_get_uids_of_their_own_by_default(
+    nats_url: str, js: JetStreamContext, start_executor: StartExecutor
+) -> None:
+    """As root with no job user named, each owner's jobs run as a uid of its own: no passwd
+    entry needed, and one owner's jobs can't read (or signal) another's."""
+    _nobody()
+    executor = await start_executor()
+    assert executor.config.owner_uids is not None
+    first, _ = executor.config.owner_uids
+
+    def owned(owner: str, argv: list[str]) -> Grant:
+        return msgspec.structs.replace(make_grant(argv), owner=owner)
+
+    alice = owned("alice", ["sh", "-c", f"echo {TOKEN} > secret.txt; id -u > uid.txt"])
+    assert (await run_job(js, alice)).__struct_config__.tag == "succeeded"
+    alice_dir = executor.store.job_dir(alice.grant_id)
+    alice_uid = int((alice_dir / "uid.txt").read_text())
+    assert alice_uid >= first
+    assert alice_dir.stat().st_uid == alice_uid
+
+    bob = owned("bob", ["sh", "-c", f"id -u; cat ../{grant_key(alice.grant_id)}/secret.txt"])
+    end = await run_job(js, bob)
+    assert end.__struct_config__.tag == "failed"
+    said = await logs(nats_url, bob.job.job_id, owner="bob")
+    bob_uid = int(said.splitlines()[0])
+    assert bob_uid >= first
+    assert bob_uid != alice_uid
+    assert "Permission denied" in said
+    assert TOKEN not in said
+
+    again = owned("alice", ["sh", "-c", "id -u > uid.txt"])
+    assert (await run_job(js, again)).__struct_config__.tag == "succeeded"
+    assert int((executor.store.job_dir(again.grant_id) / "uid.txt").read_text()) == alice_uid

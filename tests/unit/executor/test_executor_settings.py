@@ -160,3 +160,19 @@ def test_the_default_node_id_is_the_host_name_up_to_its_first_dot(
     assert settings({"PATH": "/bin", "HOME": "/home/x", **KEYS}).node_id == "gpu-01"
     with pytest.raises(ConfigError, match=re.escape("may not contain '.'")):
         settings({"GPULAYER_NODE_ID": "gpu-01.example", "PATH": "/bin", "HOME": "/home/x"})
+
+
+def test_owners_get_their_own_uids_as_root_unless_a_job_user_is_named() -> None:
+    _nobody()
+    base = {"GPULAYER_NODE_ID": "n1", **KEYS}
+    assert settings(base, euid=0).owner_uids == (3_000_000, 1_000_000)
+    assert settings({**base, "GPULAYER_EXECUTOR_JOB_USER": "nobody"}, euid=0).owner_uids is None
+    assert settings({**base, "GPULAYER_EXECUTOR_OWNER_UIDS": "off"}, euid=0).owner_uids is None
+    ranged = settings({**base, "GPULAYER_EXECUTOR_OWNER_UIDS": "70000-70009"}, euid=0)
+    assert ranged.owner_uids == (70000, 10)
+    assert settings(base, euid=4321).owner_uids is None  # not root: no switching at all
+    for bad in ("0-10", "10-5", "x", "5", f"1-{2**32}"):
+        with pytest.raises(ConfigError, match="GPULAYER_EXECUTOR_OWNER_UIDS"):
+            settings({**base, "GPULAYER_EXECUTOR_OWNER_UIDS": bad}, euid=0)
+    with pytest.raises(ConfigError, match="only when the executor runs as root"):
+        settings({**base, "GPULAYER_EXECUTOR_OWNER_UIDS": "70000-70009"}, euid=4321)

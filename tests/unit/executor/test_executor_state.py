@@ -201,3 +201,18 @@ def test_write_many_creates_and_saves_in_one_commit(tmp_path: Path) -> None:
     assert store.write_many([st.received(grant("n", "jn"))], [started]) == {"n"}
     assert store.load("r") == started
     assert store.load("n") is not None
+
+
+def test_owner_uids_are_given_once_kept_and_never_shared(tmp_path: Path) -> None:
+    store = st.StateStore(tmp_path)
+    a = store.owner_uid("alice", 5000, 2)
+    b = store.owner_uid("bob", 5000, 2)
+    assert {a, b} == {5000, 5001}
+    assert store.owner_uid("alice", 5000, 2) == a
+    with pytest.raises(ValueError, match="all 2 owner uids from 5000"):
+        store.owner_uid("carol", 5000, 2)
+    store.close()
+    # A restarted executor gives the same owners the same uids.
+    again = st.StateStore(tmp_path)
+    assert again.owner_uid("bob", 5000, 2) == b
+    again.close()

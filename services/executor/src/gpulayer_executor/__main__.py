@@ -45,6 +45,40 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
     raise ConfigError(f"{name}={raw!r}: expected 1 or 0")
 
 
+# Owners' own uids when the executor runs as root and no single job user was chosen: far above
+# the ranges distributions give accounts (1000-60000) and subuids (100000 up, 65536 each).
+DEFAULT_OWNER_UIDS = (3_000_000, 1_000_000)
+
+
+def owner_uids(
+    env: Mapping[str, str], *, euid: int, run_as: RunAs | None
+) -> tuple[int, int] | None:
+    """``GPULAYER_EXECUTOR_OWNER_UIDS``: ``first-last``, or ``off``. Unset: on, with
+    DEFAULT_OWNER_UIDS, when the executor is root and its jobs run as the default job user
+    (none was named); off otherwise."""
+    raw = env_str(env, "GPULAYER_EXECUTOR_OWNER_UIDS", "").lower()
+    if raw == "off":
+        return None
+    if not raw:
+        default_user = euid == 0 and run_as is not None and not _job_user_name(env)
+        return DEFAULT_OWNER_UIDS if default_user else None
+    first, sep, last = raw.partition("-")
+    try:
+        lo, hi = int(first), int(last)
+    except ValueError:
+        lo = hi = -1
+    if not sep or not 0 < lo <= hi < 2**32 - 1:
+        raise ConfigError(
+            f"GPULAYER_EXECUTOR_OWNER_UIDS={raw!r}: expected FIRST-LAST (uids above 0) or off"
+        )
+    if euid != 0:
+        raise ConfigError(
+            "GPULAYER_EXECUTOR_OWNER_UIDS: owners get uids of their own only when the executor "
+            "runs as root"
+        )
+    return lo, hi - lo + 1
+
+
 def _job_user_name(env: Mapping[str, str]) -> str:
     # GPULAYER_EXECUTOR_USER is the setting's earlier name, still honoured.
     new = env_str(env, "GPULAYER_EXECUTOR_JOB_USER", "")
@@ -96,7 +130,15 @@ def job_accounts(
 
 
 def _say_who_runs_jobs(config: ExecutorConfig) -> None:
-    if config.run_as is not None:
+    if config.owner_uids is not None:
+        first, count = config.owner_uids
+        log.info(
+            "each owner's jobs run as a uid of its own, from %d to %d (mapped owners: %s)",
+            first,
+            first + count - 1,
+            ", ".join(f"{o}={u.name}" for o, u in sorted(config.user_map.items())) or "none",
+        )
+    elif config.run_as is not None:
         owners = ", ".join(f"{o}={u.name}" for o, u in sorted(config.user_map.items()))
         log.info("jobs run as %s%s", config.run_as.name, f" (by owner: {owners})" if owners else "")
     elif os.geteuid() == 0:
@@ -124,7 +166,9 @@ def settings(env: Mapping[str, str], *, euid: int | None = None) -> ExecutorConf
     effective uid, this process' when not given)."""
     node = node_id(env)
     workdir = Path(env_str(env, "GPULAYER_EXECUTOR_WORKDIR", f".gpulayer/executor/{node}"))
-    run_as, user_map = job_accounts(env, euid=os.geteuid() if euid is None else euid)
+    effective = os.geteuid() if euid is None else euid
+    run_as, user_map = job_accounts(env, euid=effective)
+    uids = owner_uids(env, euid=effective, run_as=run_as)
     # HOME and USER of the executor's own account; a job running as another account gets that
     # account's instead (env.account_env).
     me = pwd.getpwuid(os.getuid())
@@ -135,6 +179,7 @@ def settings(env: Mapping[str, str], *, euid: int | None = None) -> ExecutorConf
         base_env=base,
         run_as=run_as,
         user_map=user_map,
+        owner_uids=uids,
         kill_grace_s=env_float(env, "GPULAYER_KILL_GRACE_S", 5.0),
         max_jobs=env_int(env, "GPULAYER_EXECUTOR_MAX_JOBS", 64),
         drain_s=_seconds_or_zero(env, "GPULAYER_EXECUTOR_DRAIN_S"),

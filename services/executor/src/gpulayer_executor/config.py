@@ -20,6 +20,10 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
     # owner's jobs run as instead (``users.run_as_for``).
     run_as: RunAs | None = None
     user_map: dict[str, RunAs] = {}
+    # (first uid, how many): an owner not in ``user_map`` gets a uid of its own from this range
+    # (GPULAYER_EXECUTOR_OWNER_UIDS), kept in the state database, so different owners' jobs
+    # can't signal or read each other. None: they all run as ``run_as``.
+    owner_uids: tuple[int, int] | None = None
     kill_grace_s: float = 5.0
     max_jobs: int = 64
     drain_s: float = 0.0

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
+from gpulayer_contracts.events import Grant
 from gpulayer_executor import state as st
 from gpulayer_executor.config import ExecutorConfig
 from gpulayer_executor.env import EnvRefused, RunAs, account_env, device_env, job_environment
@@ -217,9 +218,21 @@ class JobRunner:
             )
         return env
 
+    def _account(self, grant: Grant) -> RunAs | None:
+        """The job's account: its owner's in the map; else, with owner uids on, the owner's own
+        uid (no passwd entry needed: HOME is the job's folder); else the job user."""
+        config = self._config
+        if config.owner_uids is None or grant.owner in config.user_map:
+            return run_as_for(grant, config.run_as, config.user_map)
+        uid = self._store.owner_uid(grant.owner, *config.owner_uids)
+        return RunAs(name=f"gpulayer-{grant.owner}", uid=uid, gid=uid, home="")
+
     async def _run(self, job: Job) -> st.Outcome:
         grant = job.rec.grant
-        run_as = run_as_for(grant, self._config.run_as, self._config.user_map)
+        try:
+            run_as = self._account(grant)
+        except ValueError as err:
+            return st.Outcome(state="failed", reason=f"no account for the job: {err}")
         cwd = self._store.job_dir(grant.grant_id)
         env = self._environment(job, run_as, cwd)
         if isinstance(env, st.Outcome):

@@ -145,6 +145,12 @@ CREATE TABLE IF NOT EXISTS grants (
     received_at REAL NOT NULL               -- unix seconds, for pruning
 );
 CREATE INDEX IF NOT EXISTS grants_unsettled ON grants (grant_id) WHERE settled = 0;
+-- The uid each owner's jobs run as on this node, when owners get uids of their own
+-- (GPULAYER_EXECUTOR_OWNER_UIDS): given once, kept, never given to another owner.
+CREATE TABLE IF NOT EXISTS owner_uids (
+    owner TEXT PRIMARY KEY,
+    uid   INTEGER NOT NULL UNIQUE
+);
 CREATE TABLE IF NOT EXISTS cancels (
     job_id TEXT PRIMARY KEY,
     record BLOB NOT NULL,                   -- CancelMark as JSON
@@ -235,6 +241,26 @@ class StateStore:
         self._commits += 1
         if self._commits % _CHECKPOINT_EVERY == 0:
             self._db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+
+    def owner_uid(self, owner: str, first: int, count: int) -> int:
+        """The uid ``owner``'s jobs run as: the one given before, else the next free one in
+        [first, first + count), written durably before it is used. ValueError when the range is
+        used up (the job then fails, saying so)."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT uid FROM owner_uids WHERE owner = ?", (owner,)
+            ).fetchone()
+            if row is not None:
+                return int(row[0])
+            (top,) = self._db.execute(
+                "SELECT max(uid) FROM owner_uids WHERE uid >= ? AND uid < ?", (first, first + count)
+            ).fetchone()
+            uid = first if top is None else int(top) + 1
+            if uid >= first + count:
+                raise ValueError(f"all {count} owner uids from {first} are given out")
+            self._db.execute("INSERT INTO owner_uids (owner, uid) VALUES (?, ?)", (owner, uid))
+            self._after_commit()
+            return uid
 
     def job_dir(self, grant_id: str) -> Path:
         return self.jobs_dir / grant_key(grant_id)
