@@ -8,18 +8,14 @@ import json
 import random
 import time
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
 
 import pytest
 from nats.aio.client import Client
 from tests.helpers import role_creds
+from tests.unit.placement.placement_fakes import gpu_node
 
 from gpulayer_contracts import (
-    AcceleratorDevice,
-    HostInfo,
     JobStatus,
-    WorkerCapabilities,
-    __version__,
     encode,
 )
 from gpulayer_contracts.codec import grant_decoder
@@ -36,28 +32,6 @@ from gpulayer_placement.store import create_pool
 from gpulayer_runtime.nats import connect, ensure_streams
 
 pytestmark = pytest.mark.integration
-
-
-def gpu_node(node_id: str, n: int) -> WorkerCapabilities:
-    return WorkerCapabilities(
-        node_id=node_id,
-        agent_version=__version__,
-        detected_at=datetime.now(UTC),
-        host=HostInfo(platform="linux-x86_64", os="linux"),
-        accelerators=[
-            AcceleratorDevice(
-                accelerator="cuda",
-                index=i,
-                vendor="NVIDIA",
-                name="NVIDIA H100 80GB HBM3",
-                memory_mib=81559,
-                memory_kind="dedicated",
-                compute_capability="9.0",
-                execution_supported=True,
-            )
-            for i in range(n)
-        ],
-    )
 
 
 def gpu_job(job_id: str) -> bytes:

@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any
 
-from gpulayer_contracts import AcceleratorDevice, HostInfo, WorkerCapabilities
+from gpulayer_contracts import AcceleratorDevice, HostInfo, WorkerCapabilities, __version__
 from gpulayer_placement.store import QUERIES
 
 _NAMES = {sql: name for name, sql in QUERIES.items()}
@@ -85,9 +85,10 @@ def cpu_node(node_id: str) -> WorkerCapabilities:
 
 
 def gpu_node(node_id: str, n: int) -> WorkerCapabilities:
+    """A node with ``n`` H100s (as recorded from a real one), every device usable."""
     return WorkerCapabilities(
         node_id=node_id,
-        agent_version="0",
+        agent_version=__version__,
         detected_at=datetime.now(UTC),
         host=HostInfo(platform="linux-x86_64", os="linux"),
         accelerators=[
