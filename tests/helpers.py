@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -22,6 +24,7 @@ from gpulayer_contracts.subjects import (
     node_control,
     node_grants,
 )
+from gpulayer_executor.service import Executor, ExecutorConfig
 from gpulayer_runtime.auth import AuthStore
 from gpulayer_runtime.roles import Role
 from gpulayer_runtime.signing import (
@@ -203,3 +206,17 @@ async def events_until(
     finally:
         await sub.unsubscribe()
     return seen
+
+
+@contextlib.asynccontextmanager
+async def running_executor(nc: Client, config: ExecutorConfig) -> AsyncIterator[Executor]:
+    """An in-process executor on ``nc``, ready (its consumers exist); stopped on exit."""
+    ex = Executor(nc, config)
+    stop = asyncio.Event()
+    task = asyncio.create_task(ex.run(stop))
+    try:
+        await asyncio.wait_for(ex.ready.wait(), 10)
+        yield ex
+    finally:
+        stop.set()
+        await task

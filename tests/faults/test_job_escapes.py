@@ -16,7 +16,14 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from tests.helpers import TEST_PUBLIC_KEYS, connect_args, pid_alive, publish_cancel, reason
+from tests.helpers import (
+    TEST_PUBLIC_KEYS,
+    connect_args,
+    pid_alive,
+    publish_cancel,
+    reason,
+    running_executor,
+)
 from tests.integration.test_executor import (
     NODE,
     job_events_until_terminal,
@@ -74,13 +81,8 @@ async def executor(
         fetch_timeout_s=0.2,
         placement_public_keys=TEST_PUBLIC_KEYS,
     )
-    ex = Executor(nc, config)
-    stop = asyncio.Event()
-    task = asyncio.create_task(ex.run(stop))
-    await asyncio.wait_for(ex.ready.wait(), 10)
-    yield ex
-    stop.set()
-    await task
+    async with running_executor(nc, config) as ex:
+        yield ex
 
 
 async def run_until_child(

@@ -19,7 +19,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from tests.helpers import TEST_KEY, TEST_PUBLIC_KEYS, TEST_SIGNER, publish_cancel, publish_grant
+from tests.helpers import (
+    TEST_KEY,
+    TEST_PUBLIC_KEYS,
+    TEST_SIGNER,
+    publish_cancel,
+    publish_grant,
+    running_executor,
+)
 from tests.integration.test_executor import (
     grants_settled,
     job_events_until_terminal,
@@ -76,13 +83,8 @@ async def executor(nc: Client, js: JetStreamContext, tmp_path: Path) -> AsyncIte
         fetch_timeout_s=0.2,
         placement_public_keys=TEST_PUBLIC_KEYS,
     )
-    ex = Executor(nc, config)
-    stop = asyncio.Event()
-    task = asyncio.create_task(ex.run(stop))
-    await asyncio.wait_for(ex.ready.wait(), 10)
-    yield ex
-    stop.set()
-    await task
+    async with running_executor(nc, config) as ex:
+        yield ex
 
 
 @pytest.fixture
