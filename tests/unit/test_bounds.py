@@ -81,6 +81,30 @@ OUTSIDE_INSIDE: list[tuple[str, JobRequest, str, JobRequest]] = [
         req(gpu_memory_gb=80.0),
     ),
     (
+        "cpu_cores nan",
+        req(cpu_cores=math.nan),
+        "$.requirements.cpu_cores: nan is out of range (0 < x <= 65536)",
+        req(cpu_cores=0.001),
+    ),
+    (
+        "cpu_cores huge",
+        req(cpu_cores=1e308),
+        "$.requirements.cpu_cores: 1e+308 is out of range (0 < x <= 65536)",
+        req(cpu_cores=65536.0),
+    ),
+    (
+        "memory_gb inf",
+        req(memory_gb=math.inf),
+        "$.requirements.memory_gb: inf is out of range (0 < x <= 1000000000)",
+        req(memory_gb=1e9),
+    ),
+    (
+        "memory_gb zero",
+        req(memory_gb=0.0),
+        "$.requirements.memory_gb: 0.0 is out of range (0 < x <= 1000000000)",
+        req(memory_gb=1e-9),
+    ),
+    (
         "gpu_count",
         req(gpu_count=b.MAX_GPU_COUNT + 1),
         "$.requirements.gpu_count: 1025 is out of range (0 <= x <= 1024)",
@@ -673,6 +697,29 @@ def test_heartbeat_bounds() -> None:
         "$.source: contains a NUL character (\\x00)",
         "$.agent_version: 300 bytes, over the limit of 256 bytes",
     ]
+    executor = Heartbeat(
+        node_id="n1",
+        sent_at=NOW,
+        source="executor",
+        slots=b.MAX_EXECUTOR_SLOTS,
+        reserved_cores=0.0,
+        reserved_memory_gb=1.5,
+        enforcement="cgroup v1: memory cpu pids devices",
+    )
+    assert b.validate_heartbeat(executor) == []
+    worst = msgspec.structs.replace(
+        executor,
+        slots=-1,
+        reserved_cores=math.nan,
+        reserved_memory_gb=math.inf,
+        enforcement="x\x00",
+    )
+    assert b.validate_heartbeat(worst) == [
+        "$.slots: -1 is out of range (0 <= x <= 65536)",
+        "$.reserved_cores: nan is out of range (0 <= x <= 65536)",
+        "$.reserved_memory_gb: inf is out of range (0 <= x <= 1000000000)",
+        "$.enforcement: contains a NUL character (\\x00)",
+    ]
 
 
 # --- No job that passes validation breaks the matcher, against a fleet at the bounds ---
@@ -937,6 +984,8 @@ def _near(limit: int) -> st.SearchStrategy[str]:
     gb=st.one_of(st.none(), _numbers),
     timeout=st.one_of(st.none(), _numbers),
     python=st.one_of(st.none(), _near(b.MAX_SHORT_TEXT_BYTES)),
+    cores=_numbers,
+    memory=_numbers,
 )
 def test_the_fast_check_agrees_with_the_detailed_one(
     name: str,
@@ -948,6 +997,8 @@ def test_the_fast_check_agrees_with_the_detailed_one(
     gb: float | None,
     timeout: float | None,
     python: str | None,
+    cores: float,
+    memory: float,
 ) -> None:
     job = make_job(
         name=name,
@@ -956,7 +1007,12 @@ def test_the_fast_check_agrees_with_the_detailed_one(
         timeout_s=timeout,
         gpu=GpuUsage(use="shared", apis_any=apis),
         requirements=Requirements(
-            gpu_count=count, gpu_memory_gb=gb, frameworks=frameworks, python=python
+            gpu_count=count,
+            gpu_memory_gb=gb,
+            frameworks=frameworks,
+            python=python,
+            cpu_cores=cores,
+            memory_gb=memory,
         ),
     )
     detailed = list(b._job_bounds(job))

@@ -125,7 +125,7 @@ def test_per_device_requirement_without_devices_warns() -> None:
 def test_unknown_api_is_a_warning_not_an_error() -> None:
     result = validate_job(decode_job_json(job(gpu={"use": "shared", "apis_any": ["webgpu"]})))
     assert result.ok
-    assert "webgpu" in result.warnings[0]
+    assert any("webgpu" in w for w in result.warnings), result.warnings
 
 
 def test_valid_cuda_job_passes() -> None:

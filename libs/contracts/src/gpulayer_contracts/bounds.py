@@ -34,6 +34,9 @@ INT32_MAX: Final = 2**31 - 1
 MAX_GPU_COUNT: Final = 1024  # devices on one node (= MAX_DEVICES_PER_NODE): more never fits
 MAX_GPU_MEMORY_GB: Final = 65536  # per device, GB of 10^9 bytes: 64 TB
 MAX_COMPUTE_CAPABILITY_PART: Final = 99  # major and minor each: 0.0 .. 99.99
+MAX_JOB_CPU_CORES: Final = 1 << 16  # = MAX_CPU_CORES: no node offers more
+MAX_JOB_MEMORY_GB: Final = 10**9  # 1 EB (= MAX_HOST_BYTES, about)
+MAX_EXECUTOR_SLOTS: Final = 1 << 16  # jobs one executor runs at once
 MAX_TIMEOUT_S: Final = 366 * 86400  # a year; leave timeout_s unset for no timeout
 MAX_DISTRIBUTED_NODES: Final = 4096
 MAX_PROCESSES_PER_NODE: Final = 1024
@@ -259,6 +262,10 @@ def _numbers_and_short_texts_fit(job: JobRequest) -> bool:
         _compute_capability("", req.min_cuda_compute_capability)
     ):
         return False
+    if _range("", req.cpu_cores, 0, MAX_JOB_CPU_CORES, low_open=True) or _range(
+        "", req.memory_gb, 0, MAX_JOB_MEMORY_GB, low_open=True
+    ):
+        return False
     short = MAX_SHORT_TEXT_BYTES
     texts: list[str] = [*req.frameworks, *req.frameworks.values(), *req.framework_capabilities]
     lists: list[Sized] = [req.frameworks, req.framework_capabilities]
@@ -332,6 +339,12 @@ def _job_bounds(job: JobRequest) -> Iterator[str]:
         yield from _compute_capability(
             f"{p}.min_cuda_compute_capability", req.min_cuda_compute_capability
         )
+    for error in (
+        _range(f"{p}.cpu_cores", req.cpu_cores, 0, MAX_JOB_CPU_CORES, low_open=True),
+        _range(f"{p}.memory_gb", req.memory_gb, 0, MAX_JOB_MEMORY_GB, low_open=True),
+    ):
+        if error:
+            yield error
     yield from _text_map(
         f"{p}.frameworks",
         req.frameworks,
@@ -591,6 +604,15 @@ def validate_heartbeat(beat: Heartbeat) -> list[str]:
     errors = node_id_errors(beat.node_id)
     errors += _text("$.source", beat.source, MAX_SHORT_TEXT_BYTES)
     errors += _opt_text("$.agent_version", beat.agent_version, MAX_SHORT_TEXT_BYTES)
+    errors += _opt_range("$.slots", beat.slots, 0, MAX_EXECUTOR_SLOTS)
+    for path, value, high in (
+        ("$.reserved_cores", beat.reserved_cores, MAX_JOB_CPU_CORES),
+        ("$.reserved_memory_gb", beat.reserved_memory_gb, MAX_JOB_MEMORY_GB),
+    ):
+        error = None if value is None else _range(path, value, 0, high)
+        if error:
+            errors.append(error)
+    errors += _opt_text("$.enforcement", beat.enforcement, MAX_SHORT_TEXT_BYTES)
     return bound_messages(errors)
 
 

@@ -79,3 +79,12 @@ class Heartbeat(Wire, frozen=True):
     sent_at: datetime
     source: str = "probe"
     agent_version: str | None = None
+    # An executor's beat says what it offers placement (None: not said, e.g. a probe's beat or
+    # an older executor; placement then keeps what it last knew, or counts no limit).
+    # ``slots``: jobs it runs at once (GPULAYER_EXECUTOR_MAX_JOBS). ``reserved_*``: host cores
+    # and RAM kept for the system, taken off what the probe reports. ``enforcement``: how job
+    # limits are enforced on this node, e.g. "cgroup v1: memory cpu pids devices" or "none".
+    slots: int | None = None
+    reserved_cores: float | None = None
+    reserved_memory_gb: float | None = None
+    enforcement: str | None = None

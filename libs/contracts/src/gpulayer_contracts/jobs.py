@@ -27,6 +27,12 @@ JobId = Annotated[str, msgspec.Meta(pattern=JOB_ID_PATTERN, description="Client-
 # allows no numeric constraint on an optional type, and drops a description inside a union).
 Positive = Annotated[float, msgspec.Meta(gt=0)]
 
+# What a job holds of its node's host when it names nothing (docs/jobs.md): one core, like
+# Slurm's default of one CPU per task, and 1 GB of RAM, enough for a Python interpreter with a
+# framework imported; a job that needs more says so, and is limited to what it asked for.
+DEFAULT_CPU_CORES = 1.0
+DEFAULT_MEMORY_GB = 1.0
+
 
 def _doc(text: str) -> msgspec.Meta:
     return msgspec.Meta(description=text)
@@ -64,6 +70,20 @@ class Requirements(Input, frozen=True):
     python: Annotated[
         str | None, _doc("PEP 440 specifier on the workload interpreter's version")
     ] = None
+    cpu_cores: Annotated[
+        Positive,
+        _doc(
+            "Host CPU cores held while the job runs (fractions allowed, e.g. 0.5); enforced as a "
+            "CPU quota where the node's executor can"
+        ),
+    ] = DEFAULT_CPU_CORES
+    memory_gb: Annotated[
+        Positive,
+        _doc(
+            "Host RAM held while the job runs, in GB of 10^9 bytes; enforced as a memory limit "
+            "where the node's executor can (past it, the job fails with 'out of memory')"
+        ),
+    ] = DEFAULT_MEMORY_GB
 
 
 class GpuUsage(Input, frozen=True):

@@ -168,6 +168,11 @@ def validate_job(job: JobRequest, core_version: str = __version__) -> Validation
             errors.append(f"{path}.apis_any: a cpu job uses no GPU API")
         if gpu.use == "none" and requested_gpu_count(job) > 0:
             errors.append(f'{path}.use: "none" contradicts the GPU devices the job asks for')
+        if effective_use(job, gpu) == "shared" and req.gpu_memory_gb is None:
+            warnings.append(
+                f'{path}.use: "shared" without requirements.gpu_memory_gb reserves no GPU '
+                "memory: jobs sharing the device may take all of it"
+            )
         for api in gpu.apis_any:
             if api not in KNOWN_GPU_APIS:
                 warnings.append(
