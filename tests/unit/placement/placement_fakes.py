@@ -36,7 +36,7 @@ class FakeConn:
         return "OK"
 
     @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[None]:
+    async def transaction(self, **options: Any) -> AsyncIterator[None]:
         yield
 
     def names(self) -> list[str]:
@@ -84,13 +84,18 @@ def cpu_node(node_id: str) -> WorkerCapabilities:
     )
 
 
-def gpu_node(node_id: str, n: int) -> WorkerCapabilities:
-    """A node with ``n`` H100s (as recorded from a real one), every device usable."""
+def gpu_node(
+    node_id: str, n: int, *, cores: int | None = None, memory_bytes: int | None = None
+) -> WorkerCapabilities:
+    """A node with ``n`` H100s (as recorded from a real one), every device usable; host cores
+    and RAM unreported unless given."""
     return WorkerCapabilities(
         node_id=node_id,
         agent_version=__version__,
         detected_at=datetime.now(UTC),
-        host=HostInfo(platform="linux-x86_64", os="linux"),
+        host=HostInfo(
+            platform="linux-x86_64", os="linux", cpu_cores=cores, memory_bytes=memory_bytes
+        ),
         accelerators=[
             AcceleratorDevice(
                 accelerator="cuda",

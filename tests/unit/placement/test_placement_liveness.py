@@ -46,7 +46,7 @@ def beat(node: str, source: str | None = None) -> Msg:
 
 async def test_reaper_takes_only_silent_nodes_offline_and_loses_their_jobs() -> None:
     lost = [{"job_id": "victim", "node_id": "silent", "owner": "alice"}]
-    conn = FakeConn({"lose_node_jobs": lost, "load_node_allocations": []})
+    conn = FakeConn({"lose_node_jobs": lost, "load_holds": []})
     liveness, fleet, wake, js = build(conn)
     fleet.upsert(gpu_node("silent", 1))
     fleet.upsert(gpu_node("beating", 1))
@@ -57,7 +57,7 @@ async def test_reaper_takes_only_silent_nodes_offline_and_loses_their_jobs() -> 
     assert conn.calls[0][1] == (["silent"],)
     assert conn.calls[2][1] == ("gpulayer_allocations", "replica-1|silent")
     # Its holds come from the database again (none left), for that node only.
-    assert conn.calls[3] == ("load_node_allocations", (["silent"],))
+    assert conn.calls[3] == ("load_holds", (["silent"],))
     silent, beating = fleet.get("silent"), fleet.get("beating")
     assert silent is not None
     assert beating is not None

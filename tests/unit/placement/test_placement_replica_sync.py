@@ -15,8 +15,8 @@ from gpulayer_placement.wake import Wake
 
 def build(conn: FakeConn) -> tuple[ReplicaSync, Fleet, Wake]:
     fleet, wake = Fleet(), Wake()
-    fleet.upsert(gpu_node("a", 2))
-    fleet.upsert(gpu_node("b", 2))
+    fleet.upsert(gpu_node("a", 2, cores=4))
+    fleet.upsert(gpu_node("b", 2, cores=4))
     return ReplicaSync(cast(Any, FakePool(conn)), fleet, wake, asyncio.Event(), "me"), fleet, wake
 
 
@@ -26,19 +26,33 @@ async def settle() -> None:
 
 
 async def test_another_replicas_change_reloads_the_named_nodes_and_wakes() -> None:
-    holds = [{"node_id": "a", "device_index": 1, "mode": "exclusive"}]
-    conn = FakeConn({"load_node_allocations": holds})
+    holds: list[dict[str, Any]] = [
+        {"kind": "device", "job_id": None, "node_id": "a", "resource": "exclusive", "amount": 1},
+        {"kind": "reservation", "job_id": "j", "node_id": "a", "resource": "cpu", "amount": 1500},
+        {"kind": "reservation", "job_id": "j", "node_id": "a", "resource": "slots", "amount": 1},
+        {"kind": "capacity", "job_id": None, "node_id": "a", "resource": "slots", "amount": 4},
+    ]
+    conn = FakeConn({"load_holds": holds})
     sync, fleet, wake = build(conn)
     fleet.hold("b", [0], "exclusive")
+    fleet.reserve("k", "b", [("cpu", 1000)])
     sync.on_notify(None, 1, NOTIFY_CHANNEL, "other|a")
     await settle()
-    assert conn.calls == [("load_node_allocations", (["a"],))]
+    assert conn.calls == [("load_holds", (["a"],))]
     a, b = fleet.get("a"), fleet.get("b")
     assert a is not None
     assert b is not None
     assert a.exclusive == frozenset({1})
+    # 4 cores reported; the recorded capacity gives the slots (no executor beat yet).
+    assert (a.cpu_free, a.slots_total, a.slots_free) == (2500, 4, 3)
     assert b.exclusive == frozenset({0})  # not named: left as it was
+    assert b.cpu_free == 3000
     assert wake.capacity_changed
+    # The job that ended gives back what the database said it held.
+    assert fleet.unreserve("j") == "a"
+    a = fleet.get("a")
+    assert a is not None
+    assert (a.cpu_free, a.slots_free) == (4000, 4)
 
 
 async def test_this_replicas_own_change_is_skipped() -> None:

@@ -39,6 +39,7 @@ from gpulayer_contracts.validation import (
     parse_compute_capability,
     requested_gpu_count,
 )
+from gpulayer_matching.resources import job_memory_bytes, job_millicores, need_mib
 
 __all__ = [
     "Decision",
@@ -72,6 +73,17 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     # Device indices held by an exclusive allocation, and those used by shared jobs.
     exclusive: frozenset[int] = frozenset()
     shared: frozenset[int] = frozenset()
+    # Host resources jobs may hold (``resources``: cores in millicores, RAM in bytes, the
+    # executor's job slots): what the node offers in all (its report less the executor's
+    # reserve) and what is free now. None: the node hasn't said, and no limit is applied.
+    cpu_total: int | None = None
+    cpu_free: int | None = None
+    memory_total: int | None = None
+    memory_free: int | None = None
+    slots_total: int | None = None
+    slots_free: int | None = None
+    # MiB of GPU memory shared jobs hold, per device index (only devices with any).
+    gpu_reserved: dict[int, int] = {}
 
 
 class Placement(msgspec.Struct, frozen=True, kw_only=True):
@@ -123,7 +135,7 @@ def match(job: JobRequest, nodes: Sequence[NodeView]) -> Decision:
             cap = facts.results.get(key)
             if cap is None:
                 cap = _capability(plan, facts)
-            if cap.ok:
+            if cap.ok and _host_miss(plan, view) is None:
                 placed = _place(plan, cap, view)
                 if isinstance(placed, Placement):
                     return placed
@@ -145,7 +157,17 @@ def would_fit_when_idle(job: JobRequest, node: NodeView | WorkerCapabilities) ->
     plan = _compile(job)
     if plan.failure is not None:
         return False
-    caps = node.capabilities if isinstance(node, NodeView) else node
+    if isinstance(node, NodeView):
+        caps = node.capabilities
+        cpu, memory = node.cpu_total, node.memory_total
+    else:
+        caps = node
+        cpu = None if caps.host.cpu_cores is None else caps.host.cpu_cores * 1000
+        memory = caps.host.memory_bytes
+    if (cpu is not None and plan.millicores > cpu) or (
+        memory is not None and plan.mem_bytes > memory
+    ):
+        return False
     return _cached_capability(plan, caps).ok
 
 
@@ -183,18 +205,6 @@ def _device_cc(text: str) -> tuple[int, int] | None:
         return None
 
 
-def _need_mib(gb: float) -> int:
-    """Smallest whole MiB count holding ``gb`` * 10^9 bytes: a device fits when
-    ``memory_mib * 2**20 >= gb * 10**9``, decided once here instead of per device."""
-    need_bytes = gb * GB
-    mib = math.ceil(need_bytes / MIB)
-    while mib > 0 and (mib - 1) * MIB >= need_bytes:
-        mib -= 1
-    while mib * MIB < need_bytes:
-        mib += 1
-    return mib
-
-
 # --- What a node offers, derived once per capabilities object. ---
 
 
@@ -218,7 +228,7 @@ class _Cap:
     ``rule`` name the first rule failed, ``value`` is the node's nearest-miss value for it.
     """
 
-    __slots__ = ("mode", "ok", "pools", "rank", "rule", "use", "value")
+    __slots__ = ("mib", "mode", "ok", "pools", "rank", "rule", "use", "value")
 
     def __init__(
         self,
@@ -230,8 +240,10 @@ class _Cap:
         rank: int = 0,
         rule: str = "",
         value: object = None,
+        mib: dict[int, int] | None = None,
     ) -> None:
         self.ok = ok
+        self.mib = mib if mib is not None else {}
         self.use = use
         self.mode = mode
         self.pools = pools
@@ -250,6 +262,7 @@ class _Facts:
         "frameworks",
         "fwcaps",
         "launchers",
+        "mib",
         "python",
         "results",
         "unusable",
@@ -276,6 +289,8 @@ class _Facts:
                 _Device(d.index, d.memory_mib, d.memory_kind, cc)
             )
         self.usable = {acc: tuple(devs) for acc, devs in usable.items()}
+        # Each usable device's memory, for shared jobs' reservations (index -> MiB).
+        self.mib = {d.index: d.mib for devs in usable.values() for d in devs if d.mib is not None}
         self.unusable = frozenset(unusable)
         self.frameworks = {canonicalize_name(k): v for k, v in caps.frameworks.items()}
         self.python = caps.workload_python_version
@@ -351,6 +366,8 @@ _R_FW = 10_000  # + 2 * i (+1 for a version that doesn't match)
 _R_FWCAP = 20_000  # + i
 _R_BACKEND = 30_000
 _R_LAUNCHER = 30_001
+_R_CORES = 30_100  # the node offers fewer cores (or less RAM) in all than the job needs
+_R_HOST_MEMORY = 30_101
 _R_OFFLINE = 40_000
 _R_EXECUTOR = 40_001
 _R_BUSY = 40_100
@@ -374,6 +391,8 @@ class _Plan:
         "key",
         "kind",
         "launcher",
+        "mem_bytes",
+        "millicores",
         "mode_name",
         "n",
         "need_mib",
@@ -391,7 +410,9 @@ class _Plan:
         )
         self.kind = req.gpu_memory_kind
         self.gb = req.gpu_memory_gb
-        self.need_mib = None if req.gpu_memory_gb is None else _need_mib(req.gpu_memory_gb)
+        self.need_mib = None if req.gpu_memory_gb is None else need_mib(req.gpu_memory_gb)
+        self.millicores = job_millicores(job)
+        self.mem_bytes = job_memory_bytes(job)
         self.cc: tuple[int, int] | None = None
         try:
             self.cc = parse_compute_capability(req.min_cuda_compute_capability)
@@ -614,14 +635,62 @@ def _evaluate(plan: _Plan, facts: _Facts) -> _Cap:
         return _Cap(ok=False, use=use, rank=_R_BACKEND, rule="backend")
     if plan.launcher is not None and plan.launcher not in facts.launchers:
         return _Cap(ok=False, use=use, rank=_R_LAUNCHER, rule="launcher")
-    return _Cap(ok=True, use=use, mode=mode, pools=tuple(pools))
+    return _Cap(ok=True, use=use, mode=mode, pools=tuple(pools), mib=facts.mib)
 
 
 # --- Step 2: occupancy. ---
 
 
-def _place(plan: _Plan, cap: _Cap, view: NodeView) -> Placement | int:
-    """The devices the job gets on this node now, or how many it could get (for the reason)."""
+class _Miss:
+    """Why a node that could run the job can't now: one of _BUSY_RULES, and its nearest miss."""
+
+    __slots__ = ("rule", "value")
+
+    def __init__(self, rule: str, value: object) -> None:
+        self.rule = rule
+        self.value = value
+
+
+def _host_miss(plan: _Plan, view: NodeView) -> tuple[int, str, object] | None:
+    """The first host resource the node can't give the job: what it offers in all (a capability
+    rule: never on this node) or what is free now (occupancy). None when all fit or are unknown."""
+    total = view.cpu_total
+    if total is not None and plan.millicores > total:
+        return _R_CORES, "cores", total
+    total = view.memory_total
+    if total is not None and plan.mem_bytes > total:
+        return _R_HOST_MEMORY, "host_memory", total
+    free = view.slots_free
+    if free is not None and free < 1:
+        return _R_BUSY + _BUSY_RULES.index("no_slot"), "no_slot", view.slots_total
+    free = view.cpu_free
+    if free is not None and plan.millicores > free:
+        return _R_BUSY + _BUSY_RULES.index("busy_cores"), "busy_cores", (free, view.cpu_total)
+    free = view.memory_free
+    if free is not None and plan.mem_bytes > free:
+        return _R_BUSY + _BUSY_RULES.index("busy_memory"), "busy_memory", (free, view.memory_total)
+    return None
+
+
+def _roomy(
+    plan: _Plan, cap: _Cap, view: NodeView, free: Sequence[int], n: int
+) -> Sequence[int] | _Miss:
+    """``free`` less the devices where a shared job's ``gpu_memory_gb`` no longer fits beside
+    what other shared jobs reserved; a miss when fewer than ``n`` remain."""
+    need = plan.need_mib
+    reserved = view.gpu_reserved
+    if need is None or not reserved:
+        return free
+    mib = cap.mib
+    left = [mib.get(i, 0) - reserved.get(i, 0) for i in free]
+    roomy = [i for i, room in zip(free, left, strict=True) if room >= need]
+    if len(roomy) >= n:
+        return roomy
+    return _Miss("busy_gpu_memory", sorted(left, reverse=True)[n - 1] if len(left) >= n else 0)
+
+
+def _place(plan: _Plan, cap: _Cap, view: NodeView) -> Placement | _Miss:
+    """The devices the job gets on this node now, or why not (with the nearest miss)."""
     use = cap.use
     ex = view.exclusive
     sh = view.shared
@@ -630,6 +699,7 @@ def _place(plan: _Plan, cap: _Cap, view: NodeView) -> Placement | int:
         if use == "none":
             return Placement(node_id=view.node_id, accelerator=cap.pools[0][0], devices=[], use=use)
         most = 0
+        memory_miss: _Miss | None = None
         free: Sequence[int]
         for acc, eligible, members in cap.pools:
             if use == "exclusive":
@@ -649,6 +719,11 @@ def _place(plan: _Plan, cap: _Cap, view: NodeView) -> Placement | int:
             if len(free) < n:
                 most = max(most, len(free))
                 continue
+            roomy = _roomy(plan, cap, view, free, n)
+            if isinstance(roomy, _Miss):
+                memory_miss = roomy
+                continue
+            free = roomy
             if sh:
                 # Pack shared jobs onto devices already shared, so that whole devices stay free
                 # for exclusive jobs; lowest indices within each group.
@@ -656,7 +731,9 @@ def _place(plan: _Plan, cap: _Cap, view: NodeView) -> Placement | int:
             return Placement(
                 node_id=view.node_id, accelerator=acc, devices=sorted(free[:n]), use=use
             )
-        return most
+        if memory_miss is not None:
+            return memory_miss
+        return _Miss(_busy_rule(cap), most)
     if cap.mode == _POOL:
         if not cap.pools:
             # API alone, on a node with no GPU gpulayer tracks: nothing to hold or show.
@@ -666,12 +743,15 @@ def _place(plan: _Plan, cap: _Cap, view: NodeView) -> Placement | int:
             if ex or sh:
                 free_count = len(members.difference(ex, sh))
                 if free_count < len(eligible):
-                    return free_count
+                    return _Miss(_busy_rule(cap), free_count)
             return Placement(node_id=view.node_id, accelerator=acc, devices=list(eligible), use=use)
         free = sorted(members.difference(ex)) if ex else eligible
         if not free:
-            return 0
-        return Placement(node_id=view.node_id, accelerator=acc, devices=list(free), use=use)
+            return _Miss(_busy_rule(cap), 0)
+        roomy = _roomy(plan, cap, view, free, 1)
+        if isinstance(roomy, _Miss):
+            return roomy
+        return Placement(node_id=view.node_id, accelerator=acc, devices=list(roomy), use=use)
     return Placement(node_id=view.node_id, accelerator="cpu", devices=[], use="none")
 
 
@@ -719,6 +799,10 @@ def _explain(plan: _Plan, nodes: Sequence[NodeView]) -> NoPlacement:
         if not cap.ok:
             _count(tallies, cap.rank, cap.rule, view.node_id, cap.value)
             continue
+        miss = _host_miss(plan, view)
+        if miss is not None and miss[0] < _R_OFFLINE:
+            _count(tallies, miss[0], miss[1], view.node_id, miss[2])
+            continue
         could += 1
         if not view.online:
             _count(tallies, _R_OFFLINE, "offline", view.node_id, None)
@@ -726,12 +810,15 @@ def _explain(plan: _Plan, nodes: Sequence[NodeView]) -> NoPlacement:
         if view.executor_down:
             _count(tallies, _R_EXECUTOR, "executor_down", view.node_id, None)
             continue
+        if miss is not None:
+            _count(tallies, miss[0], miss[1], view.node_id, miss[2])
+            continue
         placed = _place(plan, cap, view)
         if isinstance(placed, Placement):
             fit += 1
         else:
-            rule = _busy_rule(cap)
-            _count(tallies, _R_BUSY + _BUSY_RULES.index(rule), rule, view.node_id, placed)
+            rank = _R_BUSY + _BUSY_RULES.index(placed.rule)
+            _count(tallies, rank, placed.rule, view.node_id, placed.value)
     ordered = sorted(tallies.items(), key=lambda kv: kv[1].rank)
     reasons = [_reason(plan, rule, t) for rule, t in ordered]
     summary = f"{fit}/{total} nodes can run this job"
@@ -750,7 +837,17 @@ def _explain(plan: _Plan, nodes: Sequence[NodeView]) -> NoPlacement:
     )
 
 
-_BUSY_RULES = ("busy_exclusive", "busy_shared", "busy_pool", "busy_pool_shared")
+# Occupancy rules, in the order a node is checked: its job slots, cores and RAM, then devices.
+_BUSY_RULES = (
+    "no_slot",
+    "busy_cores",
+    "busy_memory",
+    "busy_exclusive",
+    "busy_shared",
+    "busy_pool",
+    "busy_pool_shared",
+    "busy_gpu_memory",
+)
 
 
 def _busy_rule(cap: _Cap) -> str:
@@ -784,6 +881,15 @@ def _reason(plan: _Plan, rule: str, t: _Tally) -> str:
 
 def _fmt_gb(gb: float) -> str:
     return f"{gb:g}"
+
+
+def _fmt_cores(millicores: int) -> str:
+    return f"{millicores / 1000:g}"
+
+
+def _fmt_bytes(n: int) -> str:
+    """GB of 10^9 bytes, to a tenth (never shown as more than it is)."""
+    return f"{math.floor(n / GB * 10) / 10:g}"
 
 
 def _fmt_mib(mib: int) -> str:
@@ -876,4 +982,40 @@ def _message(plan: _Plan, rule: str, t: _Tally) -> tuple[str, str]:
         return "have", "GPUs in use (exclusive use holds the node's whole GPU pool)"
     if rule == "busy_pool_shared":
         return "have", "every GPU held exclusively"
+    if rule == "cores":
+        assert isinstance(t.best, int)
+        return "have", (
+            f"< {_fmt_cores(plan.millicores)} cores for jobs "
+            f"(best: {t.best_node} {_fmt_cores(t.best)})"
+        )
+    if rule == "host_memory":
+        assert isinstance(t.best, int)
+        return "have", (
+            f"< {_fmt_bytes(plan.mem_bytes)} GB of RAM for jobs "
+            f"(best: {t.best_node} {_fmt_bytes(t.best)} GB)"
+        )
+    if rule == "no_slot":
+        return "have", "no free job slot"
+    if rule == "busy_cores":
+        assert isinstance(t.best, tuple)
+        free, total = t.best
+        return "have", (
+            f"{_fmt_cores(free)}/{_fmt_cores(total)} free cores (need {_fmt_cores(plan.millicores)})"
+        )
+    if rule == "busy_memory":
+        assert isinstance(t.best, tuple)
+        free, total = t.best
+        return "have", (
+            f"{_fmt_bytes(free)}/{_fmt_bytes(total)} GB free RAM "
+            f"(need {_fmt_bytes(plan.mem_bytes)})"
+        )
+    if rule == "busy_gpu_memory":
+        assert plan.gb is not None
+        assert isinstance(t.best, int)
+        whose = "its" if t.count == 1 else "their"
+        where = (
+            f"on {whose} best shared GPU" if n <= 1 else f"per GPU on {whose} best {n} shared GPUs"
+        )
+        room = max(t.best, 0) * MIB / GB
+        return "have", f"{room:.1f} GB free {where} (need {_fmt_gb(plan.gb)})"
     return "have", rule  # pragma: no cover - every rule above has a message

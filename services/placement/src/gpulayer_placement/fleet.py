@@ -12,8 +12,9 @@ from typing import overload
 
 import msgspec
 
-from gpulayer_contracts.capabilities import WorkerCapabilities
+from gpulayer_contracts.capabilities import Heartbeat, WorkerCapabilities
 from gpulayer_matching import NodeView
+from gpulayer_matching.resources import CPU, GB, GPU_MEMORY, MEMORY, SLOTS, gpu_memory_resource
 
 
 class _Holds:
@@ -22,6 +23,56 @@ class _Holds:
     def __init__(self) -> None:
         self.exclusive: set[int] = set()
         self.shared: dict[int, int] = {}
+
+
+class Offer(msgspec.Struct, frozen=True):
+    """What a node's executor said it offers (its heartbeat): job slots, the host cores
+    (millicores) and RAM (bytes) it keeps for the system, how it enforces job limits."""
+
+    slots: int | None = None
+    reserved_millicores: int = 0
+    reserved_bytes: int = 0
+    enforcement: str | None = None
+
+    @classmethod
+    def of(cls, beat: Heartbeat) -> Offer:
+        return cls(
+            slots=beat.slots,
+            reserved_millicores=round((beat.reserved_cores or 0) * 1000),
+            reserved_bytes=round((beat.reserved_memory_gb or 0) * GB),
+            enforcement=beat.enforcement,
+        )
+
+
+class _Used:
+    """Host resources and shared GPU memory held on one node (sums of its jobs' reservations)."""
+
+    __slots__ = ("cpu", "gpu", "memory", "slots")
+
+    def __init__(self) -> None:
+        self.cpu = 0
+        self.memory = 0
+        self.slots = 0
+        self.gpu: dict[int, int] = {}
+
+    def add(self, resource: str, amount: int) -> None:
+        if resource == CPU:
+            self.cpu += amount
+        elif resource == MEMORY:
+            self.memory += amount
+        elif resource == SLOTS:
+            self.slots += amount
+        elif resource.startswith(GPU_MEMORY):
+            index = int(resource[len(GPU_MEMORY) :])
+            left = self.gpu.get(index, 0) + amount
+            if left > 0:
+                self.gpu[index] = left
+            else:
+                self.gpu.pop(index, None)
+
+
+def _free(total: int | None, used: int) -> int | None:
+    return None if total is None else total - used
 
 
 class Rotated(Sequence[NodeView]):
@@ -57,6 +108,13 @@ class Fleet:
         self._views: list[NodeView] = []
         self._pos: dict[str, int] = {}
         self._holds: dict[str, _Holds] = {}
+        self._used: dict[str, _Used] = {}
+        # job id -> (node, what it reserves there): released by job id when it ends.
+        self._reserved: dict[str, tuple[str, list[tuple[str, int]]]] = {}
+        self._offers: dict[str, Offer] = {}
+        # Capacities last recorded in PostgreSQL, per node and resource: used where this replica
+        # has no word of its own yet (no executor heartbeat since it started).
+        self._stored: dict[str, dict[str, int]] = {}
         self.last_seen: dict[str, float] = {}
         self.executor_seen: dict[str, float] = {}
         # Nodes whose last capabilities report was refused (kept: their last good one), why.
@@ -93,8 +151,99 @@ class Fleet:
         holds = self._holds.get(node_id)
         exclusive = frozenset(holds.exclusive) if holds else frozenset()
         shared = frozenset(holds.shared) if holds else frozenset()
-        if view.exclusive != exclusive or view.shared != shared:
-            self._set(msgspec.structs.replace(view, exclusive=exclusive, shared=shared))
+        changes = self._resources(node_id, view.capabilities)
+        if (
+            view.exclusive != exclusive
+            or view.shared != shared
+            or any(getattr(view, k) != v for k, v in changes.items())
+        ):
+            self._set(msgspec.structs.replace(view, exclusive=exclusive, shared=shared, **changes))
+
+    def capacity(self, node_id: str, caps: WorkerCapabilities) -> dict[str, int | None]:
+        """What the node offers jobs in all: cores (millicores) and RAM (bytes) the probe
+        reported less the executor's reserve, and the executor's slots. None: not known (then
+        the last value stored in PostgreSQL, if any)."""
+        offer = self._offers.get(node_id)
+        stored = self._stored.get(node_id, {})
+        cores, memory = caps.host.cpu_cores, caps.host.memory_bytes
+        if offer is None:
+            return {
+                CPU: stored.get(CPU, None if cores is None else cores * 1000),
+                MEMORY: stored.get(MEMORY, memory),
+                SLOTS: stored.get(SLOTS),
+            }
+        return {
+            CPU: None if cores is None else max(0, cores * 1000 - offer.reserved_millicores),
+            MEMORY: None if memory is None else max(0, memory - offer.reserved_bytes),
+            SLOTS: offer.slots if offer.slots is not None else stored.get(SLOTS),
+        }
+
+    def _resources(self, node_id: str, caps: WorkerCapabilities) -> dict[str, object]:
+        total = self.capacity(node_id, caps)
+        used = self._used.get(node_id) or _Used()
+        return {
+            "cpu_total": total[CPU],
+            "cpu_free": _free(total[CPU], used.cpu),
+            "memory_total": total[MEMORY],
+            "memory_free": _free(total[MEMORY], used.memory),
+            "slots_total": total[SLOTS],
+            "slots_free": _free(total[SLOTS], used.slots),
+            "gpu_reserved": dict(used.gpu),
+        }
+
+    @staticmethod
+    def capacities(view: NodeView) -> dict[str, int | None]:
+        """Every capacity the view's node offers, by resource name: what the database's
+        trigger checks a placement's reservations against."""
+        out: dict[str, int | None] = {
+            CPU: view.cpu_total,
+            MEMORY: view.memory_total,
+            SLOTS: view.slots_total,
+        }
+        for d in view.capabilities.accelerators:
+            if d.memory_mib is not None:
+                out.setdefault(gpu_memory_resource(d.index), d.memory_mib)
+        return out
+
+    def offer(self, node_id: str) -> Offer | None:
+        return self._offers.get(node_id)
+
+    def used(self, node_id: str) -> dict[str, int]:
+        """Cores (millicores), RAM (bytes) and slots held on the node now."""
+        u = self._used.get(node_id) or _Used()
+        return {CPU: u.cpu, MEMORY: u.memory, SLOTS: u.slots}
+
+    def set_offer(self, node_id: str, offer: Offer) -> bool:
+        """The executor's heartbeat said what it offers. True when that changed."""
+        if self._offers.get(node_id) == offer:
+            return False
+        self._offers[node_id] = offer
+        self._refresh(node_id)
+        return True
+
+    def reserve(self, job_id: str, node_id: str, items: list[tuple[str, int]]) -> None:
+        """A job placed on the node holds ``items`` (``resources.reservations``) until it ends."""
+        if job_id in self._reserved:
+            return
+        self._reserved[job_id] = (node_id, items)
+        used = self._used.setdefault(node_id, _Used())
+        for resource, amount in items:
+            used.add(resource, amount)
+        self._refresh(node_id)
+
+    def unreserve(self, job_id: str) -> str | None:
+        """The job ended (or its placement was not committed): give back what it held. Returns
+        its node, None when nothing was held (already given back, or never known here)."""
+        entry = self._reserved.pop(job_id, None)
+        if entry is None:
+            return None
+        node_id, items = entry
+        used = self._used.get(node_id)
+        if used is not None:
+            for resource, amount in items:
+                used.add(resource, -amount)
+        self._refresh(node_id)
+        return node_id
 
     def upsert(self, caps: WorkerCapabilities, *, online: bool = True) -> bool:
         """Store a node's capabilities. True when the node is new or its capabilities changed."""
@@ -118,6 +267,7 @@ class Fleet:
                 executor_down=old.executor_down if old is not None else False,
                 exclusive=frozenset(holds.exclusive) if holds else frozenset(),
                 shared=frozenset(holds.shared) if holds else frozenset(),
+                **self._resources(caps.node_id, caps),  # type: ignore[arg-type]
             )
         )
         return True
@@ -188,12 +338,29 @@ class Fleet:
         self._refresh(node_id)
 
     def replace_holds(
-        self, rows: Iterable[tuple[str, int, str]], nodes: Iterable[str] | None = None
+        self,
+        rows: Iterable[tuple[str, int, str]],
+        nodes: Iterable[str] | None = None,
+        reservations: Iterable[tuple[str, str, str, int]] = (),
+        capacities: Iterable[tuple[str, str, int]] = (),
     ) -> None:
-        """Reset allocations from the database: for ``nodes`` only, or for the whole fleet."""
-        targets = set(self._holds) | set(self._pos) if nodes is None else set(nodes)
+        """Reset allocations from the database: for ``nodes`` only, or for the whole fleet.
+        ``reservations``: (job, node, resource, amount) rows; ``capacities``: (node, resource,
+        capacity) as last recorded."""
+        targets = (
+            set(self._holds) | set(self._pos) | set(self._used) if nodes is None else set(nodes)
+        )
         for node_id in targets:
             self._holds[node_id] = _Holds()
+            self._used[node_id] = _Used()
+            self._stored.pop(node_id, None)
+        self._reserved = {j: e for j, e in self._reserved.items() if e[0] not in targets}
+        for job_id, node_id, resource, amount in reservations:
+            entry = self._reserved.setdefault(job_id, (node_id, []))
+            entry[1].append((resource, amount))
+            self._used.setdefault(node_id, _Used()).add(resource, amount)
+        for node_id, resource, capacity in capacities:
+            self._stored.setdefault(node_id, {})[resource] = capacity
         for node_id, device, mode in rows:
             holds = self._holds.setdefault(node_id, _Holds())
             if mode == "exclusive":
@@ -202,6 +369,20 @@ class Fleet:
                 holds.shared[device] = holds.shared.get(device, 0) + 1
         for node_id in targets:
             self._refresh(node_id)
+
+    def any_room(self) -> bool:
+        """Whether any online node with a running executor has a free job slot, a core and RAM
+        left (or doesn't say): when none has, no waiting job can be placed."""
+        for v in self._views:
+            if not v.online or v.executor_down:
+                continue
+            if (
+                (v.slots_free is None or v.slots_free > 0)
+                and (v.cpu_free is None or v.cpu_free > 0)
+                and (v.memory_free is None or v.memory_free > 0)
+            ):
+                return True
+        return False
 
     def any_free_device(self) -> bool:
         """Whether any online node has a usable device no exclusive job holds."""

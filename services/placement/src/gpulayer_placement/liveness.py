@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from gpulayer_contracts import Lost, WorkerCapabilities, encode
+from gpulayer_contracts import Heartbeat, Lost, WorkerCapabilities, encode
 from gpulayer_contracts.bounds import node_id_errors, validate_capabilities, validate_heartbeat
 from gpulayer_contracts.codec import (
     InvalidInput,
@@ -34,7 +34,7 @@ from gpulayer_contracts.subjects import (
     NODE_WILDCARD_HEARTBEAT,
     node_from_subject,
 )
-from gpulayer_placement.fleet import Fleet
+from gpulayer_placement.fleet import Fleet, Offer
 from gpulayer_placement.publisher import Publisher
 from gpulayer_placement.replica_sync import ReplicaSync
 from gpulayer_placement.settings import Settings
@@ -189,9 +189,12 @@ class Liveness:
         if node_id_errors(node):
             self._bad_beat(f"node id of subject {msg.subject[:200]!r} is not valid")
             return
-        if b"executor" in msg.data and self._executor_beat(msg.data):
-            if self.fleet.executor_beat(node):
+        beat = self._executor_beat(msg.data) if b"executor" in msg.data else None
+        if beat is not None:
+            back = self.fleet.executor_beat(node)
+            if back:
                 log.info("the executor on node %s is back", node, extra=job_context(node_id=node))
+            if self.fleet.set_offer(node, Offer.of(beat)) or back:
                 self.wake.capacity()
             return
         self._heartbeats[node] = datetime.now(UTC)
@@ -199,17 +202,18 @@ class Liveness:
             log.info("node %s is back online", node, extra=job_context(node_id=node))
             self.wake.capacity()
 
-    def _executor_beat(self, data: bytes) -> bool:
+    def _executor_beat(self, data: bytes) -> Heartbeat | None:
+        """An executor's beat, decoded and within bounds; None for anything else."""
         try:
             beat = decode_message(heartbeat_decoder, data)
         except InvalidInput as err:
             self._bad_beat(str(err))
-            return False
+            return None
         errors = validate_heartbeat(msgspec.structs.replace(beat, node_id="n"))
         if errors:
             self._bad_beat("; ".join(errors))
-            return False
-        return beat.source == "executor"
+            return None
+        return beat if beat.source == "executor" else None
 
     def _bad_beat(self, why: str) -> None:
         self.tel.count(

@@ -21,6 +21,8 @@ class PlacedJob:
     submitted: float  # epoch seconds the job entered the JOBS stream (or the table)
     match_ns: tuple[int, int]  # wall-clock start/end of matching, for the job's trace
     owner: str = ANONYMOUS  # who submitted it (the submit subject)
+    # What it holds besides devices (resources.reservations): cores, RAM, a slot, GPU memory.
+    held: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass

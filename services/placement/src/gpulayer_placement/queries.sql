@@ -21,11 +21,20 @@ RETURNING nodes.node_id;
 -- name: load_nodes
 SELECT node_id, capabilities::text AS capabilities, online, last_seen FROM nodes;
 
--- name: load_allocations
-SELECT node_id, device_index, mode FROM allocations;
-
--- name: load_node_allocations
-SELECT node_id, device_index, mode FROM allocations WHERE node_id = ANY($1::text[]);
+-- name: load_holds
+-- What nodes' jobs hold, in one snapshot: devices ('device': device index, mode), reservations
+-- ('reservation': job, resource, amount) and recorded capacities ('capacity': resource, value).
+-- NULL for $1: every node.
+SELECT 'device' AS kind, NULL AS job_id, node_id, mode AS resource, device_index::bigint AS amount
+FROM allocations WHERE $1::text[] IS NULL OR node_id = ANY($1::text[])
+UNION ALL
+SELECT 'reservation', job_id, node_id, resource, amount
+FROM reservations WHERE $1::text[] IS NULL OR node_id = ANY($1::text[])
+UNION ALL
+SELECT 'capacity', NULL, node_id, resource, capacity
+FROM node_resources
+WHERE capacity IS NOT NULL AND resource IN ('cpu', 'memory', 'slots')
+  AND ($1::text[] IS NULL OR node_id = ANY($1::text[]));
 
 -- name: set_offline
 -- Nodes whose heartbeats stopped; their placed and running jobs are lost and release devices.
@@ -39,6 +48,8 @@ WITH lost AS (
     RETURNING job_id, node_id, owner
 ), released AS (
     DELETE FROM allocations a USING lost WHERE a.job_id = lost.job_id
+), freed AS (
+    DELETE FROM reservations r USING lost WHERE r.job_id = lost.job_id
 )
 SELECT job_id, node_id, owner FROM lost;
 
@@ -70,11 +81,16 @@ FOR UPDATE SKIP LOCKED;
 
 -- name: place_jobs
 -- Notifications on 'gpulayer_allocations' carry '<replica>|<node>,<node>' (replica_sync.NOTIFY_CHANNEL).
--- One statement for a batch: hold the devices, mark the jobs placed, tell other replicas which
--- nodes changed. The exclusion constraint fails the whole statement on a double booking.
+-- One statement for a batch: hold the devices and the cores, RAM, slots and GPU memory, mark
+-- the jobs placed, tell other replicas which nodes changed. The exclusion constraint (a device
+-- held twice) or the reservations trigger (a node past its capacity) fails the whole statement.
 WITH held AS (
     INSERT INTO allocations (job_id, node_id, device_index, mode)
     SELECT * FROM unnest($6::text[], $7::text[], $8::int[], $9::text[])
+    RETURNING node_id
+), reserved AS (
+    INSERT INTO reservations (job_id, node_id, resource, amount, capacity)
+    SELECT * FROM unnest($11::text[], $12::text[], $13::text[], $14::bigint[], $15::bigint[])
     RETURNING node_id
 ), placed AS (
     UPDATE jobs SET state = 'placed', node_id = p.node_id, grant_id = p.grant_id,
@@ -87,7 +103,8 @@ WITH held AS (
 )
 SELECT (SELECT count(*) FROM placed) AS placed,
        (SELECT pg_notify('gpulayer_allocations', $10 || '|' || string_agg(DISTINCT node_id, ','))
-        FROM held HAVING count(*) > 0) AS notified;
+        FROM (SELECT node_id FROM held UNION SELECT node_id FROM reserved) AS changed
+        HAVING count(*) > 0) AS notified;
 
 -- name: mark_waiting
 UPDATE jobs SET reason = w.reason, unsatisfiable = w.unsatisfiable, updated_at = now()
@@ -112,10 +129,15 @@ WITH s AS (
     DELETE FROM allocations a USING changed c
     WHERE a.job_id = c.job_id AND c.state <> 'running'
     RETURNING a.job_id, a.node_id, a.device_index, a.mode
+), freed AS (
+    DELETE FROM reservations r USING changed c
+    WHERE r.job_id = c.job_id AND c.state <> 'running'
+    RETURNING r.node_id
 )
 SELECT c.job_id, c.node_id, c.state, r.device_index, r.mode,
        (SELECT pg_notify('gpulayer_allocations', $7 || '|' || string_agg(DISTINCT node_id, ','))
-        FROM released HAVING count(*) > 0) AS notified
+        FROM (SELECT node_id FROM released UNION SELECT node_id FROM freed) AS gone
+        HAVING count(*) > 0) AS notified
 FROM changed c LEFT JOIN released r ON r.job_id = c.job_id;
 
 -- name: stale_placed

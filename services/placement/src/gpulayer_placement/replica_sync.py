@@ -74,21 +74,25 @@ class ReplicaSync:
             "SELECT pg_notify($1, $2)", NOTIFY_CHANNEL, f"{self.replica_id}|{','.join(nodes)}"
         )
 
-    async def load_allocations(self, conn: Any) -> None:
-        """Every allocation in the database, on the caller's connection (at start)."""
-        rows = await Store.fetch(conn, "load_allocations")
-        self.fleet.replace_holds((r["node_id"], r["device_index"], r["mode"]) for r in rows)
+    async def load_allocations(self, conn: Any, nodes: list[str] | None = None) -> None:
+        """Replace the fleet's holds (devices, reservations, recorded capacities) on ``nodes``
+        (None: every node) with the database's, read in one statement on ``conn``."""
+        rows = await Store.fetch(conn, "load_holds", nodes)
+        devices, held, capacities = [], [], []
+        for r in rows:
+            kind = r["kind"]
+            if kind == "device":
+                devices.append((r["node_id"], r["amount"], r["resource"]))
+            elif kind == "reservation":
+                held.append((r["job_id"], r["node_id"], r["resource"], r["amount"]))
+            else:
+                capacities.append((r["node_id"], r["resource"], r["amount"]))
+        self.fleet.replace_holds(devices, nodes, reservations=held, capacities=capacities)
 
     async def reload(self, nodes: list[str] | None) -> None:
         """Replace the fleet's holds on ``nodes`` (None: every node) with the database's."""
         async with self.pool.acquire() as conn:
-            if nodes is None:
-                rows = await Store.fetch(conn, "load_allocations")
-            else:
-                rows = await Store.fetch(conn, "load_node_allocations", nodes)
-        self.fleet.replace_holds(
-            ((r["node_id"], r["device_index"], r["mode"]) for r in rows), nodes
-        )
+            await self.load_allocations(conn, nodes)
 
     def _on_listen_lost(self, conn: object) -> None:
         """The LISTEN connection died (a database restart): listen again on a new one."""

@@ -27,13 +27,14 @@ from gpulayer_contracts.codec import job_request_decoder
 from gpulayer_contracts.subjects import ANONYMOUS
 from gpulayer_contracts.validation import requested_gpu_count
 from gpulayer_matching import NoPlacement, Placement, match
+from gpulayer_matching.resources import reservations
 from gpulayer_placement import waiting
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.outcome import Outcome, PlacedJob, mode
 from gpulayer_placement.publisher import Publisher
 from gpulayer_placement.replica_sync import ReplicaSync
 from gpulayer_placement.settings import Settings
-from gpulayer_placement.store import DB_ERRORS, Store
+from gpulayer_placement.store import CONFLICTS, DB_ERRORS, Store
 from gpulayer_placement.wake import Wake
 from gpulayer_runtime.telemetry import DISABLED, Telemetry
 
@@ -96,9 +97,10 @@ class Scheduler:
                 elif new:
                     for i in range(0, len(new), self.settings.batch_size):
                         await self._schedule_ids(new[i : i + self.settings.batch_size])
-            except asyncpg.ExclusionViolationError:
-                # Another replica took a device this one thought free: reload and go again.
-                log.info("allocation conflict with another replica; reloading allocations")
+            except CONFLICTS as err:
+                # Another replica took a device (or the cores, RAM, slot) this one thought free:
+                # reload and go again.
+                log.info("allocation conflict with another replica (%s); reloading", err)
                 await self.sync.reload(None)
                 self.wake.capacity()
             except DB_ERRORS as err:
@@ -128,7 +130,10 @@ class Scheduler:
             after, taken = page
             if taken < size:
                 return  # a short page was the last one: no extra round trip to learn that
-            if early_stop and not self._deviceless_waiting and not self.fleet.any_free_device():
+            if early_stop and (
+                not self.fleet.any_room()
+                or (not self._deviceless_waiting and not self.fleet.any_free_device())
+            ):
                 return
 
     async def _schedule_ids(self, ids: list[str]) -> None:
@@ -167,9 +172,9 @@ class Scheduler:
                 t0 = time.time_ns()
                 await self.persist(conn, outcome)
             outcome.commit_ns = (t0, time.time_ns())
-        except asyncpg.ExclusionViolationError:
+        except CONFLICTS as err:
             self.release(outcome)
-            log.info("allocation conflict with another replica; reloading allocations")
+            log.info("allocation conflict with another replica (%s); reloading", err)
             await self.sync.reload(None)
             return None
         except BaseException:
@@ -181,6 +186,7 @@ class Scheduler:
         """Give back in memory what an uncommitted outcome held."""
         for pl in outcome.placements:
             self.fleet.release(pl.placement.node_id, pl.placement.devices, mode(pl.placement))
+            self.fleet.unreserve(pl.job.job_id)
         outcome.placements.clear()
 
     def match_rows(
@@ -226,10 +232,12 @@ class Scheduler:
                         submitted=submitted,
                         match_ns=(t0, t1),
                         owner=owner,
+                        held=reservations(job, decision.devices, decision.use),
                     )
                 )
                 # Held at once, so later jobs of this batch see the devices taken.
                 self.fleet.hold(decision.node_id, decision.devices, mode(decision))
+                self.fleet.reserve(job_id, decision.node_id, outcome.placements[-1].held)
             else:
                 failed[key] = decision
                 if requested_gpu_count(job) == 0:
@@ -283,6 +291,7 @@ class Scheduler:
                     alloc[2].append(d)
                     alloc[3].append(mode(pl.placement))
             ps = outcome.placements
+            held = self._reservation_rows(ps)
             await Store.execute(
                 conn,
                 "place_jobs",
@@ -293,6 +302,7 @@ class Scheduler:
                 ["{" + ",".join(map(str, pl.placement.devices)) + "}" for pl in ps],
                 *alloc,
                 self.sync.replica_id,
+                *held,
             )
         if outcome.failed:
             await Store.execute(
@@ -306,6 +316,33 @@ class Scheduler:
                 [d.summary for _, d in outcome.waiting],
                 [d.unsatisfiable for _, d in outcome.waiting],
             )
+
+    def _reservation_rows(
+        self, placed: list[PlacedJob]
+    ) -> tuple[list[str], list[str], list[str], list[int], list[int | None]]:
+        """``place_jobs``' reservation columns: job, node, resource, amount, and the capacity
+        this replica matched against (the database's trigger checks the sum against it)."""
+        rows: tuple[list[str], list[str], list[str], list[int], list[int | None]] = (
+            [],
+            [],
+            [],
+            [],
+            [],
+        )
+        capacities: dict[str, dict[str, int | None]] = {}
+        for pl in placed:
+            node = pl.placement.node_id
+            cap = capacities.get(node)
+            if cap is None:
+                view = self.fleet.get(node)
+                cap = capacities[node] = Fleet.capacities(view) if view else {}
+            for resource, amount in pl.held:
+                rows[0].append(pl.job.job_id)
+                rows[1].append(node)
+                rows[2].append(resource)
+                rows[3].append(amount)
+                rows[4].append(cap.get(resource))
+        return rows
 
 
 def _requirement_key(job: JobRequest) -> bytes:

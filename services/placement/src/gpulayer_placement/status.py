@@ -163,6 +163,7 @@ class ExecutorStatus:
                 if r["device_index"] is not None:
                     self.fleet.release(r["node_id"], [r["device_index"]], r["mode"])
             for job_id in finished:
+                self.fleet.unreserve(job_id)
                 self.forget(job_id)
             if finished:
                 self.wake.capacity()

@@ -30,6 +30,14 @@ DATA_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.ProgramLimitExceededError,
 )
 
+# Another replica got there first: a device already held (the allocations' exclusion
+# constraint) or a node's cores, RAM, slots or shared GPU memory full (the reservations
+# trigger raises check_violation). Reload the fleet's holds and match again.
+CONFLICTS: tuple[type[BaseException], ...] = (
+    asyncpg.ExclusionViolationError,
+    asyncpg.CheckViolationError,
+)
+
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
