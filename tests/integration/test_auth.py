@@ -20,6 +20,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from tests.conftest import SecureNats
 
 from gpulayer_contracts.subjects import (
+    MAX_DELIVERIES_ADVISORY,
     MSG_ID_HEADER,
     jobs_submit,
     node_capabilities,
@@ -410,3 +411,24 @@ async def test_the_auth_command_mints_credentials_a_running_server_accepts(
         finally:
             await nc.close()
     assert main(["auth", "--dir", str(tmp_path / "none"), "add-user", "dave"]) == 2
+
+
+async def test_placement_hears_the_max_deliveries_advisory(
+    secure_nats: SecureNats, admin: Client
+) -> None:
+    """Placement dead-letters a message left at a consumer's max_deliver when the server's
+    advisory arrives (dead_letters.py): its credential must let it subscribe to that."""
+    async with client(secure_nats, "placement", "") as placement:
+        heard: asyncio.Queue[str] = asyncio.Queue()
+
+        async def on_advisory(msg: Msg) -> None:
+            await heard.put(msg.subject)
+
+        await placement.nc.subscribe(
+            MAX_DELIVERIES_ADVISORY, queue="placement-advisories", cb=on_advisory
+        )
+        await placement.nc.flush()
+        subject = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.JOBS.placement-jobs"
+        await admin.publish(subject, b"{}")
+        assert await asyncio.wait_for(heard.get(), 5) == subject
+        assert placement.errors.empty()

@@ -17,7 +17,7 @@ from typing import Literal
 
 import msgspec
 
-from gpulayer_contracts.subjects import PREFIX, STREAMS
+from gpulayer_contracts.subjects import MAX_DELIVERIES_ADVISORY, PREFIX, STREAMS
 
 Role = Literal["placement", "node", "user", "admin"]
 ROLES: tuple[Role, ...] = ("placement", "node", "user", "admin")
@@ -117,6 +117,8 @@ def _placement() -> Permissions:
             f"{PREFIX}.api.>",
             f"{PREFIX}.node.*.heartbeat",
             f"{inbox_prefix('placement', '')}.>",
+            # A message left undelivered at a consumer's max_deliver (dead_letters.py).
+            MAX_DELIVERIES_ADVISORY,
         ),
         allow_responses=True,
     )
