@@ -54,6 +54,12 @@ END $$;
 
 CREATE FUNCTION gpulayer_unreserve() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
+    -- Locked in key order first, as gpulayer_reserve does: an UPDATE ... FROM takes its rows
+    -- in whatever order its join produces, and two replicas' releases would deadlock.
+    PERFORM 1 FROM node_resources n
+    WHERE (n.node_id, n.resource) IN (SELECT node_id, resource FROM gone)
+    ORDER BY n.node_id, n.resource
+    FOR UPDATE;
     UPDATE node_resources n SET used = greatest(n.used - g.amount, 0)
     FROM (SELECT node_id, resource, sum(amount) AS amount FROM gone
           GROUP BY node_id, resource ORDER BY node_id, resource) g

@@ -1,0 +1,323 @@
+"""Host cores, RAM, executor job slots and shared GPU memory, with real NATS and PostgreSQL:
+placement never grants past what a node offers, jobs that don't fit wait with the reason, and
+PostgreSQL itself refuses a placement past a node's capacity whatever a replica believed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any
+
+import asyncpg
+import pytest
+from nats.aio.client import Client
+from tests.helpers import role_creds
+from tests.unit.placement.placement_fakes import gpu_node
+
+from gpulayer_contracts import Grant, Heartbeat, JobStatus, Pending, encode
+from gpulayer_contracts.codec import event_decoder, grant_decoder
+from gpulayer_contracts.subjects import (
+    JOBS_SUBMIT,
+    MSG_ID_HEADER,
+    NODE_WILDCARD_GRANTS,
+    node_capabilities,
+    node_heartbeat,
+    node_status,
+)
+from gpulayer_placement.replica_sync import NOTIFY_CHANNEL
+from gpulayer_placement.service import PlacementService, Settings
+from gpulayer_placement.store import create_pool, migrate
+from gpulayer_runtime.nats import connect, ensure_streams
+
+pytestmark = pytest.mark.integration
+
+GB = 10**9
+
+
+async def start_replicas(
+    nats_url: str, database_url: str, n: int
+) -> list[tuple[PlacementService, Client]]:
+    started = []
+    for i in range(n):
+        # Each replica has its own NATS connection and pool, as separate processes would.
+        conn = await connect(nats_url, f"placement-{i}", creds=role_creds("placement"))
+        pool = await create_pool(database_url, min_size=1, max_size=4)
+        svc = PlacementService(
+            conn, pool, Settings(node_timeout_s=30, resend_after_s=60, batch_size=32)
+        )
+        await svc.start()
+        started.append((svc, conn))
+    return started
+
+
+@pytest.fixture
+async def one_replica(
+    nats_url: str, database_url: str, nc: Client
+) -> AsyncIterator[PlacementService]:
+    await ensure_streams(nc.jetstream())
+    (started,) = await start_replicas(nats_url, database_url, 1)
+    yield started[0]
+    await started[0].close()
+    await started[0].pool.close()
+    await started[1].drain()
+
+
+async def executor_beat(nc: Client, node: str, slots: int) -> None:
+    beat = Heartbeat(
+        node_id=node,
+        sent_at=datetime.now(UTC),
+        source="executor",
+        slots=slots,
+        reserved_cores=0.0,
+        reserved_memory_gb=0.0,
+        enforcement="none",
+    )
+    await nc.publish(node_heartbeat(node), encode(beat))
+
+
+def job(job_id: str, **requirements: Any) -> bytes:
+    return json.dumps(
+        {"job_id": job_id, "command": ["true"], "requirements": requirements}
+    ).encode()
+
+
+async def finish(js: Any, grant: Grant) -> None:
+    await js.publish(
+        node_status(grant.node_id),
+        encode(
+            JobStatus(
+                job_id=grant.job.job_id,
+                grant_id=grant.grant_id,
+                node_id=grant.node_id,
+                state="succeeded",
+                exit_code=0,
+            )
+        ),
+    )
+
+
+async def test_a_full_node_keeps_jobs_waiting_until_a_slot_frees_or_a_node_joins(
+    nc: Client, one_replica: PlacementService
+) -> None:
+    """1 node, 4 cores, 2 slots; 6 jobs of 2 cores: never more than 2 granted at once there,
+    the rest wait with the reason; a second node joining takes the waiting ones."""
+    js = nc.jetstream()
+    grants: asyncio.Queue[Grant] = asyncio.Queue()
+    pending: dict[str, str] = {}
+
+    async def on_grant(msg: Any) -> None:
+        await grants.put(grant_decoder.decode(msg.data))
+
+    slot_reason = "0/1 nodes can run this job: 1 has no free job slot"
+    all_waiting = asyncio.Event()
+
+    async def on_event(msg: Any) -> None:
+        ev = event_decoder.decode(msg.data)
+        if type(ev).__struct_config__.tag == "pending":
+            assert isinstance(ev, Pending)
+            pending[ev.job_id] = ev.summary
+            if sum(slot_reason in s for s in pending.values()) == 4:
+                all_waiting.set()
+
+    await nc.subscribe(NODE_WILDCARD_GRANTS, cb=on_grant)
+    await nc.subscribe("gpulayer.job.*.*.events", cb=on_event)
+    await nc.flush()
+    await js.publish(
+        node_capabilities("one"), encode(gpu_node("one", 0, cores=4, memory_bytes=64 * GB))
+    )
+    await executor_beat(nc, "one", slots=2)
+
+    for i in range(6):
+        await js.publish(JOBS_SUBMIT, job(f"c-{i}", cpu_cores=2), headers={MSG_ID_HEADER: f"c-{i}"})
+    first = [await asyncio.wait_for(grants.get(), 10) for _ in range(2)]
+    assert {g.node_id for g in first} == {"one"}
+    # The other four wait, named by the rule that stops them (once the replica has absorbed
+    # the executor's beat: before that, the node's 4 cores stop them, which is also right).
+    try:
+        await asyncio.wait_for(all_waiting.wait(), 10)
+    except TimeoutError:
+        raise AssertionError(pending) from None
+    assert grants.empty()
+
+    # One ends: exactly one more is granted there.
+    await finish(js, first[0])
+    third = await asyncio.wait_for(grants.get(), 10)
+    assert third.node_id == "one"
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(grants.get(), 0.3)
+
+    # A second node joins: it takes the waiting ones (it has room for 2 as well).
+    await js.publish(
+        node_capabilities("two"), encode(gpu_node("two", 0, cores=4, memory_bytes=64 * GB))
+    )
+    await executor_beat(nc, "two", slots=2)
+    joined = [await asyncio.wait_for(grants.get(), 10) for _ in range(2)]
+    assert {g.node_id for g in joined} == {"two"}
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(grants.get(), 0.3)
+    view = one_replica.fleet.get("one")
+    assert view is not None
+    assert (view.slots_free, view.cpu_free) == (0, 0)
+
+
+async def test_three_replicas_never_overcommit_cores_memory_slots_or_gpu_memory(
+    nats_url: str, database_url: str, nc: Client
+) -> None:
+    """Random CPU and shared-GPU jobs through three replicas: at no moment does any node hold
+    more cores, RAM or slots than it offers, or any device more reserved GPU memory than it
+    has (counted from the grants, released before each job's end is reported)."""
+    js = nc.jetstream()
+    await ensure_streams(js)
+    replicas = await start_replicas(nats_url, database_url, 3)
+    nodes = {f"h-{i}": (8, 32 * GB, 5) for i in range(3)}  # cores, RAM, slots
+    device_mib = 81559
+    try:
+        for node, (cores, memory, slots) in nodes.items():
+            await js.publish(
+                node_capabilities(node),
+                encode(gpu_node(node, 2, cores=cores, memory_bytes=memory)),
+            )
+            await executor_beat(nc, node, slots)
+        rng = random.Random(13)
+        total = 150
+        bodies = []
+        for i in range(total):
+            if i % 3 == 0:
+                req: dict[str, Any] = {"gpu_count": 1, "gpu_memory_gb": 30, "cpu_cores": 1}
+                body = json.loads(job(f"x-{i}", **req))
+                body["gpu"] = {"use": "shared"}
+                bodies.append(json.dumps(body).encode())
+            else:
+                bodies.append(
+                    job(
+                        f"x-{i}",
+                        cpu_cores=rng.choice([0.5, 1, 2, 3]),
+                        memory_gb=rng.choice([1, 4, 9]),
+                    )
+                )
+        used: dict[str, list[float]] = {n: [0.0, 0.0, 0.0] for n in nodes}
+        gpu_used: dict[tuple[str, int], float] = {}
+        violations: list[str] = []
+        done = asyncio.Event()
+        finished: set[str] = set()
+        tasks: list[asyncio.Task[None]] = []
+
+        # Placement announces every release on this channel (replica_sync): a listener of our
+        # own learns when the last job's end has been applied.
+        listener = await asyncpg.connect(database_url)
+        all_applied = asyncio.Event()
+
+        async def on_release(*_: object) -> None:
+            async with replicas[0][0].pool.acquire() as db:
+                active = await db.fetchval(
+                    "SELECT count(*) FROM jobs WHERE state IN ('pending', 'placed', 'running')"
+                )
+            if active == 0:
+                all_applied.set()
+
+        await listener.add_listener(
+            NOTIFY_CHANNEL, lambda *a: asyncio.ensure_future(on_release(*a))
+        )
+
+        async def run(grant: Grant, cores: float, memory: float) -> None:
+            await asyncio.sleep(rng.uniform(0, 0.02))
+            u = used[grant.node_id]
+            u[0] -= cores
+            u[1] -= memory
+            u[2] -= 1
+            if grant.job.gpu is not None:
+                for d in grant.devices:
+                    gpu_used[(grant.node_id, d)] -= 30 * GB
+            await finish(js, grant)
+            finished.add(grant.job.job_id)
+            if len(finished) == total:
+                done.set()
+
+        async def on_grant(msg: Any) -> None:
+            grant = grant_decoder.decode(msg.data)
+            req = grant.job.requirements
+            cores, memory, slots = nodes[grant.node_id]
+            u = used[grant.node_id]
+            u[0] += req.cpu_cores
+            u[1] += req.memory_gb * GB
+            u[2] += 1
+            if u[0] > cores or u[1] > memory or u[2] > slots:
+                violations.append(f"{grant.node_id} holds {u} of {nodes[grant.node_id]}")
+            if grant.job.gpu is not None:
+                for d in grant.devices:
+                    key = (grant.node_id, d)
+                    gpu_used[key] = gpu_used.get(key, 0) + 30 * GB
+                    if gpu_used[key] > device_mib * 2**20:
+                        violations.append(f"{key} holds {gpu_used[key]} bytes of GPU memory")
+            tasks.append(asyncio.create_task(run(grant, req.cpu_cores, req.memory_gb * GB)))
+
+        await nc.subscribe(NODE_WILDCARD_GRANTS, cb=on_grant)
+        await nc.flush()
+        await asyncio.gather(
+            *(
+                js.publish(JOBS_SUBMIT, b, headers={MSG_ID_HEADER: f"x-{i}"})
+                for i, b in enumerate(bodies)
+            )
+        )
+        await asyncio.wait_for(done.wait(), 90)
+        await asyncio.gather(*tasks)
+        assert violations == []
+        assert len(finished) == total
+        placed = [svc.publisher.placed_total for svc, _ in replicas]
+        assert sum(1 for n in placed if n > 0) >= 2, placed
+        # Everything given back once placement has applied every end, in the database too.
+        await asyncio.wait_for(all_applied.wait(), 30)
+        await listener.close()
+        pool = replicas[0][0].pool
+        async with pool.acquire() as db:
+            rows = await db.fetch("SELECT node_id, resource, used FROM node_resources")
+        assert rows
+        assert all(r["used"] == 0 for r in rows), [dict(r) for r in rows if r["used"]]
+    finally:
+        for svc, conn in replicas:
+            await svc.close()
+            await svc.pool.close()
+            await conn.drain()
+
+
+async def test_the_database_refuses_reservations_past_a_nodes_capacity(database_url: str) -> None:
+    """The last guard: whatever a replica believed, PostgreSQL refuses a statement that takes a
+    node past its recorded capacity, keeps the last known capacity when a replica sends none,
+    and gives back on delete (the job's end)."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        await migrate(conn)
+        for i in range(4):
+            await conn.execute(
+                "INSERT INTO jobs (job_id, request, state) VALUES ($1, '{}', 'placed')", f"j{i}"
+            )
+        reserve = (
+            "INSERT INTO reservations (job_id, node_id, resource, amount, capacity) "
+            "VALUES ($1, 'n', 'slots', 1, $2)"
+        )
+        await conn.execute(reserve, "j0", 2)
+        await conn.execute(reserve, "j1", None)  # capacity not known to this replica: 2 stays
+        with pytest.raises(asyncpg.CheckViolationError, match="node n would hold 3 of its 2 slots"):
+            await conn.execute(reserve, "j2", None)
+        # Two at once in one statement, past the capacity: the whole statement fails.
+        await conn.execute("DELETE FROM reservations WHERE job_id = 'j1'")
+        with pytest.raises(asyncpg.CheckViolationError):
+            await conn.execute(
+                "INSERT INTO reservations (job_id, node_id, resource, amount, capacity) "
+                "VALUES ('j2', 'n', 'slots', 1, 2), ('j3', 'n', 'slots', 1, 2)"
+            )
+        used = await conn.fetchval(
+            "SELECT used FROM node_resources WHERE node_id = 'n' AND resource = 'slots'"
+        )
+        assert used == 1
+        # A job's row going away (cascade) gives back what it held.
+        await conn.execute("DELETE FROM jobs WHERE job_id = 'j0'")
+        used = await conn.fetchval(
+            "SELECT used FROM node_resources WHERE node_id = 'n' AND resource = 'slots'"
+        )
+        assert used == 0
+    finally:
+        await conn.close()
