@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import asyncpg
+import msgspec
 
 from bench.figures import (
     REPO,
@@ -39,6 +40,8 @@ from bench.fleet import FleetShape, encoded, fleet, gpu_jobs_for, job_mix
 from bench.harness import BenchError, Scenario, load_fleet, scenario
 from bench.report import Figure, judge, print_summary, unavailable
 from bench.strip_telemetry import stripped_placement
+from gpulayer_contracts import JobRequest, WorkerCapabilities
+from gpulayer_contracts.jobs import GpuUsage
 from gpulayer_runtime.servers import EmbeddedPostgres, ServerStartError
 
 T = TypeVar("T")
@@ -331,6 +334,66 @@ async def signing_group(run: Run) -> None:
         run.add(f)
 
 
+def _with_requests(job: JobRequest) -> JobRequest:
+    """Every job names its cores and RAM; CUDA jobs share their GPU with 40 GB reserved."""
+    req = msgspec.structs.replace(job.requirements, cpu_cores=2.0, memory_gb=4.0)
+    if req.gpu_count:
+        return msgspec.structs.replace(job, requirements=req, gpu=GpuUsage(use="shared"))
+    return msgspec.structs.replace(job, requirements=req)
+
+
+def _no_host_report(caps: WorkerCapabilities) -> WorkerCapabilities:
+    host = msgspec.structs.replace(caps.host, cpu_cores=None, memory_bytes=None)
+    return msgspec.structs.replace(caps, host=host)
+
+
+async def requests_group(run: Run) -> None:
+    """Placement throughput with every job's cores, RAM and (for CUDA jobs) shared GPU memory
+    checked against nodes that report them, against the same run where nodes report no host
+    cores or RAM and jobs share no GPU memory (nothing binds but devices and the default slot
+    rows); alternating, medians and their ratio. Both write every job's reservation rows, the
+    part that can't be switched off: docs/performance.md has the run before accounting."""
+    sz = run.sizes
+    shape = FleetShape.of(sz.small_nodes)
+    rates: dict[str, list[float]] = {"with": [], "without": []}
+    names = [
+        ("placement_requests_with_jobs_per_s", "jobs/s"),
+        ("placement_requests_without_jobs_per_s", "jobs/s"),
+    ]
+
+    async def work() -> None:
+        for round_ in range(ROUNDS):
+            for variant in ("with", "without"):
+                async with run.scenario(f"req{round_}{variant}") as s:
+                    nodes = fleet(f"q{round_}", sz.small_nodes)
+                    if variant == "without":
+                        nodes = [_no_host_report(c) for c in nodes]
+                    await load_fleet(s, nodes, timeout=60)
+                    adjust = _with_requests if variant == "with" else None
+                    tp = await placement_throughput(
+                        s, f"q{round_}{variant}", sz.jobs, shape, adjust
+                    )
+                    if tp.granted < tp.submitted:
+                        raise BenchError(f"requests {variant}: {tp.granted}/{tp.submitted} granted")
+                    rates[variant].append(tp.rate)
+        on, off = statistics.median(rates["with"]), statistics.median(rates["without"])
+        print(f"# requests runs, jobs/s: with {rates['with']}, without {rates['without']}")
+        run.add(
+            Figure(
+                "placement_requests_with_jobs_per_s", on, "jobs/s", note=f"runs {rates['with']}"
+            ),
+            Figure(
+                "placement_requests_without_jobs_per_s",
+                off,
+                "jobs/s",
+                note=f"runs {rates['without']}",
+            ),
+            Figure("requests_with_over_without", on / off, "x"),
+        )
+
+    await _guard(run, names, work)
+
+
 async def output_group(run: Run) -> None:
     """A job printing 200 MB through the executor's pipes against the same job with its output
     to /dev/null (bench/figures.py ``output_flood``)."""
@@ -359,6 +422,7 @@ def judge_all(run: Run) -> None:
     goal("placement_telemetry_off_over_removed", ">=", 0.95, ">= 0.95 x (within 5%)")
     goal("executor_output_flood_over_devnull", "<=", GOAL_FLOOD_RATIO)
     goal("auth_signing_on_over_off", ">=", GOAL_SIGNING_RATIO, ">= 0.9 x (auth and signing off)")
+    goal("requests_with_over_without", ">=", 0.9, ">= 0.9 x (no host requests bind)")
     p1k = run.get("placement_1k_nodes")
     p10k = run.get("placement_10k_nodes")
     if p1k and p10k:
@@ -427,6 +491,7 @@ async def amain(args: argparse.Namespace) -> list[Figure]:
             ("loop", lambda: loop_group(run)),
             ("output", lambda: output_group(run)),
             ("signing", lambda: signing_group(run)),
+            ("requests", lambda: requests_group(run)),
         ]
         for name, group in groups:
             if only is None or name in only:
@@ -457,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--only",
         help=(
-            "comma-separated groups: probe,limits,placement1k,replicas,latency,placement10k,"
+            "comma-separated groups: probe,limits,placement1k,replicas,latency,placement10k,requests,"
             "loop,output,signing,telemetry"
         ),
     )

@@ -55,7 +55,7 @@ from bench.harness import (
     wait_for_count,
 )
 from bench.report import Figure, unavailable
-from gpulayer_contracts import encode
+from gpulayer_contracts import JobRequest, encode
 from gpulayer_contracts.codec import event_decoder
 from gpulayer_contracts.events import Running, is_terminal
 from gpulayer_contracts.subjects import (
@@ -330,9 +330,17 @@ class Throughput:
     seconds: float
 
 
-async def placement_throughput(s: Scenario, prefix: str, m: int, shape: FleetShape) -> Throughput:
-    """M jobs as fast as the load generator publishes them; first publish to last grant."""
-    jobs = encoded(job_mix(prefix, m, gpu_jobs_for(m, shape)))
+async def placement_throughput(
+    s: Scenario,
+    prefix: str,
+    m: int,
+    shape: FleetShape,
+    adjust: Callable[[JobRequest], JobRequest] | None = None,
+) -> Throughput:
+    """M jobs as fast as the load generator publishes them; first publish to last grant.
+    ``adjust``: applied to each job of the mix before it is encoded."""
+    mix = job_mix(prefix, m, gpu_jobs_for(m, shape))
+    jobs = encoded([adjust(j) for j in mix] if adjust is not None else mix)
     watch = GrantWatch()
     watch.reset(m)
     sub = await s.nc.subscribe(NODE_WILDCARD_GRANTS, cb=watch.cb)

@@ -280,3 +280,27 @@ async def test_check_answers_for_this_machine(tmp_path: Path) -> None:
     code, _, err = await gpulayer("check", str(invalid), env=env)
     assert code == 2
     assert "$.requirements.accelerator" in err
+    # Host cores and RAM count too: more than this machine has, then what it has.
+    cores = os.cpu_count() or 1
+    greedy = write_job(
+        tmp_path / "greedy.json",
+        {"job_id": "g", "command": ["true"], "requirements": {"cpu_cores": cores + 1}},
+    )
+    code, out, _ = await gpulayer("check", greedy, "--json", env=env)
+    assert code == 1
+    (reason,) = json.loads(out)["reasons"]
+    assert reason.startswith(f"1 has < {cores + 1} cores for jobs (best: "), reason
+    assert reason.endswith(f" {cores})"), reason
+    ram = write_job(
+        tmp_path / "ram.json",
+        {"job_id": "r", "command": ["true"], "requirements": {"memory_gb": 1e6}},
+    )
+    code, out, _ = await gpulayer("check", ram, "--json", env=env)
+    assert code == 1
+    assert "GB of RAM for jobs" in json.loads(out)["reasons"][0]
+    fits = write_job(
+        tmp_path / "fits.json",
+        {"job_id": "f", "command": ["true"], "requirements": {"cpu_cores": cores}},
+    )
+    code, out, err = await gpulayer("check", fits, env=env)
+    assert code == 0, out + err

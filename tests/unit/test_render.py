@@ -50,6 +50,28 @@ def test_job_and_node_ids_are_never_cut_at_80_columns() -> None:
     assert "linux-x86_64" in text
 
 
+def test_nodes_show_cores_ram_and_slots_in_use_and_the_enforcement() -> None:
+    nodes = [
+        {
+            "node_id": "n1",
+            "online": True,
+            "last_seen": NOW.isoformat(),
+            "capabilities": {"host": {"platform": "linux-x86_64"}, "accelerators": []},
+            "resources": {
+                "cores": 64.0,
+                "cores_used": 12.5,
+                "memory_gb": 250.0,
+                "memory_gb_used": 0.0,
+                "slots": None,
+                "slots_used": 3,
+                "enforcement": "cgroup v1: memory cpu pids devices",
+            },
+        }
+    ]
+    text = " ".join(_text(nodes_table(nodes), width=400).split())
+    assert "│ 12.5/64 │ 0/250 │ 3/? │ cgroup v1: memory cpu pids devices │" in text
+
+
 def test_ago_reads_as_the_largest_whole_unit() -> None:
     assert ago((NOW - timedelta(seconds=12)).isoformat(), NOW) == "12s ago"
     assert ago((NOW - timedelta(minutes=5, seconds=59)).isoformat(), NOW) == "5m ago"

@@ -31,7 +31,18 @@ def run_check(file: str, *, python: str | None, as_json: bool, console: Console)
             print(f"gpulayer check: {file}: {e}", file=sys.stderr)
         return 2
     caps = asyncio.run(detect_capabilities(node_id(), python=python))
-    view = NodeView(node_id=caps.node_id, capabilities=caps, online=True)
+    # Idle, as placement would see it with nothing running: every core and all the RAM the
+    # probe found (an executor's reserve for the system, if it has one, is not known here).
+    cores = caps.host.cpu_cores * 1000 if caps.host.cpu_cores is not None else None
+    view = NodeView(
+        node_id=caps.node_id,
+        capabilities=caps,
+        online=True,
+        cpu_total=cores,
+        cpu_free=cores,
+        memory_total=caps.host.memory_bytes,
+        memory_free=caps.host.memory_bytes,
+    )
     decision = match(job, [view])
     if isinstance(decision, Placement):
         if as_json:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime
 from typing import Any
 
@@ -162,20 +163,36 @@ def nodes_table(nodes: list[dict[str, Any]]) -> Table:
     t.add_column("accelerators", min_width=20)
     for col in ("host APIs", "container APIs"):
         t.add_column(col)
+    for col in ("cores", "RAM GB", "slots"):
+        t.add_column(col, no_wrap=True, justify="right")
+    t.add_column("enforcement")
     t.add_column("state", min_width=8)
     t.add_column("last seen", no_wrap=True)
     for n in nodes:
         caps = n["capabilities"]
+        res = n.get("resources") or {}
         t.add_row(
             n["node_id"],
             caps.get("host", {}).get("platform") or "?",
             "\n".join(device_groups(caps.get("accelerators", []))) or "cpu only",
             ", ".join(caps.get("gpu_apis", {}).get("host", [])) or "-",
             ", ".join(caps.get("gpu_apis", {}).get("containers", [])) or "-",
+            in_use(res.get("cores_used"), res.get("cores")),
+            in_use(res.get("memory_gb_used"), res.get("memory_gb")),
+            in_use(res.get("slots_used"), res.get("slots")),
+            res.get("enforcement") or "?",
             _node_state(n),
             ago(n.get("last_seen")),
         )
     return t
+
+
+def in_use(used: float | None, total: float | None) -> str:
+    """``used/total`` (``3/8``, ``12.5/64``); ``?`` for a total the node hasn't said."""
+    if used is None:
+        return "-"
+    shown = f"{math.floor(used * 10) / 10:g}" if used else "0"
+    return f"{shown}/{'?' if total is None else f'{math.floor(total * 10) / 10:g}'}"
 
 
 def jobs_table(jobs: list[dict[str, Any]]) -> Table:

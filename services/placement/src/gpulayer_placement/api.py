@@ -34,6 +34,8 @@ from gpulayer_contracts.subjects import (
     API_NODES,
     api_caller,
 )
+from gpulayer_matching import NodeView
+from gpulayer_matching.resources import CPU, GB, MEMORY, SLOTS
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.publisher import Publisher
 from gpulayer_placement.store import Store
@@ -176,6 +178,7 @@ class Api:
                     "executor": _executor_state(self.fleet, r["node_id"]),
                     "active_jobs": r["active_jobs"],
                     "busy_devices": sorted(view.exclusive | view.shared) if view else [],
+                    "resources": _resources(self.fleet, view) if view else None,
                     "report_rejected": self.fleet.report_errors.get(r["node_id"]),
                     "capabilities": msgspec.to_builtins(caps),
                 }
@@ -257,3 +260,20 @@ class Api:
 
     async def matrix(self, data: bytes, caller: str = ANONYMOUS) -> Any:
         return SUPPORT_MATRIX
+
+
+def _resources(fleet: Fleet, view: NodeView) -> dict[str, Any]:
+    """Cores, RAM (GB) and job slots: what the node offers jobs and what they hold, as this
+    replica knows it; ``enforcement``: how its executor enforces job limits (None: not said)."""
+    used = fleet.used(view.node_id)
+    offer = fleet.offer(view.node_id)
+    return {
+        "cores": view.cpu_total / 1000 if view.cpu_total is not None else None,
+        "cores_used": used[CPU] / 1000,
+        "memory_gb": view.memory_total / GB if view.memory_total is not None else None,
+        "memory_gb_used": used[MEMORY] / GB,
+        "slots": view.slots_total,
+        "slots_used": used[SLOTS],
+        "gpu_memory_reserved_mib": {str(k): v for k, v in sorted(view.gpu_reserved.items())},
+        "enforcement": offer.enforcement if offer is not None else None,
+    }
