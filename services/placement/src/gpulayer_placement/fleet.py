@@ -152,12 +152,7 @@ class Fleet:
         exclusive = frozenset(holds.exclusive) if holds else frozenset()
         shared = frozenset(holds.shared) if holds else frozenset()
         changes = self._resources(node_id, view.capabilities)
-        if (
-            view.exclusive != exclusive
-            or view.shared != shared
-            or any(getattr(view, k) != v for k, v in changes.items())
-        ):
-            self._set(msgspec.structs.replace(view, exclusive=exclusive, shared=shared, **changes))
+        self._set(msgspec.structs.replace(view, exclusive=exclusive, shared=shared, **changes))
 
     def capacity(self, node_id: str, caps: WorkerCapabilities) -> dict[str, int | None]:
         """What the node offers jobs in all: cores (millicores) and RAM (bytes) the probe
@@ -221,7 +216,9 @@ class Fleet:
         self._refresh(node_id)
         return True
 
-    def reserve(self, job_id: str, node_id: str, items: list[tuple[str, int]]) -> None:
+    def reserve(
+        self, job_id: str, node_id: str, items: list[tuple[str, int]], *, refresh: bool = True
+    ) -> None:
         """A job placed on the node holds ``items`` (``resources.reservations``) until it ends."""
         if job_id in self._reserved:
             return
@@ -229,7 +226,8 @@ class Fleet:
         used = self._used.setdefault(node_id, _Used())
         for resource, amount in items:
             used.add(resource, amount)
-        self._refresh(node_id)
+        if refresh:
+            self._refresh(node_id)
 
     def unreserve(self, job_id: str) -> str | None:
         """The job ended (or its placement was not committed): give back what it held. Returns
@@ -315,7 +313,19 @@ class Fleet:
         if view is not None and not view.executor_down:
             self._set(msgspec.structs.replace(view, executor_down=True))
 
-    def hold(self, node_id: str, devices: Iterable[int], mode: str) -> None:
+    def hold(
+        self,
+        node_id: str,
+        devices: Iterable[int],
+        mode: str,
+        *,
+        job_id: str | None = None,
+        items: list[tuple[str, int]] | None = None,
+    ) -> None:
+        """Devices held by a placement, and with ``job_id`` what else it reserves (``reserve``),
+        in one refresh of the node's view: the scheduler's hot path."""
+        if job_id is not None and items is not None:
+            self.reserve(job_id, node_id, items, refresh=False)
         holds = self._holds.setdefault(node_id, _Holds())
         for d in devices:
             if mode == "exclusive":

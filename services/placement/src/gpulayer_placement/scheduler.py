@@ -236,8 +236,13 @@ class Scheduler:
                     )
                 )
                 # Held at once, so later jobs of this batch see the devices taken.
-                self.fleet.hold(decision.node_id, decision.devices, mode(decision))
-                self.fleet.reserve(job_id, decision.node_id, outcome.placements[-1].held)
+                self.fleet.hold(
+                    decision.node_id,
+                    decision.devices,
+                    mode(decision),
+                    job_id=job_id,
+                    items=outcome.placements[-1].held,
+                )
             else:
                 failed[key] = decision
                 if requested_gpu_count(job) == 0:
