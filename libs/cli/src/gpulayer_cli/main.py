@@ -19,12 +19,13 @@ import msgspec
 from rich.console import Console
 
 from gpulayer_contracts import (
+    WIRE_SCHEMAS,
     InvalidInput,
     JobRequest,
     __version__,
-    job_schema,
     load_job_file,
     validate_job,
+    wire_schema,
 )
 
 EXIT_FAILED, EXIT_INVALID, EXIT_UNREACHABLE = 1, 2, 3
@@ -51,7 +52,8 @@ def _console() -> Console:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    print(json.dumps(job_schema(), indent=2))
+    # The same text as docs/schemas/<name>.json.
+    print(json.dumps(wire_schema(args.name), indent=2))
     return 0
 
 
@@ -425,9 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     kg.add_argument("--name", default="placement", help="seed file name (<name>.seed)")
     kg.set_defaults(fn=cmd_keys_generate)
 
-    sub.add_parser("schema", help="print the JSON Schema of a job request").set_defaults(
-        fn=cmd_schema
-    )
+    sc = sub.add_parser("schema", help="print the JSON Schema of a message (default: job request)")
+    sc.add_argument("name", nargs="?", default="job", choices=list(WIRE_SCHEMAS))
+    sc.set_defaults(fn=cmd_schema)
 
     s = sub.add_parser("submit", help="submit a job file (TOML or JSON)")
     s.add_argument("file")
