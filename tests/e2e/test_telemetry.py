@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,20 @@ from nats.aio.client import Client
 from tests.helpers import Services, events_until, service_env
 from tests.otlp_receiver import OtlpReceiver, Received
 
-from gpulayer_contracts.subjects import JOBS_SUBMIT, MSG_ID_HEADER
+from gpulayer_contracts import (
+    AcceleratorDevice,
+    GpuApis,
+    Heartbeat,
+    HostInfo,
+    WorkerCapabilities,
+    encode,
+)
+from gpulayer_contracts.subjects import (
+    JOBS_SUBMIT,
+    MSG_ID_HEADER,
+    node_capabilities,
+    node_heartbeat,
+)
 from gpulayer_runtime.nats import ensure_streams
 
 pytestmark = pytest.mark.e2e
@@ -141,3 +156,133 @@ async def test_one_trace_per_job_and_metrics(
         assert finished[-1]["trace_id"] == trace_id
     finally:
         await services.stop()
+
+
+def _simulated(
+    node_id: str,
+    host: HostInfo,
+    accelerators: list[AcceleratorDevice] | None = None,
+    gpu_apis: GpuApis | None = None,
+) -> WorkerCapabilities:
+    return WorkerCapabilities(
+        node_id=node_id,
+        agent_version="0",
+        detected_at=datetime.now(UTC),
+        host=host,
+        accelerators=accelerators or [],
+        gpu_apis=gpu_apis or GpuApis(),
+    )
+
+
+SIMULATED = [
+    _simulated(
+        "sim-dgx",
+        host=HostInfo(hostname="dgx-01", platform="linux-x86_64"),
+        accelerators=[
+            AcceleratorDevice(accelerator="cuda", index=i, execution_supported=True)
+            for i in range(8)
+        ],
+        gpu_apis=GpuApis(host=["cuda", "vulkan"], containers=["cuda"]),
+    ),
+    _simulated(
+        "sim-mac",
+        host=HostInfo(hostname="studio.local", platform="darwin-arm64"),
+        accelerators=[
+            AcceleratorDevice(
+                accelerator="mps", index=0, memory_kind="unified", execution_supported=True
+            )
+        ],
+        gpu_apis=GpuApis(host=["metal"]),
+    ),
+    _simulated("sim-cpu", host=HostInfo(hostname="ci-runner", platform="linux-aarch64")),
+]
+
+
+def _info(r: Received, node: str, state: str) -> list[int]:
+    """When the fleet table's series of ``node`` in ``state`` was measured."""
+    return [
+        p.time_unix_nano
+        for p in r.metrics
+        if p.name == "gpulayer.node.info"
+        and p.attributes.get("node") == node
+        and p.attributes.get("state") == state
+    ]
+
+
+async def test_fleet_table_metric_for_a_simulated_fleet(
+    nats_url: str, database_url: str, tmp_path: Path, nc: Client, receiver: OtlpReceiver
+) -> None:
+    await ensure_streams(nc.jetstream())
+    env = service_env(
+        nats_url,
+        database_url,
+        tmp_path / "work",
+        "unused",
+        OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
+        OTEL_METRIC_EXPORT_INTERVAL="300",
+        GPULAYER_NODE_TIMEOUT_S="2",
+    )
+    alive = {caps.node_id for caps in SIMULATED}
+
+    async def heartbeats() -> None:
+        while True:
+            for node in sorted(alive):
+                beat = Heartbeat(node_id=node, sent_at=datetime.now(UTC))
+                await nc.publish(node_heartbeat(node), encode(beat))
+            await asyncio.sleep(0.3)  # a node's beat interval, not a wait for a result
+
+    async with Services() as services:
+        await services.start("gpulayer-placement", env, tmp_path / "placement.log")
+        for caps in SIMULATED:
+            await nc.jetstream().publish(node_capabilities(caps.node_id), encode(caps))
+        beating = asyncio.create_task(heartbeats())
+        try:
+            r = receiver.received
+            seen = await asyncio.to_thread(
+                r.wait, lambda r: all(_info(r, n, "online") for n in alive), 30
+            )
+            assert seen, {p.attributes.get("node") for p in r.metrics if "node" in p.attributes}
+            latest = {
+                p.attributes["node"]: p.attributes
+                for p in r.metrics
+                if p.name == "gpulayer.node.info"
+            }
+            assert latest["sim-dgx"] == {
+                "node": "sim-dgx",
+                "hostname": "dgx-01",
+                "platform": "linux-x86_64",
+                "host_apis": "cuda, vulkan",
+                "container_apis": "cuda",
+                "containers_get_gpu": "yes",
+                "state": "online",
+                "accelerators": "8x cuda",
+            }
+            mac = latest["sim-mac"]
+            assert (mac["platform"], mac["host_apis"], mac["container_apis"]) == (
+                "darwin-arm64",
+                "metal",
+                "none",
+            )
+            assert (mac["containers_get_gpu"], mac["accelerators"]) == ("no", "1x mps")
+            assert latest["sim-cpu"]["accelerators"] == "cpu only"
+            assert all(
+                p.value == 1 and p.kind == "gauge"
+                for p in r.metrics
+                if p.name == "gpulayer.node.info"
+            )
+
+            # A node falls silent: placement marks it offline, and its "online" series stops.
+            alive.discard("sim-cpu")
+            assert await asyncio.to_thread(
+                r.wait, lambda r: bool(_info(r, "sim-cpu", "offline")), 30
+            )
+            first_offline = min(_info(r, "sim-cpu", "offline"))
+            # A later collection still has the others online, and no "online" row for it.
+            assert await asyncio.to_thread(
+                r.wait, lambda r: any(t > first_offline for t in _info(r, "sim-dgx", "online")), 30
+            )
+            assert all(t < first_offline for t in _info(r, "sim-cpu", "online"))
+        finally:
+            beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beating

@@ -601,10 +601,51 @@ def test_every_dashboard_query_names_an_emitted_metric() -> None:
         "gpulayer.jobs.pending",
         "gpulayer.nodes",
         "gpulayer.devices",
+        "gpulayer.node.info",
         "gpulayer.executor.jobs",
         "gpulayer.probe.detection.duration",
     ):
         assert any(u.startswith(prometheus_name(metric)) for u in used), f"{metric} not on a panel"
+
+
+def _info_labels() -> set[str]:
+    """The labels placement puts on gpulayer.node.info, read from the code."""
+    from datetime import UTC, datetime
+
+    from gpulayer_contracts import WorkerCapabilities
+    from gpulayer_placement.fleet import Fleet
+    from gpulayer_placement.metrics import node_info
+
+    fleet = Fleet()
+    fleet.upsert(WorkerCapabilities(node_id="n", agent_version="0", detected_at=datetime.now(UTC)))
+    ((_, labels),) = node_info(fleet)
+    return set(labels)
+
+
+def test_dashboard_has_the_fleet_table() -> None:
+    metric = prometheus_name("gpulayer.node.info")
+    tables = [
+        (panel, target)
+        for _, board in _dashboards()
+        for panel in _panels(board)
+        if panel["type"] == "table"
+        for target in panel.get("targets", [])
+        if metric in promql_metrics(target["expr"])
+    ]
+    assert len(tables) == 1, f"one table panel reads {metric}"
+    panel, target = tables[0]
+    assert target["instant"] is True
+    assert target["format"] == "table"
+    grouped = re.search(r"\bby \(([^)]*)\)", target["expr"])
+    assert grouped, target["expr"]
+    columns = {label.strip() for label in grouped.group(1).split(",")}
+    # A column for every label the code sets (node, hostname, platform, GPU APIs, state...).
+    assert columns == _info_labels()
+    hidden = panel["transformations"][0]["options"]["excludeByName"]
+    assert hidden == {"Time": True, "Value": True}  # the value is always 1
+    # The query keeps series measured in the last minute, which needs the samples' own times.
+    assert "timestamp(" in target["expr"]
+    assert _collector()["exporters"]["prometheus"]["send_timestamps"] is True
 
 
 @pytest.mark.parametrize(

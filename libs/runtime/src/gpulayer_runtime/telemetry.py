@@ -38,6 +38,9 @@ METRICS: dict[str, tuple[str, str, str]] = {
     "gpulayer.jobs.pending": ("gauge", "{job}", "Waiting jobs by reason"),
     "gpulayer.nodes": ("gauge", "{node}", "Nodes by state, accelerator and platform"),
     "gpulayer.devices": ("gauge", "{device}", "Devices by state (allocated, free) and accelerator"),
+    "gpulayer.node.info": (
+        "gauge", "{node}", "One series (value 1) per node: hostname, platform, GPU APIs, state",
+    ),
     "gpulayer.executor.job.duration": ("histogram", "s", "Job run time by outcome"),
     "gpulayer.executor.jobs": ("counter", "{job}", "Jobs ended by outcome"),
     "gpulayer.probe.detection.duration": ("histogram", "s", "Detection time per source"),
