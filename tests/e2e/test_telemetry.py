@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 from nats.aio.client import Client
-from tests.helpers import Services, events_until, service_env
-from tests.otlp_receiver import OtlpReceiver, Received
+from tests.helpers import Services, bin_path, events_until, service_env
+from tests.otlp_receiver import OtlpReceiver, Received, SpanRecord
 
 from gpulayer_contracts import (
     AcceleratorDevice,
@@ -286,3 +286,90 @@ async def test_fleet_table_metric_for_a_simulated_fleet(
             beating.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await beating
+
+
+async def test_submit_wait_trace_starts_at_the_cli(
+    nats_url: str, database_url: str, tmp_path: Path, nc: Client, receiver: OtlpReceiver
+) -> None:
+    await ensure_streams(nc.jetstream())
+    env = service_env(
+        nats_url,
+        database_url,
+        tmp_path / "work",
+        "cli-trace-node",
+        OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
+        OTEL_BSP_SCHEDULE_DELAY="100",
+    )
+    env.pop("TRACEPARENT", None)
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"job_id": "cli-root", "command": ["true"]}))
+    async with Services() as services:
+        for name in ("gpulayer-placement", "gpulayer-executor", "gpulayer-probe"):
+            await services.start(name, env, tmp_path / f"{name}.log")
+        cli = await asyncio.create_subprocess_exec(
+            bin_path("gpulayer"),
+            "submit",
+            str(job),
+            "--wait",
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        out, _ = await asyncio.wait_for(cli.communicate(), 60)
+        assert cli.returncode == 0, out.decode()
+
+        r = receiver.received
+
+        def cli_root(r: Received) -> SpanRecord | None:
+            return next(
+                (s for s in r.spans if s.service == "gpulayer-cli" and s.name == "gpulayer submit"),
+                None,
+            )
+
+        def complete(r: Received) -> bool:
+            root = cli_root(r)
+            return root is not None and (
+                "placement place" in _names(r, "gpulayer-placement", root.trace_id)
+                and _has(r, "gpulayer-executor", root.trace_id)
+            )
+
+        # The CLI exported its spans before it exited; the services' come in their batches.
+        assert await asyncio.to_thread(r.wait, complete, 20), {
+            (s.service, s.name, s.trace_id) for s in r.spans
+        }
+        # Under a caller's TRACEPARENT (CI, otel-cli), the CLI's span is that span's child.
+        caller_trace, caller_span = secrets.token_hex(16), secrets.token_hex(8)
+        job.write_text(json.dumps({"job_id": "cli-child", "command": ["true"]}))
+        cli = await asyncio.create_subprocess_exec(
+            bin_path("gpulayer"),
+            "submit",
+            str(job),
+            env={**env, "TRACEPARENT": f"00-{caller_trace}-{caller_span}-01"},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        out, _ = await asyncio.wait_for(cli.communicate(), 60)
+        assert cli.returncode == 0, out.decode()
+    under_caller = [
+        s for s in r.spans if s.name == "gpulayer submit" and s.trace_id == caller_trace
+    ]
+    assert [s.parent_span_id for s in under_caller] == [caller_span]
+    root = cli_root(r)
+    assert root is not None
+    assert root.parent_span_id == ""  # nothing above it: the trace starts at the CLI
+    assert root.attributes["gpulayer.job.id"] == "cli-root"
+    assert root.attributes["gpulayer.cli.wait"] is True
+    trace = [s for s in r.spans if s.trace_id == root.trace_id]
+    # Every other span of the job hangs below the CLI's: its only root.
+    assert [s for s in trace if not s.parent_span_id] == [root]
+    by_id = {s.span_id: s for s in trace}
+    for span in trace:
+        seen = span
+        while seen.parent_span_id:
+            assert seen.parent_span_id in by_id, f"{span.name}: parent not in the trace"
+            seen = by_id[seen.parent_span_id]
+        assert seen is root
+    publish = next(s for s in trace if s.name == "gpulayer publish job")
+    assert publish.parent_span_id == root.span_id
+    place = next(s for s in trace if s.name == "placement place")
+    assert place.parent_span_id == publish.span_id
