@@ -1,12 +1,15 @@
 """Every message a running stack puts on the wire validates against the schema `gpulayer schema`
 prints for its subject (a validator from PyPI, jsonschema, not one of ours): job events from
 accepted to succeeded, rejected, pending, failed and cancelled; grants, status reports, a cancel,
-log lines, heartbeats, and capabilities from a real probe (published, and its doctor reply)."""
+log lines, heartbeats, and capabilities from a real probe: this machine's (published, and its
+doctor reply), and `gpulayer probe` reading nvidia-smi output captured on a real H200."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -26,6 +29,8 @@ from gpulayer_runtime.nats import ensure_streams
 pytestmark = pytest.mark.e2e
 
 NODE = "schema-node"
+GPU_NODE = "schema-h200"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 class Wire:
@@ -158,3 +163,28 @@ async def test_every_message_of_a_run_validates(wire: Wire, nc: Client) -> None:
     }  # fmt: skip
     logs = {b["line"] for s, b in wire.messages if schema_for_subject(s) == "log"}
     assert {"out", "err"} <= logs
+
+
+async def test_capabilities_of_a_probe_on_an_h200_validate(tmp_path: Path) -> None:
+    """`gpulayer probe` (the probe service's detection) with nvidia-smi answering as a real H200
+    did (tests/fixtures/nvidia-smi/h200-1x, captured on one)."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    shutil.copy(FIXTURES / "nvidia-smi" / "fake-nvidia-smi", tools / "nvidia-smi")
+    env = dict(
+        os.environ,
+        GPULAYER_NODE_ID=GPU_NODE,
+        PATH=f"{tools}{os.pathsep}{os.environ['PATH']}",
+        FAKE_NVIDIA_SMI_DIR=str(FIXTURES / "nvidia-smi" / "h200-1x"),
+    )
+    proc = await asyncio.create_subprocess_exec(
+        bin_path("gpulayer"), "probe", "--no-torch", env=env, stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0
+    caps = json.loads(out)
+    jsonschema.Draft202012Validator(await printed_schema("capabilities")).validate(caps)
+    assert caps["node_id"] == GPU_NODE
+    devices = [(d["name"], d["memory_mib"], d["execution_supported"]) for d in caps["accelerators"]]
+    assert devices == [("NVIDIA H200", 143771, True)]
+    assert "cuda" in caps["gpu_apis"]["host"]
