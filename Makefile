@@ -44,7 +44,7 @@ fmt: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/python -m bench $(if $(FULL),--full,)
 
-docs: $(STAMP)  # regenerate docs/jobs.md from the contracts' JSON Schema
+docs: $(STAMP)  # regenerate docs/jobs.md and docs/schemas/ from the contracts
 	$(VENV)/bin/python docs/gen_reference.py
 .PHONY: docs  # docs/ is a directory: without this, make would call the target up to date
 

@@ -1,12 +1,15 @@
-"""Generate docs/jobs.md, the job file and message reference, from the contracts' JSON Schema.
+"""Generate docs/jobs.md, the job file and message reference, and docs/schemas/<name>.json, the
+JSON Schema of each message on the wire, from the contracts.
 
-    python docs/gen_reference.py            # rewrite docs/jobs.md (`make docs`)
-    python docs/gen_reference.py --check    # exit 1 when docs/jobs.md is out of date
+    python docs/gen_reference.py            # rewrite them (`make docs`)
+    python docs/gen_reference.py --check    # exit 1 when one is out of date
 
 The tables come from ``gpulayer_contracts.job_schema()`` and ``msgspec.json.schema`` of the job
 events and log lines: field, type (with constraints), default and the field's description
-(``msgspec.Meta(description=...)`` on the contract). tests/unit/test_docs.py checks the file is
-current, so a contract change without ``make docs`` fails the suite.
+(``msgspec.Meta(description=...)`` on the contract). The schema files are
+``gpulayer_contracts.wire_schema(name)``, as ``gpulayer schema <name>`` prints them.
+tests/unit/test_docs.py checks the files are current, so a contract change without
+``make docs`` fails the suite.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ from typing import Any
 
 import msgspec
 
-from gpulayer_contracts import LogLine, job_schema
+from gpulayer_contracts import WIRE_SCHEMAS, LogLine, job_schema, wire_schema
 from gpulayer_contracts.events import AnyJobEvent
 from gpulayer_contracts.subjects import JOB_WILDCARD_EVENTS, JOB_WILDCARD_LOGS, JOBS_SUBMIT, STREAMS
 
 OUTPUT = Path(__file__).resolve().parent / "jobs.md"
+SCHEMAS = Path(__file__).resolve().parent / "schemas"
 
 Schema = Mapping[str, Any]
 
@@ -56,6 +60,15 @@ def _stream_of(subject: str) -> str:
         if subject in spec.subjects:
             return spec.name
     return "(none)"
+
+
+def _shown(subject: str) -> str:
+    """A wildcard subject with its tokens named: ``gpulayer.job.<owner>.<job_id>.events``."""
+    return (
+        subject.replace("job.*.*.", "job.<owner>.<job_id>.")
+        .replace("node.*.", "node.<node>.")
+        .replace("submit.*", "submit.<owner>")
+    )
 
 
 def _anchor(name: str) -> str:
@@ -199,9 +212,9 @@ def render() -> str:
         HEADER.format(
             submit=JOBS_SUBMIT,
             submit_stream=_stream_of(JOBS_SUBMIT),
-            events=JOB_WILDCARD_EVENTS.replace("*", "<job_id>"),
+            events=_shown(JOB_WILDCARD_EVENTS),
             events_stream=_stream_of(JOB_WILDCARD_EVENTS),
-            logs=JOB_WILDCARD_LOGS.replace("*", "<job_id>"),
+            logs=_shown(JOB_WILDCARD_LOGS),
             logs_stream=_stream_of(JOB_WILDCARD_LOGS),
         ),
         "## Job request",
@@ -235,23 +248,59 @@ def render() -> str:
     out += ["## Log lines", ""]
     for name, definition in _ordered_defs(msgspec.json.schema(LogLine)):
         out += _section(name, definition)
+    out += _schemas_section()
     return "\n".join(out).rstrip("\n") + "\n"
+
+
+def _schemas_section() -> list[str]:
+    out = [
+        "## JSON Schemas",
+        "",
+        "Every message on the wire has a JSON Schema (draft 2020-12), generated from the "
+        "contracts: `gpulayer schema <name>` prints it, and `docs/schemas/<name>.json` holds the "
+        "same text. `$id` is an identifier (`https://gpulayer.dev/schemas/<name>.json`), not an "
+        "address that serves the file. Service messages allow fields the schema doesn't list "
+        "(fields are only ever added); a job request doesn't. The API's requests and replies "
+        "(`gpulayer.api.*`) and dead letters (`gpulayer.dlq.<stream>`, the original body with "
+        "headers) have no schema of their own.",
+        "",
+        "| name | message | subject | stream | schema |",
+        "|---|---|---|---|---|",
+    ]
+    for name, entry in WIRE_SCHEMAS.items():
+        subjects = ", ".join(f"`{_shown(s)}`" for s in entry.subjects)
+        streams = ", ".join(sorted({_stream_of(s) for s in entry.subjects}))
+        streams = "none: core NATS" if streams == "(none)" else streams
+        out.append(
+            f"| `{name}` | `{entry.title}` | {subjects} | {streams} "
+            f"| [{name}.json](schemas/{name}.json) |"
+        )
+    out.append("")
+    return out
+
+
+def render_schemas() -> dict[str, str]:
+    """File name -> text of each docs/schemas/ file."""
+    return {f"{name}.json": json.dumps(wire_schema(name), indent=2) + "\n" for name in WIRE_SCHEMAS}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--check", action="store_true", help="fail when docs/jobs.md differs")
     parser.add_argument("--output", type=Path, default=OUTPUT)
+    parser.add_argument("--schemas", type=Path, default=SCHEMAS, help="folder of schema files")
     args = parser.parse_args(argv)
-    text = render()
+    files = {args.output: render()}
+    files.update({args.schemas / name: text for name, text in render_schemas().items()})
     if args.check:
-        current = args.output.read_text() if args.output.exists() else ""
-        if current != text:
-            print(f"{args.output} is out of date: run `make docs`", file=sys.stderr)
-            return 1
-        return 0
-    args.output.write_text(text)
-    print(f"wrote {args.output}")
+        stale = [p for p, text in files.items() if not p.exists() or p.read_text() != text]
+        for path in stale:
+            print(f"{path} is out of date: run `make docs`", file=sys.stderr)
+        return 1 if stale else 0
+    args.schemas.mkdir(exist_ok=True)
+    for path, text in files.items():
+        path.write_text(text)
+        print(f"wrote {path}")
     return 0
 
 

@@ -37,6 +37,7 @@ class MetricPoint:
     attributes: dict[str, Any]
     value: float  # gauge/sum value, or histogram count
     total: float = 0.0  # histogram sum
+    time_unix_nano: int = 0  # when it was measured (one collection shares one time)
 
 
 def _value(v: Any) -> Any:
@@ -148,7 +149,10 @@ def _metrics(received: Received, body: bytes) -> None:
                 elif kind in ("gauge", "sum"):
                     for np in getattr(m, kind).data_points:
                         v = np.as_double if np.WhichOneof("value") == "as_double" else np.as_int
-                        out.append(MetricPoint(service, m.name, kind, _attrs(np.attributes), v))
+                        attrs = _attrs(np.attributes)
+                        out.append(
+                            MetricPoint(service, m.name, kind, attrs, v, 0.0, np.time_unix_nano)
+                        )
     with received.cond:
         received.metrics.extend(out)
         received.cond.notify_all()

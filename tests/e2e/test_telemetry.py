@@ -3,17 +3,32 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 from nats.aio.client import Client
-from tests.helpers import Services, events_until, service_env
-from tests.otlp_receiver import OtlpReceiver, Received
+from tests.helpers import Services, bin_path, events_until, service_env
+from tests.otlp_receiver import OtlpReceiver, Received, SpanRecord
 
-from gpulayer_contracts.subjects import JOBS_SUBMIT, MSG_ID_HEADER
+from gpulayer_contracts import (
+    AcceleratorDevice,
+    GpuApis,
+    Heartbeat,
+    HostInfo,
+    WorkerCapabilities,
+    encode,
+)
+from gpulayer_contracts.subjects import (
+    JOBS_SUBMIT,
+    MSG_ID_HEADER,
+    node_capabilities,
+    node_heartbeat,
+)
 from gpulayer_runtime.nats import ensure_streams
 
 pytestmark = pytest.mark.e2e
@@ -141,3 +156,220 @@ async def test_one_trace_per_job_and_metrics(
         assert finished[-1]["trace_id"] == trace_id
     finally:
         await services.stop()
+
+
+def _simulated(
+    node_id: str,
+    host: HostInfo,
+    accelerators: list[AcceleratorDevice] | None = None,
+    gpu_apis: GpuApis | None = None,
+) -> WorkerCapabilities:
+    return WorkerCapabilities(
+        node_id=node_id,
+        agent_version="0",
+        detected_at=datetime.now(UTC),
+        host=host,
+        accelerators=accelerators or [],
+        gpu_apis=gpu_apis or GpuApis(),
+    )
+
+
+SIMULATED = [
+    _simulated(
+        "sim-dgx",
+        host=HostInfo(hostname="dgx-01", platform="linux-x86_64"),
+        accelerators=[
+            AcceleratorDevice(accelerator="cuda", index=i, execution_supported=True)
+            for i in range(8)
+        ],
+        gpu_apis=GpuApis(host=["cuda", "vulkan"], containers=["cuda"]),
+    ),
+    _simulated(
+        "sim-mac",
+        host=HostInfo(hostname="studio.local", platform="darwin-arm64"),
+        accelerators=[
+            AcceleratorDevice(
+                accelerator="mps", index=0, memory_kind="unified", execution_supported=True
+            )
+        ],
+        gpu_apis=GpuApis(host=["metal"]),
+    ),
+    _simulated("sim-cpu", host=HostInfo(hostname="ci-runner", platform="linux-aarch64")),
+]
+
+
+def _info(r: Received, node: str, state: str) -> list[int]:
+    """When the fleet table's series of ``node`` in ``state`` was measured."""
+    return [
+        p.time_unix_nano
+        for p in r.metrics
+        if p.name == "gpulayer.node.info"
+        and p.attributes.get("node") == node
+        and p.attributes.get("state") == state
+    ]
+
+
+async def test_fleet_table_metric_for_a_simulated_fleet(
+    nats_url: str, database_url: str, tmp_path: Path, nc: Client, receiver: OtlpReceiver
+) -> None:
+    await ensure_streams(nc.jetstream())
+    env = service_env(
+        nats_url,
+        database_url,
+        tmp_path / "work",
+        "unused",
+        OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
+        OTEL_METRIC_EXPORT_INTERVAL="300",
+        GPULAYER_NODE_TIMEOUT_S="2",
+    )
+    alive = {caps.node_id for caps in SIMULATED}
+
+    async def heartbeats() -> None:
+        while True:
+            for node in sorted(alive):
+                beat = Heartbeat(node_id=node, sent_at=datetime.now(UTC))
+                await nc.publish(node_heartbeat(node), encode(beat))
+            await asyncio.sleep(0.3)  # a node's beat interval, not a wait for a result
+
+    async with Services() as services:
+        await services.start("gpulayer-placement", env, tmp_path / "placement.log")
+        for caps in SIMULATED:
+            await nc.jetstream().publish(node_capabilities(caps.node_id), encode(caps))
+        beating = asyncio.create_task(heartbeats())
+        try:
+            r = receiver.received
+            seen = await asyncio.to_thread(
+                r.wait, lambda r: all(_info(r, n, "online") for n in alive), 30
+            )
+            assert seen, {p.attributes.get("node") for p in r.metrics if "node" in p.attributes}
+            latest = {
+                p.attributes["node"]: p.attributes
+                for p in r.metrics
+                if p.name == "gpulayer.node.info"
+            }
+            assert latest["sim-dgx"] == {
+                "node": "sim-dgx",
+                "hostname": "dgx-01",
+                "platform": "linux-x86_64",
+                "host_apis": "cuda, vulkan",
+                "container_apis": "cuda",
+                "containers_get_gpu": "yes",
+                "state": "online",
+                "accelerators": "8x cuda",
+            }
+            mac = latest["sim-mac"]
+            assert (mac["platform"], mac["host_apis"], mac["container_apis"]) == (
+                "darwin-arm64",
+                "metal",
+                "none",
+            )
+            assert (mac["containers_get_gpu"], mac["accelerators"]) == ("no", "1x mps")
+            assert latest["sim-cpu"]["accelerators"] == "cpu only"
+            assert all(
+                p.value == 1 and p.kind == "gauge"
+                for p in r.metrics
+                if p.name == "gpulayer.node.info"
+            )
+
+            # A node falls silent: placement marks it offline, and its "online" series stops.
+            alive.discard("sim-cpu")
+            assert await asyncio.to_thread(
+                r.wait, lambda r: bool(_info(r, "sim-cpu", "offline")), 30
+            )
+            first_offline = min(_info(r, "sim-cpu", "offline"))
+            # A later collection still has the others online, and no "online" row for it.
+            assert await asyncio.to_thread(
+                r.wait, lambda r: any(t > first_offline for t in _info(r, "sim-dgx", "online")), 30
+            )
+            assert all(t < first_offline for t in _info(r, "sim-cpu", "online"))
+        finally:
+            beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beating
+
+
+async def test_submit_wait_trace_starts_at_the_cli(
+    nats_url: str, database_url: str, tmp_path: Path, nc: Client, receiver: OtlpReceiver
+) -> None:
+    await ensure_streams(nc.jetstream())
+    env = service_env(
+        nats_url,
+        database_url,
+        tmp_path / "work",
+        "cli-trace-node",
+        OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
+        OTEL_BSP_SCHEDULE_DELAY="100",
+    )
+    env.pop("TRACEPARENT", None)
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"job_id": "cli-root", "command": ["true"]}))
+    async with Services() as services:
+        for name in ("gpulayer-placement", "gpulayer-executor", "gpulayer-probe"):
+            await services.start(name, env, tmp_path / f"{name}.log")
+        cli = await asyncio.create_subprocess_exec(
+            bin_path("gpulayer"),
+            "submit",
+            str(job),
+            "--wait",
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        out, _ = await asyncio.wait_for(cli.communicate(), 60)
+        assert cli.returncode == 0, out.decode()
+
+        r = receiver.received
+
+        def cli_root(r: Received) -> SpanRecord | None:
+            return next(
+                (s for s in r.spans if s.service == "gpulayer-cli" and s.name == "gpulayer submit"),
+                None,
+            )
+
+        def complete(r: Received) -> bool:
+            root = cli_root(r)
+            return root is not None and (
+                "placement place" in _names(r, "gpulayer-placement", root.trace_id)
+                and _has(r, "gpulayer-executor", root.trace_id)
+            )
+
+        # The CLI exported its spans before it exited; the services' come in their batches.
+        assert await asyncio.to_thread(r.wait, complete, 20), {
+            (s.service, s.name, s.trace_id) for s in r.spans
+        }
+        # Under a caller's TRACEPARENT (CI, otel-cli), the CLI's span is that span's child.
+        caller_trace, caller_span = secrets.token_hex(16), secrets.token_hex(8)
+        job.write_text(json.dumps({"job_id": "cli-child", "command": ["true"]}))
+        cli = await asyncio.create_subprocess_exec(
+            bin_path("gpulayer"),
+            "submit",
+            str(job),
+            env={**env, "TRACEPARENT": f"00-{caller_trace}-{caller_span}-01"},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        out, _ = await asyncio.wait_for(cli.communicate(), 60)
+        assert cli.returncode == 0, out.decode()
+    under_caller = [
+        s for s in r.spans if s.name == "gpulayer submit" and s.trace_id == caller_trace
+    ]
+    assert [s.parent_span_id for s in under_caller] == [caller_span]
+    root = cli_root(r)
+    assert root is not None
+    assert root.parent_span_id == ""  # nothing above it: the trace starts at the CLI
+    assert root.attributes["gpulayer.job.id"] == "cli-root"
+    assert root.attributes["gpulayer.cli.wait"] is True
+    trace = [s for s in r.spans if s.trace_id == root.trace_id]
+    # Every other span of the job hangs below the CLI's: its only root.
+    assert [s for s in trace if not s.parent_span_id] == [root]
+    by_id = {s.span_id: s for s in trace}
+    for span in trace:
+        seen = span
+        while seen.parent_span_id:
+            assert seen.parent_span_id in by_id, f"{span.name}: parent not in the trace"
+            seen = by_id[seen.parent_span_id]
+        assert seen is root
+    publish = next(s for s in trace if s.name == "gpulayer publish job")
+    assert publish.parent_span_id == root.span_id
+    place = next(s for s in trace if s.name == "placement place")
+    assert place.parent_span_id == publish.span_id

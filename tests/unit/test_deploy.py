@@ -390,6 +390,58 @@ def test_nats_runs_jetstream_with_monitoring() -> None:
     assert "-m" in nats["command"] or "--http_port" in nats["command"]
 
 
+# --- compose: the GPU override (issue 20) ----------------------------------------------------------
+
+
+def _gpu_override() -> dict[str, Doc]:
+    services: dict[str, Doc] = _yaml(DEPLOY / "compose.gpu.yaml")["services"]
+    return services
+
+
+def _nvidia_reservation(svc: Doc) -> Doc:
+    devices = svc["deploy"]["resources"]["reservations"]["devices"]
+    nvidia = [d for d in devices if d.get("driver") == "nvidia"]
+    assert len(nvidia) == 1, devices
+    reservation: Doc = nvidia[0]
+    return reservation
+
+
+def test_gpu_override_gives_the_executor_and_probe_the_hosts_gpus() -> None:
+    base, gpu = _services(), _gpu_override()
+    assert set(gpu) == {"executor", "probe"}
+    for name, svc in gpu.items():
+        # It only adds the GPU: image, command, user and settings stay those of compose.yaml.
+        assert set(svc) <= {"deploy", "volumes"}, f"{name}: {sorted(svc)}"
+        assert name in base
+        reservation = _nvidia_reservation(svc)
+        # "gpu" selects the device; "utility" brings nvidia-smi and NVML into the container,
+        # "compute" the CUDA driver jobs run on (NVIDIA_DRIVER_CAPABILITIES).
+        assert {"gpu", "compute", "utility"} <= set(reservation["capabilities"]), name
+        assert reservation.get("count") == "all" or reservation.get("device_ids"), name
+    # Both see the same GPUs: the probe reports what the executor's jobs get.
+    assert _nvidia_reservation(gpu["probe"]) == _nvidia_reservation(gpu["executor"])
+
+
+def test_gpu_override_shows_the_probe_the_hosts_cdi_specs() -> None:
+    from gpulayer_detection.base import DEFAULT_CDI_DIRS
+
+    probe = _gpu_override()["probe"]
+    mounts = {(str(m["source"]), str(m["target"])): m for m in probe["volumes"]}
+    for folder in DEFAULT_CDI_DIRS:  # where the probe looks for container GPU APIs
+        mount = mounts.get((folder, folder))
+        assert mount is not None, f"the probe does not see the host's {folder}"
+        assert mount["read_only"] is True
+    # The base file's mounts (the node's credential) are kept: compose merges by target.
+    base_targets = {t for _, t in _mounts(_services()["probe"])}
+    assert base_targets.isdisjoint(t for _, t in mounts)
+
+
+def test_readme_says_how_to_start_the_gpu_stack() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "docker compose -f deploy/compose.yaml -f deploy/compose.gpu.yaml up" in readme
+    assert "compose.gpu.yaml" in (DEPLOY / "compose.yaml").read_text()
+
+
 # --- the collector and Prometheus -----------------------------------------------------------------
 
 
@@ -549,10 +601,51 @@ def test_every_dashboard_query_names_an_emitted_metric() -> None:
         "gpulayer.jobs.pending",
         "gpulayer.nodes",
         "gpulayer.devices",
+        "gpulayer.node.info",
         "gpulayer.executor.jobs",
         "gpulayer.probe.detection.duration",
     ):
         assert any(u.startswith(prometheus_name(metric)) for u in used), f"{metric} not on a panel"
+
+
+def _info_labels() -> set[str]:
+    """The labels placement puts on gpulayer.node.info, read from the code."""
+    from datetime import UTC, datetime
+
+    from gpulayer_contracts import WorkerCapabilities
+    from gpulayer_placement.fleet import Fleet
+    from gpulayer_placement.metrics import node_info
+
+    fleet = Fleet()
+    fleet.upsert(WorkerCapabilities(node_id="n", agent_version="0", detected_at=datetime.now(UTC)))
+    ((_, labels),) = node_info(fleet)
+    return set(labels)
+
+
+def test_dashboard_has_the_fleet_table() -> None:
+    metric = prometheus_name("gpulayer.node.info")
+    tables = [
+        (panel, target)
+        for _, board in _dashboards()
+        for panel in _panels(board)
+        if panel["type"] == "table"
+        for target in panel.get("targets", [])
+        if metric in promql_metrics(target["expr"])
+    ]
+    assert len(tables) == 1, f"one table panel reads {metric}"
+    panel, target = tables[0]
+    assert target["instant"] is True
+    assert target["format"] == "table"
+    grouped = re.search(r"\bby \(([^)]*)\)", target["expr"])
+    assert grouped, target["expr"]
+    columns = {label.strip() for label in grouped.group(1).split(",")}
+    # A column for every label the code sets (node, hostname, platform, GPU APIs, state...).
+    assert columns == _info_labels()
+    hidden = panel["transformations"][0]["options"]["excludeByName"]
+    assert hidden == {"Time": True, "Value": True}  # the value is always 1
+    # The query keeps series measured in the last minute, which needs the samples' own times.
+    assert "timestamp(" in target["expr"]
+    assert _collector()["exporters"]["prometheus"]["send_timestamps"] is True
 
 
 @pytest.mark.parametrize(

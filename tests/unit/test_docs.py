@@ -7,7 +7,7 @@ import importlib.util
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from gpulayer_contracts.subjects import STREAMS
 from gpulayer_runtime.telemetry import METRICS, prometheus_name
@@ -16,19 +16,32 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
 
-def _render() -> str:
+def _generator() -> Any:
     spec = importlib.util.spec_from_file_location("gen_reference", DOCS / "gen_reference.py")
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return cast(Callable[[], str], module.render)()
+    return module
+
+
+def _render() -> str:
+    return cast(Callable[[], str], _generator().render)()
 
 
 def test_jobs_reference_is_current() -> None:
     expected = _render()
     current = (DOCS / "jobs.md").read_text()
     assert current == expected, "docs/jobs.md is out of date: run `make docs`"
+
+
+def test_schema_files_are_current_and_linked() -> None:
+    expected = cast(Callable[[], dict[str, str]], _generator().render_schemas)()
+    present = {p.name: p.read_text() for p in (DOCS / "schemas").iterdir()}
+    assert present == expected, "docs/schemas/ is out of date: run `make docs`"
+    jobs = (DOCS / "jobs.md").read_text()
+    for name in expected:
+        assert f"(schemas/{name})" in jobs, f"docs/jobs.md does not link schemas/{name}"
 
 
 def test_jobs_reference_names_every_job_field_and_event() -> None:

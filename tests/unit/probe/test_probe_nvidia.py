@@ -33,6 +33,8 @@ EXPECTED = [
         "535.129.03",
         "12.2",
     ),
+    # Captured on a real H200 (the others are rebuilt from public reports).
+    ("h200-1x", [("NVIDIA H200", 143771, "9.0", True, "Disabled")], "580.159.04", "13.0"),
     (
         "a100-sxm4-80gb-mig",
         [

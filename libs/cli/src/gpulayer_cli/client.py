@@ -14,6 +14,7 @@ from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from opentelemetry.trace import SpanKind
 
 from gpulayer_contracts import JobEvent, JobRequest, encode, is_terminal
 from gpulayer_contracts.codec import event_decoder
@@ -24,6 +25,7 @@ from gpulayer_contracts.subjects import (
     job_events,
     jobs_submit,
 )
+from gpulayer_runtime.telemetry import DISABLED, Telemetry, inject
 
 # A reading consumer the CLI made goes away this long after its subscription does.
 READER_INACTIVE_S = 30.0
@@ -48,13 +50,31 @@ def _traceparent(parent: str | None) -> str:
 
 
 async def submit(
-    nc: Client, job: JobRequest, parent: str | None = None, owner: str = ANONYMOUS
+    nc: Client,
+    job: JobRequest,
+    parent: str | None = None,
+    owner: str = ANONYMOUS,
+    telemetry: Telemetry = DISABLED,
 ) -> str:
     """Publish a job as ``owner`` (the identity of ``nc``'s credentials); returns its trace id.
-    The job id is the message id, so a retried publish is deduplicated."""
-    traceparent = _traceparent(parent)
-    headers = {MSG_ID_HEADER: job.job_id, "traceparent": traceparent}
-    await nc.jetstream().publish(jobs_submit(owner), encode(job), headers=headers)
+    The job id is the message id, so a retried publish is deduplicated.
+
+    With ``telemetry`` on, the publish is a span (under the current one, the CLI's own) and the
+    job travels under it, so placement's and the executor's spans hang below the CLI's. Off,
+    the job gets a ``traceparent`` under ``parent`` or a new trace, and nothing is exported."""
+    subject = jobs_submit(owner)
+    attributes = {
+        "gpulayer.job.id": job.job_id,
+        "messaging.system": "nats",
+        "messaging.destination.name": subject,
+        "messaging.operation.type": "send",
+    }
+    with telemetry.span(
+        "gpulayer publish job", kind=SpanKind.PRODUCER, attributes=attributes
+    ) as span:
+        traceparent = _traceparent(parent) if span is None else inject({}, span)["traceparent"]
+        headers = {MSG_ID_HEADER: job.job_id, "traceparent": traceparent}
+        await nc.jetstream().publish(subject, encode(job), headers=headers)
     return traceparent.split("-")[1]
 
 

@@ -13,19 +13,23 @@ import os
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from rich.console import Console
 
 from gpulayer_contracts import (
+    WIRE_SCHEMAS,
     InvalidInput,
     JobRequest,
     __version__,
-    job_schema,
     load_job_file,
     validate_job,
+    wire_schema,
 )
+
+if TYPE_CHECKING:
+    from gpulayer_runtime.telemetry import Telemetry
 
 EXIT_FAILED, EXIT_INVALID, EXIT_UNREACHABLE = 1, 2, 3
 
@@ -51,7 +55,8 @@ def _console() -> Console:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    print(json.dumps(job_schema(), indent=2))
+    # The same text as docs/schemas/<name>.json.
+    print(json.dumps(wire_schema(args.name), indent=2))
     return 0
 
 
@@ -167,11 +172,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
             print(f"gpulayer: {args.file}: {e}", file=sys.stderr)
         return EXIT_INVALID
     console = _console()
+    tel = _cli_telemetry()
 
     async def go(nc: Any) -> int:
         existing = await _known_job(nc, job.job_id)
         if existing is None:
-            await submit(nc, job, os.environ.get("TRACEPARENT"), owner=_me())
+            await submit(nc, job, os.environ.get("TRACEPARENT"), owner=_me(), telemetry=tel)
         elif not _same_request(existing.get("request"), job):
             print(
                 f"gpulayer: job id {job.job_id!r} already names a different job "
@@ -202,7 +208,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return 0 if last == "succeeded" else EXIT_FAILED
 
     try:
-        return asyncio.run(_with_nats(go))
+        return _in_cli_span(tel, job.job_id, args.wait, lambda: asyncio.run(_with_nats(go)))
     except KeyboardInterrupt:
         if args.wait:
             print(
@@ -211,6 +217,34 @@ def cmd_submit(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         return 130
+    finally:
+        tel.shutdown()
+
+
+def _cli_telemetry() -> Telemetry:
+    """The CLI's tracing: on when OTLP export is configured (OTEL_EXPORTER_OTLP_ENDPOINT...)."""
+    from gpulayer_runtime.telemetry import setup_telemetry
+
+    return setup_telemetry("gpulayer-cli", os.environ, metrics_export=False, export_timeout_s=2.0)
+
+
+def _in_cli_span(tel: Telemetry, job_id: str, wait: bool, run: Callable[[], int]) -> int:
+    """Run ``run`` inside the span ``gpulayer submit``, the root of the job's trace (or a child
+    of ``TRACEPARENT``'s, when set); its status follows the exit code."""
+    from opentelemetry.trace import StatusCode
+
+    from gpulayer_runtime.telemetry import extract
+
+    caller = os.environ.get("TRACEPARENT")
+    parent = extract({"traceparent": caller}) if caller else None
+    attributes = {"gpulayer.job.id": job_id, "gpulayer.cli.wait": wait}
+    with tel.span("gpulayer submit", parent=parent, attributes=attributes) as span:
+        code = run()
+        if span is not None:
+            span.set_attribute("gpulayer.cli.exit_code", code)
+            if code != 0:
+                span.set_status(StatusCode.ERROR, f"exit code {code}")
+        return code
 
 
 async def _known_job(nc: Any, job_id: str) -> dict[str, Any] | None:
@@ -425,9 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
     kg.add_argument("--name", default="placement", help="seed file name (<name>.seed)")
     kg.set_defaults(fn=cmd_keys_generate)
 
-    sub.add_parser("schema", help="print the JSON Schema of a job request").set_defaults(
-        fn=cmd_schema
-    )
+    sc = sub.add_parser("schema", help="print the JSON Schema of a message (default: job request)")
+    sc.add_argument("name", nargs="?", default="job", choices=list(WIRE_SCHEMAS))
+    sc.set_defaults(fn=cmd_schema)
 
     s = sub.add_parser("submit", help="submit a job file (TOML or JSON)")
     s.add_argument("file")

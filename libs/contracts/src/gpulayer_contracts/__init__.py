@@ -54,10 +54,12 @@ from gpulayer_contracts.jobs import (
     SandboxDevices,
     Variant,
 )
+from gpulayer_contracts.schemas import WIRE_SCHEMAS, schema_for_subject, wire_schema
 from gpulayer_contracts.validation import Validation, validate_job
 from gpulayer_contracts.version import __version__
 
 __all__ = [
+    "WIRE_SCHEMAS",
     "AcceleratorDevice",
     "Accepted",
     "AnyJobEvent",
@@ -97,8 +99,10 @@ __all__ = [
     "job_size_error",
     "load_job_file",
     "max_job_bytes",
+    "schema_for_subject",
     "validate_capabilities",
     "validate_heartbeat",
     "validate_job",
     "validate_job_status",
+    "wire_schema",
 ]

@@ -13,6 +13,7 @@ from gpulayer_contracts.bounds import MAX_MESSAGE_CHARS, clip_text
 from gpulayer_contracts.capabilities import Heartbeat, WorkerCapabilities
 from gpulayer_contracts.events import AnyJobEvent, CancelJob, Grant, JobStatus, LogLine
 from gpulayer_contracts.jobs import JOB_ID_PATTERN, JobRequest
+from gpulayer_contracts.schemas import wire_schema
 
 T = TypeVar("T")
 
@@ -164,5 +165,5 @@ def best_effort_job_id(data: bytes) -> str | None:
 
 
 def job_schema() -> dict[str, Any]:
-    """JSON Schema of JobRequest, generated from the struct."""
-    return msgspec.json.schema(JobRequest)
+    """JSON Schema (2020-12) of JobRequest, generated from the struct (``wire_schema("job")``)."""
+    return wire_schema("job")

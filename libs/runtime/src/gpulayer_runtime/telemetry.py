@@ -38,6 +38,9 @@ METRICS: dict[str, tuple[str, str, str]] = {
     "gpulayer.jobs.pending": ("gauge", "{job}", "Waiting jobs by reason"),
     "gpulayer.nodes": ("gauge", "{node}", "Nodes by state, accelerator and platform"),
     "gpulayer.devices": ("gauge", "{device}", "Devices by state (allocated, free) and accelerator"),
+    "gpulayer.node.info": (
+        "gauge", "{node}", "One series (value 1) per node: hostname, platform, GPU APIs, state",
+    ),
     "gpulayer.executor.job.duration": ("histogram", "s", "Job run time by outcome"),
     "gpulayer.executor.jobs": ("counter", "{job}", "Jobs ended by outcome"),
     "gpulayer.probe.detection.duration": ("histogram", "s", "Detection time per source"),
@@ -172,8 +175,19 @@ def _exporting(env: Mapping[str, str]) -> bool:
     )
 
 
-def setup_telemetry(service: str, env: Mapping[str, str]) -> Telemetry:
-    """Install OTLP exporters when an endpoint is configured; otherwise a disabled Telemetry."""
+def setup_telemetry(
+    service: str,
+    env: Mapping[str, str],
+    *,
+    metrics_export: bool = True,
+    export_timeout_s: float | None = None,
+) -> Telemetry:
+    """Install OTLP exporters when an endpoint is configured; otherwise a disabled Telemetry.
+
+    A short-lived command (the CLI) passes ``metrics_export=False`` (it has no metrics) and an
+    ``export_timeout_s``: its spans are sent as it exits, and an unreachable collector must not
+    hold the exit up for the exporter's default 10 s. ``OTEL_EXPORTER_OTLP_TIMEOUT`` (or the
+    traces one), when set, still wins."""
     if not _exporting(env):
         return Telemetry(service, enabled=False)
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
@@ -190,14 +204,26 @@ def setup_telemetry(service: str, env: Mapping[str, str]) -> Telemetry:
         {SERVICE_NAME: env.get("OTEL_SERVICE_NAME") or service, SERVICE_INSTANCE_ID: instance}
     )
     tracer_provider = TracerProvider(resource=resource)
-    tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    trace.set_tracer_provider(tracer_provider)
-    meter_provider = MeterProvider(
-        resource=resource, metric_readers=[PeriodicExportingMetricReader(OTLPMetricExporter())]
+    timeout_set = env.get("OTEL_EXPORTER_OTLP_TIMEOUT") or env.get(
+        "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"
     )
-    metrics.set_meter_provider(meter_provider)
+    span_exporter = (
+        OTLPSpanExporter(timeout=export_timeout_s)
+        if export_timeout_s is not None and not timeout_set
+        else OTLPSpanExporter()
+    )
+    tracer_provider.add_span_processor(BatchSpanProcessor(span_exporter))
+    trace.set_tracer_provider(tracer_provider)
+    shutdown: list[Callable[[], Any]] = [tracer_provider.shutdown]
+    if metrics_export:
+        meter_provider = MeterProvider(
+            resource=resource,
+            metric_readers=[PeriodicExportingMetricReader(OTLPMetricExporter())],
+        )
+        metrics.set_meter_provider(meter_provider)
+        shutdown.append(meter_provider.shutdown)
     tel = Telemetry(service, enabled=True)
-    tel._shutdown += [tracer_provider.shutdown, meter_provider.shutdown]
+    tel._shutdown += shutdown
     log.info("telemetry: exporting OTLP as %s", service)
     return tel
 

@@ -1,6 +1,6 @@
-"""Gauges: nodes by state, accelerator and platform and devices by state (read from the fleet
-when the exporter asks), and job counts by state (refreshed from PostgreSQL every few seconds).
-Registered only when telemetry is on."""
+"""Gauges: nodes by state, accelerator and platform, devices by state, and one info series per
+node (read from the fleet when the exporter asks), and job counts by state (refreshed from
+PostgreSQL every few seconds). Registered only when telemetry is on."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from typing import Any
 
 import asyncpg
 
+from gpulayer_contracts import AcceleratorDevice
+from gpulayer_contracts.bounds import clip_text
+from gpulayer_matching import NodeView
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.store import Store
 from gpulayer_runtime.telemetry import DISABLED, Telemetry
@@ -45,6 +48,69 @@ def device_counts(fleet: Fleet) -> Observations:
     return [(n, {"state": k[0], "accelerator": k[1], "node_id": k[2]}) for k, n in counts.items()]
 
 
+# Label values of gpulayer.node.info come from what nodes report about themselves: cut, so that a
+# node can't make a series (or the dashboard's table) arbitrarily large. The node id is already
+# bounded (a subject token of at most 128 bytes) and is kept whole: it names the series.
+MAX_INFO_LABEL_CHARS = 64
+MAX_INFO_LIST_CHARS = 128
+
+
+def _label(text: str | None, max_chars: int = MAX_INFO_LABEL_CHARS) -> str:
+    if not text:
+        return "unknown"
+    printable = "".join(c if c.isprintable() else "?" for c in text)
+    return clip_text(printable, max_chars)
+
+
+def _listing(items: list[str]) -> str:
+    return _label(", ".join(sorted(set(items))), MAX_INFO_LIST_CHARS) if items else "none"
+
+
+def accelerator_summary(devices: list[AcceleratorDevice]) -> str:
+    """``8x cuda``; devices the node can't run work on are marked: ``2x rocm detection only``;
+    ``cpu only`` when there are none."""
+    counts: dict[tuple[str, bool], int] = {}
+    for d in devices:
+        key = (d.accelerator, d.execution_supported)
+        counts[key] = counts.get(key, 0) + 1
+    parts = [
+        f"{n}x {acc}" + ("" if usable else " detection only")
+        for (acc, usable), n in sorted(counts.items(), key=lambda kv: (not kv[0][1], kv[0][0]))
+    ]
+    return _label(", ".join(parts), MAX_INFO_LIST_CHARS) if parts else "cpu only"
+
+
+def node_state(view: NodeView) -> str:
+    if not view.online:
+        return "offline"
+    return "executor down" if view.executor_down else "online"
+
+
+def node_info(fleet: Fleet) -> Observations:
+    """One series of value 1 per node in the fleet, its facts as labels: the fleet table.
+    A node whose facts change gets a new series and the old one stops (an observable gauge
+    exports only what its callback returns); a node that leaves the fleet stops too."""
+    out: Observations = []
+    for v in fleet.views():
+        caps = v.capabilities
+        out.append(
+            (
+                1,
+                {
+                    "node": v.node_id,
+                    "hostname": _label(caps.host.hostname),
+                    "platform": _label(caps.host.platform),
+                    "host_apis": _listing(caps.gpu_apis.host),
+                    "container_apis": _listing(caps.gpu_apis.containers),
+                    "containers_get_gpu": "yes" if caps.gpu_apis.containers else "no",
+                    "state": node_state(v),
+                    "accelerators": accelerator_summary(caps.accelerators),
+                },
+            )
+        )
+    return out
+
+
 class Gauges:
     def __init__(self, pool: asyncpg.Pool, fleet: Fleet, telemetry: Telemetry = DISABLED) -> None:
         self.pool = pool
@@ -57,6 +123,7 @@ class Gauges:
         """Hand the gauges' callbacks to the meter."""
         self.tel.gauge("gpulayer.nodes", lambda: node_counts(self.fleet))
         self.tel.gauge("gpulayer.devices", lambda: device_counts(self.fleet))
+        self.tel.gauge("gpulayer.node.info", lambda: node_info(self.fleet))
         self.tel.gauge("gpulayer.jobs", lambda: self._jobs)
         self.tel.gauge("gpulayer.jobs.pending", lambda: self._pending)
 
