@@ -221,28 +221,7 @@ class Scheduler:
             else:
                 t1 = 0
             if isinstance(decision, Placement):
-                self._deviceless_waiting.discard(job_id)
-                submitted = self._submitted.pop(job_id, None) or row["submitted_at"].timestamp()
-                outcome.placements.append(
-                    PlacedJob(
-                        job=job,
-                        placement=decision,
-                        grant_id=f"{job_id}-{row['attempt'] + 1}",
-                        traceparent=row["traceparent"],
-                        submitted=submitted,
-                        match_ns=(t0, t1),
-                        owner=owner,
-                        held=reservations(job, decision.devices, decision.use),
-                    )
-                )
-                # Held at once, so later jobs of this batch see the devices taken.
-                self.fleet.hold(
-                    decision.node_id,
-                    decision.devices,
-                    mode(decision),
-                    job_id=job_id,
-                    items=outcome.placements[-1].held,
-                )
+                self._placed(row, job, decision, owner, (t0, t1), outcome)
             else:
                 failed[key] = decision
                 if requested_gpu_count(job) == 0:
@@ -250,6 +229,37 @@ class Scheduler:
                 if decision.summary != row["reason"]:
                     outcome.waiting.append((job_id, decision))
                     outcome.owners[job_id] = owner
+
+    def _placed(
+        self,
+        row: asyncpg.Record,
+        job: JobRequest,
+        decision: Placement,
+        owner: str,
+        match_ns: tuple[int, int],
+        outcome: Outcome,
+    ) -> None:
+        """Add a placement to the outcome, its devices and reservations held at once, so that
+        later jobs of this batch see them taken."""
+        job_id = row["job_id"]
+        self._deviceless_waiting.discard(job_id)
+        submitted = self._submitted.pop(job_id, None) or row["submitted_at"].timestamp()
+        held = reservations(job, decision.devices, decision.use)
+        outcome.placements.append(
+            PlacedJob(
+                job=job,
+                placement=decision,
+                grant_id=f"{job_id}-{row['attempt'] + 1}",
+                traceparent=row["traceparent"],
+                submitted=submitted,
+                match_ns=match_ns,
+                owner=owner,
+                held=held,
+            )
+        )
+        self.fleet.hold(
+            decision.node_id, decision.devices, mode(decision), job_id=job_id, items=held
+        )
 
     def _match(
         self, job_id: str, job: JobRequest, outcome: Outcome
