@@ -321,3 +321,70 @@ async def test_the_database_refuses_reservations_past_a_nodes_capacity(database_
         assert used == 0
     finally:
         await conn.close()
+
+
+async def test_any_sequence_of_reserves_and_releases_keeps_usage_exact_and_within_capacity(
+    database_url: str,
+) -> None:
+    """Two connections (replicas) reserve batches and release jobs in a random order, some with
+    the capacity unknown to them: after each step ``used`` equals the sum of the reservations,
+    never passes a capacity, and a refused batch changes nothing."""
+    a, b = await asyncpg.connect(database_url), await asyncpg.connect(database_url)
+    try:
+        await migrate(a)
+        rng = random.Random(2026)
+        capacity = {
+            ("n1", "slots"): 3,
+            ("n1", "cpu"): 4000,
+            ("n2", "slots"): 2,
+            ("n2", "cpu"): 8000,
+        }
+        live: dict[str, list[tuple[str, str, int]]] = {}
+        next_job = refused = 0
+        for _ in range(300):
+            conn = rng.choice((a, b))
+            if live and rng.random() < 0.4:
+                job = rng.choice(sorted(live))
+                await conn.execute("DELETE FROM reservations WHERE job_id = $1", job)
+                del live[job]
+            else:
+                batch = []
+                for _ in range(rng.randint(1, 3)):
+                    next_job += 1
+                    job, node = f"j{next_job}", rng.choice(("n1", "n2"))
+                    await conn.execute(
+                        "INSERT INTO jobs (job_id, request, state) VALUES ($1, '{}', 'placed')",
+                        job,
+                    )
+                    for resource, amount in (("slots", 1), ("cpu", rng.choice((500, 1000, 3000)))):
+                        known = capacity[(node, resource)] if rng.random() < 0.8 else None
+                        batch.append((job, node, resource, amount, known))
+                try:
+                    await conn.executemany(
+                        "INSERT INTO reservations (job_id, node_id, resource, amount, capacity) "
+                        "SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], "
+                        "$5::bigint[])",
+                        [tuple(list(col) for col in zip(*batch, strict=True))],
+                    )
+                    for job, node, resource, amount, _ in batch:
+                        live.setdefault(job, []).append((node, resource, amount))
+                except asyncpg.CheckViolationError:
+                    refused += 1  # the whole batch, none of its rows
+
+            rows = await a.fetch("SELECT node_id, resource, capacity, used FROM node_resources")
+            expected: dict[tuple[str, str], int] = {}
+            for held in live.values():
+                for node, resource, amount in held:
+                    expected[(node, resource)] = expected.get((node, resource), 0) + amount
+            for r in rows:
+                key = (r["node_id"], r["resource"])
+                assert r["used"] == expected.get(key, 0), (key, r["used"], expected.get(key))
+                if r["capacity"] is not None:
+                    assert r["used"] <= r["capacity"], dict(r)
+                    assert r["capacity"] == capacity[key]
+        # The sequence did fill nodes (some batches refused) and release them again.
+        assert refused > 10
+        assert next_job > 100
+    finally:
+        await a.close()
+        await b.close()
