@@ -157,6 +157,12 @@ class Hierarchy:
                     path.rmdir()
             return None
 
+    def leftover(self, name: str) -> JobCgroup | None:
+        """The cgroup a previous run of the executor made for ``name``, if still there."""
+        if not any((p / name).is_dir() for p in self.parents):
+            return None
+        return self.create(name)
+
 
 def enforcement(found: Hierarchy | None) -> str:
     """The heartbeat's ``enforcement``: the mode in force, or "none"."""

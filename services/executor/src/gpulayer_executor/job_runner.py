@@ -108,6 +108,11 @@ class JobRunner:
         self._jobs: dict[str, Job] = {}
 
     @property
+    def hierarchy(self) -> Hierarchy | None:
+        """Where job cgroups are made (None: nowhere)."""
+        return self._hierarchy
+
+    @property
     def jobs(self) -> Mapping[str, Job]:
         """The jobs held now (queued, starting or running), by grant id."""
         return self._jobs
