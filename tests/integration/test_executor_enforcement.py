@@ -232,11 +232,8 @@ async def test_the_heartbeat_says_slots_reserve_and_enforcement(
     async with start_executor(heartbeat_s=0.1, **settings) as executor:
         beat = await beat_of(nc)
     assert (beat.slots, beat.reserved_cores, beat.reserved_memory_gb) == (3, 0.5, 2.0)
-    assert beat.enforcement == executor.enforcement == found.enforcement
-    if found.version == "v1":
-        assert beat.enforcement.startswith("cgroup v1: memory")
-    else:
-        assert beat.enforcement == cgroups.V2_ENFORCEMENT
+    words = cgroups.v1_enforcement if found.version == "v1" else cgroups.v2_enforcement
+    assert beat.enforcement == executor.enforcement == words(list(found.controllers))
 
 
 @pytest.mark.parametrize("how", ["enforce-off", "no-cgroup"])

@@ -13,7 +13,8 @@ from tests.unit.executor.fakes import grant
 
 from gpulayer_contracts.events import Grant
 from gpulayer_contracts.jobs import Requirements, Sandbox, SandboxDevices
-from gpulayer_executor.cgroups import _own_paths, v1_enforcement
+from gpulayer_executor import cgroups
+from gpulayer_executor.cgroups import _own_paths, v1_enforcement, v2_enforcement
 from gpulayer_executor.limits import (
     MAX_PIDS,
     DeviceNode,
@@ -180,3 +181,67 @@ def test_own_cgroup_paths_and_the_enforcement_words() -> None:
     assert (
         v1_enforcement(["pids", "memory"]) == "cgroup v1: memory pids (not enforced: cpu devices)"
     )
+    assert v2_enforcement(["pids", "cpu", "memory"]) == (
+        "cgroup v2: memory cpu pids (devices not enforced: needs eBPF)"
+    )
+    # A container given the memory controller alone (as a cloud GPU machine's was).
+    assert v2_enforcement(["memory"]) == (
+        "cgroup v2: memory (not enforced: cpu pids; devices: needs eBPF)"
+    )
+
+
+def fake_cgroupfs(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+def test_v2_enforces_the_controllers_its_cgroup_offers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The executor's cgroup is offered memory alone (cpu and pids are not delegated).
+    fake_cgroupfs(
+        tmp_path,
+        {
+            "cgroup.controllers": "cpu memory pids io",
+            "svc/cgroup.controllers": "memory io",
+            "svc/cgroup.subtree_control": "",
+            "svc/gpulayer/cgroup.subtree_control": "",
+        },
+    )
+    monkeypatch.setattr(cgroups, "_ROOT", tmp_path)
+    monkeypatch.setattr(cgroups, "_own", lambda: {"": "/svc"})
+    found, why = cgroups.v2_enforcing.__wrapped__()
+    assert found is not None, why
+    parent = tmp_path / "svc" / "gpulayer"
+    assert (found.version, found.parent, found.controllers) == ("v2", parent, {"memory": parent})
+    assert found.enforcement == "cgroup v2: memory (not enforced: cpu pids; devices: needs eBPF)"
+    # Enabled for the job cgroups: below the executor's cgroup, and below gpulayer.
+    assert (tmp_path / "svc/cgroup.subtree_control").read_text() == "+memory"
+    assert (parent / "cgroup.subtree_control").read_text() == "+memory"
+    monkeypatch.setattr(cgroups, "_own", lambda: {"": "/other"})
+    fake_cgroupfs(tmp_path, {"other/cgroup.controllers": "io"})
+    assert cgroups.v2_enforcing.__wrapped__() == (
+        None,
+        f"v2: {tmp_path}/other offers none of the memory, cpu, pids controllers",
+    )
+
+
+def test_v1_enforces_the_writable_controllers_and_tracks_in_pids(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_cgroupfs(
+        tmp_path, {"memory/cgroup.procs": "", "memory/a/cgroup.procs": "", "pids/cgroup.procs": ""}
+    )
+    monkeypatch.setattr(cgroups, "_ROOT", tmp_path)
+    monkeypatch.setattr(cgroups, "_own", lambda: {"memory": "/a", "pids": "/", "cpu": "/"})
+    found, why = cgroups.v1_enforcing.__wrapped__()
+    assert found is not None, why
+    assert found.parent == tmp_path / "pids" / "gpulayer"
+    assert found.controllers == {
+        "memory": tmp_path / "memory" / "a" / "gpulayer",
+        "pids": tmp_path / "pids" / "gpulayer",
+    }
+    assert found.enforcement == "cgroup v1: memory pids (not enforced: cpu devices)"
+    # The executor goes back to its own cgroup in each hierarchy after a spawn.
+    assert found.homes[tmp_path / "memory" / "a" / "gpulayer"] == tmp_path / "memory" / "a"

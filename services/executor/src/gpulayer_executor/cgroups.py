@@ -4,8 +4,8 @@ where the controllers are writable, the job's limits (memory, CPU quota, pids, d
 
 Chosen once per executor process (``hierarchy``) and said in a log line, first that can be made:
 
-- **cgroup v2 enforcing**: the ``memory``, ``cpu`` and ``pids`` controllers enabled below the
-  executor's own cgroup (it moves itself into a leaf ``executor`` first when its cgroup holds it,
+- **cgroup v2 enforcing**: the ``memory``, ``cpu`` and ``pids`` controllers (those offered)
+  enabled below the executor's own cgroup (it moves itself into a leaf ``executor`` first when its cgroup holds it,
   as the "no internal processes" rule asks). Devices are not limited: that needs an eBPF
   program in v2.
 - **cgroup v1 enforcing**: one directory per controller (``memory``, ``cpu``, ``pids``,
@@ -70,7 +70,13 @@ def v1_enforcement(controllers: list[str]) -> str:
     return f"{text} (not enforced: {' '.join(missing)})" if missing else text
 
 
-V2_ENFORCEMENT = "cgroup v2: memory cpu pids (devices not enforced: needs eBPF)"
+def v2_enforcement(controllers: list[str]) -> str:
+    """The heartbeat's words for v2 limits with ``controllers``. Pure."""
+    have = " ".join(c for c in V2_CONTROLLERS if c in controllers)
+    missing = [c for c in V2_CONTROLLERS if c not in controllers]
+    if not missing:
+        return f"cgroup v2: {have} (devices not enforced: needs eBPF)"
+    return f"cgroup v2: {have} (not enforced: {' '.join(missing)}; devices: needs eBPF)"
 
 
 def _v2_mount() -> Path | None:
@@ -235,38 +241,40 @@ def v2_enforcing() -> tuple[Hierarchy | None, str]:
         available = (own_dir / "cgroup.controllers").read_text().split()
     except OSError as err:
         return None, f"v2 {own_dir}: {err.strerror or err}"
-    missing = [c for c in V2_CONTROLLERS if c not in available]
-    if missing:
-        return None, f"v2: {own_dir} offers no {' '.join(missing)} controller"
-    home, why = _enable_below(own_dir)
+    # Those of memory, cpu and pids it offers (a container may get memory alone); the heartbeat
+    # names the rest as not enforced.
+    offered = [c for c in V2_CONTROLLERS if c in available]
+    if not offered:
+        return None, f"v2: {own_dir} offers none of the memory, cpu, pids controllers"
+    home, why = _enable_below(own_dir, offered)
     if home is None:
         return None, why
     parent = own_dir / _PARENT
     why2 = _usable(parent)
     if why2 is None:
         try:
-            _write(parent / "cgroup.subtree_control", _plus(V2_CONTROLLERS))
+            _write(parent / "cgroup.subtree_control", _plus(offered))
         except OSError as err:
             why2 = f"{parent}: {err.strerror or err}"
     if why2 is not None:
         return None, f"v2 {why2}"
-    controllers = dict.fromkeys(V2_CONTROLLERS, parent)
+    controllers = dict.fromkeys(offered, parent)
     return Hierarchy(
-        "v2", parent, controllers, homes={parent: home}, enforcement=V2_ENFORCEMENT
+        "v2", parent, controllers, homes={parent: home}, enforcement=v2_enforcement(offered)
     ), ""
 
 
-def _plus(controllers: tuple[str, ...]) -> str:
+def _plus(controllers: list[str]) -> str:
     return " ".join(f"+{c}" for c in controllers)
 
 
-def _enable_below(own_dir: Path) -> tuple[Path | None, str]:
-    """Enable the controllers for cgroups below ``own_dir``; the executor's home cgroup after
+def _enable_below(own_dir: Path, controllers: list[str]) -> tuple[Path | None, str]:
+    """Enable ``controllers`` for cgroups below ``own_dir``; the executor's home cgroup after
     that, or why it can't be done. A cgroup that holds processes (the executor's, under a
     systemd unit with Delegate=yes) may not: the executor moves itself into a leaf first."""
     control = own_dir / "cgroup.subtree_control"
     try:
-        _write(control, _plus(V2_CONTROLLERS))
+        _write(control, _plus(controllers))
         return own_dir, ""
     except OSError as err:
         if err.errno != errno.EBUSY:
@@ -278,7 +286,7 @@ def _enable_below(own_dir: Path) -> tuple[Path | None, str]:
     except OSError as err:
         return None, f"v2 {leaf}: {err.strerror or err}"
     try:
-        _write(control, _plus(V2_CONTROLLERS))
+        _write(control, _plus(controllers))
         return leaf, ""
     except OSError as err:
         with contextlib.suppress(OSError):
