@@ -121,6 +121,19 @@ async def test_a_job_past_its_memory_fails_with_out_of_memory(
     )
 
 
+async def test_a_job_past_its_memory_from_its_first_instant_fails_with_out_of_memory(
+    js: JetStreamContext, start_executor: StartExecutor
+) -> None:
+    _enforcing("memory")
+    # 1000 bytes: less than the job uses by the time the limit is written (right after the
+    # spawn), which the kernel refuses to set; the job is ended, never left unlimited.
+    grant = with_requirements(make_grant(["sleep", "30"]), memory_gb=1e-6)
+    async with start_executor():
+        done = await run_job(js, grant)
+    assert tags(done) == ["running", "failed"]
+    assert reason(done[-1]) == "out of memory: the job passed its memory_gb = 1e-06 (1000 bytes)"
+
+
 async def test_a_job_under_its_memory_succeeds(
     js: JetStreamContext, start_executor: StartExecutor
 ) -> None:

@@ -45,6 +45,16 @@ NONE = "none"
 class LimitError(RuntimeError):
     """A limit could not be written to the job's cgroup; ``str()`` names the file and value."""
 
+    def __init__(self, message: str, *, file: str = "", code: int = 0) -> None:
+        super().__init__(message)
+        self.file = file
+        self.code = code
+
+    @property
+    def over_memory(self) -> bool:
+        """A memory limit below what the job already uses (v1 refuses it with EBUSY)."""
+        return self.file.startswith("memory.") and self.code == errno.EBUSY
+
 
 def _own_paths(text: str) -> dict[str, str]:
     """``/proc/self/cgroup`` as {hierarchy: path}: "" names the v2 one, else the v1 controllers
@@ -351,7 +361,9 @@ class JobCgroup:
             try:
                 _write(path, value)
             except OSError as err:
-                raise LimitError(f"{path.name} = {value}: {err.strerror or err}") from err
+                raise LimitError(
+                    f"{path.name} = {value}: {err.strerror or err}", file=name, code=err.errno or 0
+                ) from err
 
     def limit_devices(self, limits: JobLimits) -> None:
         """Before the spawn: the job can never open a device it was not granted. Raises

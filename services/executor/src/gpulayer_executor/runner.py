@@ -400,6 +400,8 @@ def _limit_resources(cgroup: JobCgroup | None, limits: JobLimits) -> str | None:
         cgroup.limit_resources(limits)
     except LimitError as err:
         log.warning("job cgroup %s: %s", cgroup.path, err)
+        if err.over_memory:  # already past it in its first microseconds
+            return oom_reason(limits, "limit")
         return f"could not set the job's limits: {err}"
     return None
 
