@@ -22,6 +22,7 @@ from gpulayer_contracts.codec import event_decoder, status_decoder
 from gpulayer_contracts.events import AnyJobEvent, Grant, JobStatus, is_terminal
 from gpulayer_contracts.jobs import JobRequest
 from gpulayer_contracts.subjects import job_events, node_status
+from gpulayer_executor import cgroups
 from gpulayer_runtime.nats import ensure_streams
 
 pytestmark = pytest.mark.integration
@@ -197,6 +198,10 @@ async def test_sigkill_while_running_then_restart_reports_lost_once_and_never_re
     assert [e.__struct_config__.tag for e in events] == ["running", "lost"]
     assert reason(events[-1]) == "executor restarted"
     assert not pid_alive(child)
+    # Its cgroup went with it (the executor is this process' child: same cgroups).
+    found = cgroups.hierarchy(True)
+    parents = found.parents if found is not None else []
+    assert not [p for p in parents if (p / grant.grant_id).exists()]
     await grants_consumed(js)
 
     # One more restart: everything is settled, nothing is reported or started again.

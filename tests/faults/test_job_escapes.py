@@ -58,7 +58,7 @@ def mechanism(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
         found, why = choose()
         if found is None:
             pytest.skip(f"not on this machine: {why}")
-    monkeypatch.setattr(cgroups, "hierarchy", lambda: found)
+    monkeypatch.setattr(cgroups, "hierarchy", lambda enforce=True: found)
     return str(request.param)
 
 

@@ -17,7 +17,9 @@ from gpulayer_contracts.events import Grant
 from gpulayer_contracts.jobs import JobRequest
 from gpulayer_contracts.subjects import MSG_ID_HEADER
 from gpulayer_executor import state as st
+from gpulayer_executor.cgroups import Hierarchy
 from gpulayer_executor.env import RunAs
+from gpulayer_executor.limits import JobLimits
 from gpulayer_executor.output import LogSink
 from gpulayer_executor.runner import StopRequest
 
@@ -111,6 +113,8 @@ class FakeLaunch:
         sink: LogSink,
         max_line_bytes: int,
         on_started: Callable[[st.ProcessInfo], Awaitable[None]],
+        hierarchy: Hierarchy | None = None,
+        limits: JobLimits | None = None,
     ) -> st.Outcome:
         grant_id = env["GPULAYER_GRANT_ID"]
         rec = self.store.load(grant_id)

@@ -30,6 +30,26 @@ def test_defaults() -> None:
     assert config.require_signatures
     assert config.placement_public_keys == (TEST_SIGNER.public_key,)
     assert config.grant_max_age_s == 24 * 3600
+    assert (config.enforce, config.job_pids_max, config.device_dir) == (True, 4096, Path("/dev"))
+    assert (config.reserved_cores, config.reserved_memory_gb) == (0.0, 1.0)
+
+
+def test_limit_settings(tmp_path: Path) -> None:
+    config = settings(
+        {
+            "GPULAYER_NODE_ID": "n1",
+            "GPULAYER_EXECUTOR_ENFORCE": "off",
+            "GPULAYER_EXECUTOR_JOB_PIDS_MAX": "0",
+            "GPULAYER_EXECUTOR_DEVICE_DIR": str(tmp_path),
+            "GPULAYER_EXECUTOR_RESERVED_CORES": "0.5",
+            "GPULAYER_EXECUTOR_RESERVED_MEMORY_GB": "0",
+            **KEYS,
+        }
+    )
+    assert (config.enforce, config.job_pids_max, config.device_dir) == (False, 0, tmp_path)
+    assert (config.reserved_cores, config.reserved_memory_gb) == (0.5, 0.0)
+    on = settings({"GPULAYER_NODE_ID": "n1", "GPULAYER_EXECUTOR_ENFORCE": "ON", **KEYS})
+    assert on.enforce
 
 
 def test_signing_settings() -> None:
@@ -73,8 +93,19 @@ def test_overrides() -> None:
     [
         ({"GPULAYER_EXECUTOR_ALLOW_ROOT_JOBS": "maybe"}, "expected 1 or 0"),
         ({"GPULAYER_EXECUTOR_USER_MAP": "/no/such/map.toml"}, "USER_MAP='/no/such/map.toml'"),
-        ({"GPULAYER_EXECUTOR_MAX_JOBS": "0"}, "positive integer"),
+        ({"GPULAYER_EXECUTOR_MAX_JOBS": "0"}, "MAX_JOBS='0': expected a whole number from 1"),
+        # More slots than a heartbeat may announce: placement would refuse every beat.
+        ({"GPULAYER_EXECUTOR_MAX_JOBS": "70000"}, "from 1 to 65536"),
         ({"GPULAYER_KILL_GRACE_S": "soon"}, "number"),
+        ({"GPULAYER_EXECUTOR_RESERVED_CORES": "-1"}, "RESERVED_CORES='-1': expected a number"),
+        ({"GPULAYER_EXECUTOR_RESERVED_CORES": "nan"}, "RESERVED_CORES='nan'"),
+        ({"GPULAYER_EXECUTOR_RESERVED_MEMORY_GB": "inf"}, "RESERVED_MEMORY_GB='inf'"),
+        ({"GPULAYER_EXECUTOR_RESERVED_MEMORY_GB": "lots"}, "RESERVED_MEMORY_GB='lots'"),
+        ({"GPULAYER_EXECUTOR_JOB_PIDS_MAX": "-5"}, "PIDS_MAX='-5': expected a whole number"),
+        ({"GPULAYER_EXECUTOR_JOB_PIDS_MAX": "1e3"}, "PIDS_MAX='1e3'"),
+        ({"GPULAYER_EXECUTOR_JOB_PIDS_MAX": str(2**40)}, "from 0 to 4194304"),
+        ({"GPULAYER_EXECUTOR_DEVICE_DIR": "/no/such/dev"}, "DEVICE_DIR='/no/such/dev': no such"),
+        ({"GPULAYER_EXECUTOR_ENFORCE": "maybe"}, "ENFORCE='maybe': expected on or off"),
         ({"GPULAYER_NODE_ID": "a.b"}, "may not contain"),
     ],
 )

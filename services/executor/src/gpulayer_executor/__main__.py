@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import pwd
 import signal
@@ -11,15 +12,17 @@ import sys
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
+from gpulayer_contracts.bounds import MAX_EXECUTOR_SLOTS, MAX_JOB_CPU_CORES, MAX_JOB_MEMORY_GB
 from gpulayer_executor import users
 from gpulayer_executor.env import RunAs, base_environment
+from gpulayer_executor.limits import MAX_PIDS
 from gpulayer_executor.service import ExecutorConfig
 from gpulayer_runtime.nats import connect, wait_for_streams
 from gpulayer_runtime.settings import (
     ConfigError,
     env_float,
-    env_int,
     env_str,
     nats_settings,
     node_id,
@@ -161,6 +164,64 @@ def _seconds_or_zero(env: Mapping[str, str], name: str) -> float:
     return env_float(env, name, 0.0)
 
 
+def _number(env: Mapping[str, str], name: str, default: float, high: float) -> float:
+    """A finite number from 0 to ``high`` (0 allowed, unlike ``env_float``)."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or not 0 <= value <= high:
+        raise ConfigError(f"{name}={raw!r}: expected a number from 0 to {high:g}")
+    return value
+
+
+def _count(env: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = low - 1
+    if not low <= value <= high:
+        raise ConfigError(f"{name}={raw!r}: expected a whole number from {low} to {high}")
+    return value
+
+
+def _enforce(env: Mapping[str, str]) -> bool:
+    raw = env.get("GPULAYER_EXECUTOR_ENFORCE", "").strip().lower()
+    if raw in ("", "on", "1", "true", "yes"):
+        return True
+    if raw in ("off", "0", "false", "no"):
+        return False
+    raise ConfigError(f"GPULAYER_EXECUTOR_ENFORCE={raw!r}: expected on or off")
+
+
+def _device_dir(env: Mapping[str, str]) -> Path:
+    raw = env_str(env, "GPULAYER_EXECUTOR_DEVICE_DIR", "/dev")
+    path = Path(raw)
+    if not path.is_dir():
+        raise ConfigError(f"GPULAYER_EXECUTOR_DEVICE_DIR={raw!r}: no such folder")
+    return path.resolve()
+
+
+def limit_settings(env: Mapping[str, str]) -> dict[str, Any]:
+    """Job slots, the system's reserve and the per-job limits (``ExecutorConfig`` fields)."""
+    return {
+        "max_jobs": _count(env, "GPULAYER_EXECUTOR_MAX_JOBS", 64, 1, MAX_EXECUTOR_SLOTS),
+        "enforce": _enforce(env),
+        "job_pids_max": _count(env, "GPULAYER_EXECUTOR_JOB_PIDS_MAX", 4096, 0, MAX_PIDS),
+        "device_dir": _device_dir(env),
+        "reserved_cores": _number(env, "GPULAYER_EXECUTOR_RESERVED_CORES", 0.0, MAX_JOB_CPU_CORES),
+        "reserved_memory_gb": _number(
+            env, "GPULAYER_EXECUTOR_RESERVED_MEMORY_GB", 1.0, MAX_JOB_MEMORY_GB
+        ),
+    }
+
+
 def settings(env: Mapping[str, str], *, euid: int | None = None) -> ExecutorConfig:
     """The executor's configuration from an environment mapping (``euid``: the executor's
     effective uid, this process' when not given)."""
@@ -181,7 +242,7 @@ def settings(env: Mapping[str, str], *, euid: int | None = None) -> ExecutorConf
         user_map=user_map,
         owner_uids=uids,
         kill_grace_s=env_float(env, "GPULAYER_KILL_GRACE_S", 5.0),
-        max_jobs=env_int(env, "GPULAYER_EXECUTOR_MAX_JOBS", 64),
+        **limit_settings(env),
         drain_s=_seconds_or_zero(env, "GPULAYER_EXECUTOR_DRAIN_S"),
         heartbeat_s=env_float(env, "GPULAYER_HEARTBEAT_S", 5.0),
         placement_public_keys=public_keys_from_env(env),
@@ -203,7 +264,8 @@ async def _amain() -> None:
     config = settings(env)
     log.info(
         "settings: nats=%s node=%s workdir=%s user=%s kill_grace_s=%s max_jobs=%s drain_s=%s "
-        "signed grants=%s (%d keys, max age %ss)",
+        "signed grants=%s (%d keys, max age %ss) enforce=%s job_pids_max=%s device_dir=%s "
+        "reserved_cores=%s reserved_memory_gb=%s",
         nats,
         config.node_id,
         config.workdir,
@@ -214,6 +276,11 @@ async def _amain() -> None:
         "required" if config.require_signatures else "OFF (unsafe)",
         len(config.placement_public_keys),
         config.grant_max_age_s,
+        "on" if config.enforce else "off",
+        config.job_pids_max or "no limit",
+        config.device_dir,
+        config.reserved_cores,
+        config.reserved_memory_gb,
     )
     _say_who_runs_jobs(config)
     from gpulayer_executor.service import Executor

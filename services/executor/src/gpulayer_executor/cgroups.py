@@ -1,10 +1,20 @@
-"""A cgroup per job, where this machine lets us make one: the only record of a job's processes
-that a job can't leave (``setsid``, double fork and a cleared environment all stay inside).
+"""A cgroup per job, where this machine lets us make one: the record of a job's processes that
+a job can't leave (``setsid``, double fork and a cleared environment all stay inside), and,
+where the controllers are writable, the job's limits (memory, CPU quota, pids, devices).
 
-Chosen once per executor process, and said in a log line: the cgroup v2 hierarchy (killed with
-``cgroup.kill`` where the kernel has it), else the v1 ``pids`` hierarchy (killed pid by pid from
-``cgroup.procs``), else none, and the runner finds escaped children by walking /proc for the job's marker instead.
-The job's cgroup lives under the executor's own one, in ``gpulayer/<grant id>``.
+Chosen once per executor process (``hierarchy``) and said in a log line, first that can be made:
+
+- **cgroup v2 enforcing**: the ``memory``, ``cpu`` and ``pids`` controllers (those offered)
+  enabled below the executor's own cgroup (it moves itself into a leaf ``executor`` first when its cgroup holds it,
+  as the "no internal processes" rule asks). Devices are not limited: that needs an eBPF
+  program in v2.
+- **cgroup v1 enforcing**: one directory per controller (``memory``, ``cpu``, ``pids``,
+  ``devices``, those that are mounted and writable), the job joined to all.
+- **tracking only** (``enforcement: none``): the v2 hierarchy (killed with ``cgroup.kill``
+  where the kernel has it), else the v1 ``pids`` hierarchy (killed pid by pid), else nothing,
+  and the runner finds escaped children by walking /proc for the job's marker instead.
+
+A job's cgroup is ``gpulayer/<grant id>`` under the executor's own one, in each hierarchy.
 """
 
 from __future__ import annotations
@@ -15,13 +25,35 @@ import functools
 import logging
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+
+from gpulayer_executor.limits import JobLimits, counter, device_writes, resource_writes
 
 log = logging.getLogger(__name__)
 
 _ROOT = Path("/sys/fs/cgroup")
 _PARENT = "gpulayer"
+_V2_LEAF = "executor"
+# A v1 job whose peak memory came this close to its limit reached it.
+_PEAK_SLACK = 64 * 1024
+V1_CONTROLLERS = ("memory", "cpu", "pids", "devices")
+V2_CONTROLLERS = ("memory", "cpu", "pids")
+NONE = "none"
+
+
+class LimitError(RuntimeError):
+    """A limit could not be written to the job's cgroup; ``str()`` names the file and value."""
+
+    def __init__(self, message: str, *, file: str = "", code: int = 0) -> None:
+        super().__init__(message)
+        self.file = file
+        self.code = code
+
+    @property
+    def over_memory(self) -> bool:
+        """A memory limit below what the job already uses (v1 refuses it with EBUSY)."""
+        return self.file.startswith("memory.") and self.code == errno.EBUSY
 
 
 def _own_paths(text: str) -> dict[str, str]:
@@ -39,6 +71,22 @@ def _own_paths(text: str) -> dict[str, str]:
             if name:
                 out[name] = path
     return out
+
+
+def v1_enforcement(controllers: list[str]) -> str:
+    """The heartbeat's words for v1 limits with ``controllers``. Pure."""
+    missing = [c for c in V1_CONTROLLERS if c not in controllers]
+    text = "cgroup v1: " + " ".join(c for c in V1_CONTROLLERS if c in controllers)
+    return f"{text} (not enforced: {' '.join(missing)})" if missing else text
+
+
+def v2_enforcement(controllers: list[str]) -> str:
+    """The heartbeat's words for v2 limits with ``controllers``. Pure."""
+    have = " ".join(c for c in V2_CONTROLLERS if c in controllers)
+    missing = [c for c in V2_CONTROLLERS if c not in controllers]
+    if not missing:
+        return f"cgroup v2: {have} (devices not enforced: needs eBPF)"
+    return f"cgroup v2: {have} (not enforced: {' '.join(missing)}; devices: needs eBPF)"
 
 
 def _v2_mount() -> Path | None:
@@ -61,27 +109,80 @@ def _usable(parent: Path) -> str | None:
     return None
 
 
-class Hierarchy:
-    """Where job cgroups are made, and how they are killed."""
+def _write(path: Path, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
 
-    def __init__(self, parent: Path, kind: str) -> None:
+
+class Hierarchy:
+    """Where job cgroups are made, how they are limited and killed.
+
+    ``parent``: the folder job cgroups are tracked in (members, kill); ``controllers``: each
+    enforced controller's folder (v2: all the same one). ``homes``: for each folder, the
+    executor's own cgroup there, where it goes back to after spawning a job from inside."""
+
+    def __init__(
+        self,
+        version: str,
+        parent: Path,
+        controllers: Mapping[str, Path] | None = None,
+        *,
+        homes: Mapping[Path, Path] | None = None,
+        enforcement: str = NONE,
+    ) -> None:
+        self.version = version  # "v1" or "v2"
         self.parent = parent
-        self.kind = kind  # "v2" or "v1 pids"
-        # The executor's own cgroup (``parent`` is ``<own>/gpulayer``): where it goes back to
-        # after spawning a job from inside the job's cgroup.
-        self.home = parent.parent
+        self.controllers = dict(controllers or {})
+        self.parents = list(dict.fromkeys([parent, *self.controllers.values()]))
+        self.homes = {p: (homes or {}).get(p, p.parent) for p in self.parents}
+        self.enforcement = enforcement
+        self.kind = f"{version} ({enforcement})" if self.controllers else f"{version} tracking"
+        memory = self.controllers.get("memory")
+        # Swap accounting on: its limit gets the memory limit too (v1) or 0 (v2).
+        swap_file = "memory.memsw.limit_in_bytes" if version == "v1" else "memory.swap.max"
+        self.swap = memory is not None and (memory / swap_file).exists()
+        self._leave_fds: list[int] | None = None
+
+    def leave_fds(self) -> list[int]:
+        """Open once, kept: leaving a job's cgroups after each spawn is one write each."""
+        if self._leave_fds is None:
+            self._leave_fds = [
+                os.open(self.homes[p] / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
+                for p in self.parents
+            ]
+        return self._leave_fds
 
     def create(self, name: str) -> JobCgroup | None:
         """A fresh cgroup for one job; None (logged) when it can't be made after all."""
-        path = self.parent / name
+        made: list[Path] = []
         try:
-            path.mkdir()
-        except FileExistsError:
-            pass
+            self.leave_fds()
+            for parent in self.parents:
+                path = parent / name
+                with contextlib.suppress(FileExistsError):
+                    path.mkdir()
+                made.append(path)
+            return JobCgroup(self, made)
         except OSError as err:
             log.warning("no cgroup for %s: %s", name, err)
+            for path in made:
+                with contextlib.suppress(OSError):
+                    path.rmdir()
             return None
-        return JobCgroup(path, self.home)
+
+    def leftover(self, name: str) -> JobCgroup | None:
+        """The cgroup a previous run of the executor made for ``name``, if still there."""
+        if not any((p / name).is_dir() for p in self.parents):
+            return None
+        return self.create(name)
+
+
+def enforcement(found: Hierarchy | None) -> str:
+    """The heartbeat's ``enforcement``: the mode in force, or "none"."""
+    return found.enforcement if found is not None else NONE
 
 
 def _own() -> dict[str, str]:
@@ -92,34 +193,133 @@ def _own() -> dict[str, str]:
 
 
 def v2_hierarchy() -> tuple[Hierarchy | None, str]:
-    """Job cgroups in the v2 hierarchy, or why not."""
+    """Job cgroups in the v2 hierarchy, tracking only, or why not."""
     own = _own()
     v2 = _v2_mount()
     if v2 is None or "" not in own:
         return None, "v2 not mounted"
     parent = v2 / own[""].lstrip("/") / _PARENT
     why = _usable(parent)
-    return (Hierarchy(parent, "v2"), "") if why is None else (None, f"v2 {why}")
+    return (Hierarchy("v2", parent), "") if why is None else (None, f"v2 {why}")
 
 
 def v1_pids_hierarchy() -> tuple[Hierarchy | None, str]:
-    """Job cgroups in the v1 ``pids`` hierarchy, or why not."""
+    """Job cgroups in the v1 ``pids`` hierarchy, tracking only, or why not."""
     own = _own()
     if "pids" not in own or not (_ROOT / "pids" / "cgroup.procs").exists():
         return None, "v1 pids not mounted"
     parent = _ROOT / "pids" / own["pids"].lstrip("/") / _PARENT
     why = _usable(parent)
-    return (Hierarchy(parent, "v1 pids"), "") if why is None else (None, f"v1 pids {why}")
+    return (Hierarchy("v1", parent), "") if why is None else (None, f"v1 pids {why}")
 
 
 @functools.cache
-def hierarchy() -> Hierarchy | None:
-    """The hierarchy in force for this process (decided once, logged once)."""
+def v1_enforcing() -> tuple[Hierarchy | None, str]:
+    """Job cgroups in each writable v1 controller of memory, cpu, pids and devices (tracked
+    in ``pids``, else the first of them), or why none."""
+    own = _own()
+    found: dict[str, Path] = {}
     reasons = []
-    for choose in (v2_hierarchy, v1_pids_hierarchy):
+    for name in V1_CONTROLLERS:
+        mount = _ROOT / name
+        if name not in own or not (mount / "cgroup.procs").exists():
+            reasons.append(f"{name} not mounted")
+            continue
+        # resolve(): co-mounted controllers (cpu -> cpu,cpuacct) share one folder.
+        parent = mount.resolve() / own[name].lstrip("/") / _PARENT
+        why = _usable(parent)
+        if why is None:
+            found[name] = parent
+        else:
+            reasons.append(why)
+    if not found:
+        return None, "v1: " + "; ".join(reasons)
+    track = found.get("pids") or next(iter(found.values()))
+    return Hierarchy("v1", track, found, enforcement=v1_enforcement(list(found))), ""
+
+
+@functools.cache
+def v2_enforcing() -> tuple[Hierarchy | None, str]:
+    """Job cgroups in v2 with the memory, cpu and pids controllers enabled for them, or why
+    not. Decided once per process: it may move the executor into a leaf of its own cgroup."""
+    own = _own()
+    v2 = _v2_mount()
+    if v2 is None or "" not in own:
+        return None, "v2 not mounted"
+    own_dir = v2 / own[""].lstrip("/")
+    try:
+        available = (own_dir / "cgroup.controllers").read_text().split()
+    except OSError as err:
+        return None, f"v2 {own_dir}: {err.strerror or err}"
+    # Those of memory, cpu and pids it offers (a container may get memory alone); the heartbeat
+    # names the rest as not enforced.
+    offered = [c for c in V2_CONTROLLERS if c in available]
+    if not offered:
+        return None, f"v2: {own_dir} offers none of the memory, cpu, pids controllers"
+    home, why = _enable_below(own_dir, offered)
+    if home is None:
+        return None, why
+    parent = own_dir / _PARENT
+    why2 = _usable(parent)
+    if why2 is None:
+        try:
+            _write(parent / "cgroup.subtree_control", _plus(offered))
+        except OSError as err:
+            why2 = f"{parent}: {err.strerror or err}"
+    if why2 is not None:
+        return None, f"v2 {why2}"
+    controllers = dict.fromkeys(offered, parent)
+    return Hierarchy(
+        "v2", parent, controllers, homes={parent: home}, enforcement=v2_enforcement(offered)
+    ), ""
+
+
+def _plus(controllers: list[str]) -> str:
+    return " ".join(f"+{c}" for c in controllers)
+
+
+def _enable_below(own_dir: Path, controllers: list[str]) -> tuple[Path | None, str]:
+    """Enable ``controllers`` for cgroups below ``own_dir``; the executor's home cgroup after
+    that, or why it can't be done. A cgroup that holds processes (the executor's, under a
+    systemd unit with Delegate=yes) may not: the executor moves itself into a leaf first."""
+    control = own_dir / "cgroup.subtree_control"
+    try:
+        _write(control, _plus(controllers))
+        return own_dir, ""
+    except OSError as err:
+        if err.errno != errno.EBUSY:
+            return None, f"v2 {control}: {err.strerror or err}"
+    leaf = own_dir / _V2_LEAF
+    try:
+        leaf.mkdir(exist_ok=True)
+        _write(leaf / "cgroup.procs", str(os.getpid()))
+    except OSError as err:
+        return None, f"v2 {leaf}: {err.strerror or err}"
+    try:
+        _write(control, _plus(controllers))
+        return leaf, ""
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            _write(own_dir / "cgroup.procs", str(os.getpid()))
+            leaf.rmdir()
+        return None, (
+            f"v2 {control}: {err.strerror or err} (other processes share the executor's cgroup: "
+            "give it one of its own, e.g. systemd Delegate=yes)"
+        )
+
+
+@functools.cache
+def hierarchy(enforce: bool = True) -> Hierarchy | None:
+    """The hierarchy in force for this process (decided once, logged once). ``enforce``
+    False (GPULAYER_EXECUTOR_ENFORCE=off): tracking only, whatever the machine allows."""
+    reasons = []
+    choosers: list[Callable[[], tuple[Hierarchy | None, str]]] = [v2_hierarchy, v1_pids_hierarchy]
+    if enforce:
+        choosers = [v2_enforcing, v1_enforcing, *choosers]
+    for choose in choosers:
         found, why = choose()
         if found is not None:
-            log.info("job processes are tracked in cgroup %s under %s", found.kind, found.parent)
+            log.info("job processes are kept in cgroup %s under %s", found.kind, found.parent)
             return found
         reasons.append(why)
     log.info(
@@ -131,40 +331,113 @@ def hierarchy() -> Hierarchy | None:
 
 
 class JobCgroup:
-    """One job's cgroup. The job is born inside it: the executor steps into the cgroup for the
-    moment of the spawn (``spawning``), so the child inherits it at fork, and every process the
-    job ever forks is inside too. (A ``preexec_fn`` that joins in the child would do the same,
-    but forces a full fork of the executor instead of vfork: ~10 ms a job instead of ~2.)"""
+    """One job's cgroup (one folder per hierarchy in v1). The job is born inside: the executor
+    steps into it for the moment of the spawn (``spawning``), so the child inherits it at fork,
+    and every process the job ever forks is inside too. (A ``preexec_fn`` that joins in the
+    child would do the same, but forces a full fork of the executor instead of vfork: ~10 ms a
+    job instead of ~2.)"""
 
-    def __init__(self, path: Path, home: Path) -> None:
-        self.path = path
-        self.home = home
+    def __init__(self, hierarchy: Hierarchy, paths: list[Path]) -> None:
+        self.hierarchy = hierarchy
+        self.paths = paths
+        self.path = paths[0]  # where its processes are tracked
+        self._by_parent = dict(zip(hierarchy.parents, paths, strict=True))
         # cgroup v2 since Linux 5.14: the kernel kills every member at once, forks included.
-        self._can_kill_all = (path / "cgroup.kill").exists()
-        self.join_fd = os.open(path / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
+        self._can_kill_all = (self.path / "cgroup.kill").exists()
+        self.join_fds: list[int] = []
+        try:
+            for path in paths:
+                self.join_fds.append(os.open(path / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC))
+        except OSError:
+            self._close()
+            raise
+
+    def file(self, controller: str, name: str) -> Path:
+        return self._by_parent[self.hierarchy.controllers[controller]] / name
+
+    def _apply(self, writes: list[tuple[str, str, str]]) -> None:
+        for controller, name, value in writes:
+            path = self.file(controller, name)
+            try:
+                _write(path, value)
+            except OSError as err:
+                raise LimitError(
+                    f"{path.name} = {value}: {err.strerror or err}", file=name, code=err.errno or 0
+                ) from err
+
+    def limit_devices(self, limits: JobLimits) -> None:
+        """Before the spawn: the job can never open a device it was not granted. Raises
+        LimitError."""
+        if "devices" in self.hierarchy.controllers:
+            self._apply(device_writes(limits))
+
+    def limit_resources(self, limits: JobLimits) -> None:
+        """After the spawn, once the executor is out again: while inside for the spawn its own
+        threads would count against the job's pids, be charged its memory (and be the OOM
+        killer's choice) and share its CPU quota. The job is then microseconds old, still
+        in its first exec; a limit below what it already uses reclaims, or fails (LimitError)."""
+        h = self.hierarchy
+        self._apply(resource_writes(limits, h.version, frozenset(h.controllers), memsw=h.swap))
+
+    def out_of_memory(self, *, sigkill: bool) -> str | None:
+        """ "limit": the kernel's OOM killer killed a process of the job because the job reached
+        its memory limit; "node": because the whole node ran out; None: no OOM kill.
+        ``sigkill``: the job's main process died of SIGKILL (the only sign on kernels without
+        an ``oom_kill`` counter)."""
+        if "memory" not in self.hierarchy.controllers:
+            return None
+        v1 = self.hierarchy.version == "v1"
+        try:
+            text = self.file("memory", "memory.oom_control" if v1 else "memory.events").read_text()
+            hit = self._reached_limit() if v1 else (counter(text, "oom") or 0) > 0
+        except (OSError, ValueError):
+            return None
+        kills = counter(text, "oom_kill")
+        if kills is None:  # v1 before Linux 4.13: a job that reached it and died of SIGKILL
+            return "limit" if hit and sigkill else None
+        if kills == 0:
+            return None
+        return "limit" if hit else "node"
+
+    def _reached_limit(self) -> bool:
+        """v1: the job's memory use reached its limit once (its peak is at the limit, less a
+        little: usage moves by pages). ``memory.failcnt`` would say so too, but recent kernels
+        leave it at 0 in v1."""
+        peak = int(self.file("memory", "memory.max_usage_in_bytes").read_text())
+        limit = int(self.file("memory", "memory.limit_in_bytes").read_text())
+        return peak + _PEAK_SLACK >= limit
 
     @contextlib.contextmanager
     def spawning(self) -> Iterator[bool]:
-        """Inside: the executor itself is in the job's cgroup (True), or could not enter it
+        """Inside: the executor itself is in the job's cgroups (True), or could not enter them
         (False: the caller adds the child after the spawn instead, which leaves a window of
         microseconds before the job is inside). The executor is single-threaded in its event
         loop and the spawn is synchronous, so nothing else of it runs in the job's cgroup."""
+        joined = 0
         try:
-            os.write(self.join_fd, b"0")
+            for fd in self.join_fds:
+                os.write(fd, b"0")
+                joined += 1
         except OSError:
+            self._leave(joined)
             yield False
             return
         try:
             yield True
         finally:
+            self._leave(joined)
+
+    def _leave(self, count: int) -> None:
+        for fd, path in zip(self.hierarchy.leave_fds()[:count], self.paths, strict=False):
             try:
-                (self.home / "cgroup.procs").write_text("0")
+                os.write(fd, b"0")
             except OSError as err:  # pragma: no cover - the cgroup we came from is gone
-                log.error("could not leave job cgroup %s: %s", self.path, err)
+                log.error("could not leave job cgroup %s: %s", path, err)
 
     def add(self, pid: int) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self.join_fd, str(pid).encode())
+        for fd in self.join_fds:
+            with contextlib.suppress(OSError):
+                os.write(fd, str(pid).encode())
 
     def members(self) -> list[int]:
         try:
@@ -184,12 +457,18 @@ class JobCgroup:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
 
+    def _close(self) -> None:
+        for fd in self.join_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.join_fds = []
+
     def remove(self) -> None:
-        """Close our fd and remove the (empty) cgroup; a cgroup still busy is left and logged."""
-        with contextlib.suppress(OSError):
-            os.close(self.join_fd)
-        try:
-            self.path.rmdir()
-        except OSError as err:
-            if err.errno != errno.ENOENT:
-                log.warning("cgroup %s not removed: %s", self.path, err)
+        """Close our fds and remove the (empty) cgroups; one still busy is left and logged."""
+        self._close()
+        for path in self.paths:
+            try:
+                path.rmdir()
+            except OSError as err:
+                if err.errno != errno.ENOENT:
+                    log.warning("cgroup %s not removed: %s", path, err)

@@ -25,7 +25,19 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
     # can't signal or read each other. None: they all run as ``run_as``.
     owner_uids: tuple[int, int] | None = None
     kill_grace_s: float = 5.0
+    # Job slots: jobs running at once, also announced in the heartbeat (``slots``).
     max_jobs: int = 64
+    # Limits per job in a cgroup where the machine allows (``cgroups.hierarchy``); False
+    # (GPULAYER_EXECUTOR_ENFORCE=off): job processes are tracked only, "enforcement: none".
+    enforce: bool = True
+    # Processes (threads included) one job may have at once; 0: no limit.
+    job_pids_max: int = 4096
+    # Where the /dev/nvidia<N> nodes are read from (tests point it at mknod'd nodes).
+    device_dir: Path = Path("/dev")
+    # Host cores and RAM (GB) kept for the system, announced in the heartbeat: placement
+    # offers the probe's figures minus these.
+    reserved_cores: float = 0.0
+    reserved_memory_gb: float = 1.0
     drain_s: float = 0.0
     max_line_bytes: int = 16 * 1024
     max_log_backlog_bytes: int = 1 << 20

@@ -22,8 +22,10 @@ from nats.js import JetStreamContext
 
 from gpulayer_contracts.events import Grant
 from gpulayer_executor import state as st
+from gpulayer_executor.cgroups import Hierarchy
 from gpulayer_executor.config import ExecutorConfig
 from gpulayer_executor.env import EnvRefused, RunAs, account_env, device_env, job_environment
+from gpulayer_executor.limits import JobLimits, NvidiaNodes, job_limits
 from gpulayer_executor.output import LogSink
 from gpulayer_executor.reporter import Reporter
 from gpulayer_executor.runner import SpawnError, StopRequest, run_process
@@ -53,6 +55,8 @@ class Launch(Protocol):
         sink: LogSink,
         max_line_bytes: int,
         on_started: Callable[[st.ProcessInfo], Awaitable[None]],
+        hierarchy: Hierarchy | None,
+        limits: JobLimits | None,
     ) -> Awaitable[st.Outcome]: ...
 
 
@@ -86,6 +90,7 @@ class JobRunner:
         telemetry: Telemetry = DISABLED,
         *,
         launch: Launch = run_process,
+        hierarchy: Hierarchy | None = None,
     ) -> None:
         self._nc = nc
         self._js = js
@@ -96,8 +101,16 @@ class JobRunner:
         self._reporter = reporter
         self._tel = telemetry
         self._launch_process = launch
+        # Where each job's cgroup is made (None: none); its limits only where it enforces.
+        self._hierarchy = hierarchy
+        self._devices = NvidiaNodes(config.device_dir)
         self._slots = asyncio.Semaphore(config.max_jobs)
         self._jobs: dict[str, Job] = {}
+
+    @property
+    def hierarchy(self) -> Hierarchy | None:
+        """Where job cgroups are made (None: nowhere)."""
+        return self._hierarchy
 
     @property
     def jobs(self) -> Mapping[str, Job]:
@@ -269,6 +282,8 @@ class JobRunner:
                 sink=sink,
                 max_line_bytes=self._config.max_line_bytes,
                 on_started=on_started,
+                hierarchy=self._hierarchy,
+                limits=self._limits(grant),
             )
         except SpawnError as err:
             log.warning("job %s: %s", grant.job.job_id, err, extra=self._ctx(job.rec))
@@ -282,6 +297,15 @@ class JobRunner:
                     sink.dropped_total,
                     extra=self._ctx(job.rec),
                 )
+
+    def _limits(self, grant: Grant) -> JobLimits | None:
+        """The job's limits, where its cgroup can enforce them (the device folder is read only
+        when it changed, and only when the devices controller is in force)."""
+        hier = self._hierarchy
+        if hier is None or not hier.controllers:
+            return None
+        nodes = self._devices.nodes() if "devices" in hier.controllers else ()
+        return job_limits(grant, pids_max=self._config.job_pids_max, nodes=nodes)
 
     def _prepare_dir(self, cwd: Path, run_as: RunAs | None) -> None:
         """The job's folder, private to the job's account from its creation: made 0700 (never

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from collections.abc import Awaitable
 from typing import Literal
 
@@ -101,4 +102,19 @@ class Reconciler:
                 rec.grant_id,
                 extra=ctx,
             )
+        await self._clear_cgroup(rec.grant_id)
         await self._runner.end(rec, st.Outcome(state="lost", reason=RESTARTED))
+
+    async def _clear_cgroup(self, grant_id: str) -> None:
+        """Kill what is left in the orphan's cgroup (children that left its group included)
+        and remove it, so a crash leaves no cgroup behind."""
+        hier = self._runner.hierarchy
+        cgroup = hier.leftover(grant_id) if hier is not None else None
+        if cgroup is None:
+            return
+        for _ in range(50):  # SIGKILLed processes go when the kernel next runs them
+            cgroup.signal_all(signal.SIGKILL)
+            if not cgroup.members():
+                break
+            await asyncio.sleep(0.02)
+        cgroup.remove()

@@ -27,9 +27,10 @@ from typing import Any, Literal
 
 import msgspec
 
-from gpulayer_executor import cgroups, procs
-from gpulayer_executor.cgroups import JobCgroup
+from gpulayer_executor import procs
+from gpulayer_executor.cgroups import Hierarchy, JobCgroup, LimitError
 from gpulayer_executor.env import RunAs
+from gpulayer_executor.limits import JobLimits, oom_reason
 from gpulayer_executor.output import LogSink, PipeReader
 from gpulayer_executor.state import Outcome, ProcessInfo
 
@@ -65,6 +66,24 @@ def _exit_outcome(returncode: int) -> Outcome:
             name = f"signal {sig}"
         return Outcome(state="failed", signal=sig, reason=f"killed by {name}")
     return Outcome(state="failed", exit_code=returncode, reason=f"exit code {returncode}")
+
+
+def _memory_outcome(outcome: Outcome, cgroup: JobCgroup | None, limits: JobLimits) -> Outcome:
+    """A job that failed because the kernel's OOM killer ended it says so, with its limit,
+    instead of a bare signal or exit code (a shell reports its killed child as 137)."""
+    if cgroup is None or limits.memory_bytes is None or outcome.state != "failed":
+        return outcome
+    if outcome.reason == "timeout":  # ended by its timeout, whatever a child met before
+        return outcome
+    cause = cgroup.out_of_memory(sigkill=outcome.signal == signal.SIGKILL)
+    if cause is None:
+        return outcome
+    return Outcome(
+        state="failed",
+        exit_code=outcome.exit_code,
+        signal=outcome.signal,
+        reason=oom_reason(limits, cause),
+    )
 
 
 def _stopped_outcome(
@@ -116,7 +135,7 @@ class _JobProcesses:
     """Every process of one job: its process group, and what left the group (``setsid``).
 
     The job's cgroup holds everything it forked, where one could be made
-    (``cgroups.hierarchy()``); elsewhere escaped processes are found by the marker in their
+    (``cgroups.hierarchy``); elsewhere escaped processes are found by the marker in their
     environment (``GPULAYER_GRANT_ID``), which children inherit unless they clear it."""
 
     def __init__(self, pgid: int, cgroup: JobCgroup | None, marker: tuple[str, str] | None) -> None:
@@ -295,21 +314,19 @@ async def run_process(
     sink: LogSink,
     max_line_bytes: int,
     on_started: Callable[[ProcessInfo], Awaitable[None]],
+    hierarchy: Hierarchy | None = None,
+    limits: JobLimits | None = None,
 ) -> Outcome:
     """Run the job to its end and say how it ended. Raises SpawnError if it never started.
-
-    The end is the main process' exit (or the timeout, or ``stop``), never EOF on its pipes:
-    whatever the job left behind (in its group, its cgroup, or found by its marker) is killed
-    then, and its output read for at most ``PIPE_DRAIN_S`` more."""
+    ``hierarchy``: where the job's cgroup is made (``cgroups.hierarchy``; None: no cgroup);
+    ``limits``: what that cgroup enforces, where its controllers can. The end is the main
+    process' exit (or the timeout, or ``stop``), never EOF on its pipes: whatever the job left
+    behind (in its group, its cgroup, or found by its marker) is killed then, and its output
+    read for at most ``PIPE_DRAIN_S`` more."""
     marker_value = env.get(MARKER)
-    hier = cgroups.hierarchy()
-    cgroup = hier.create(marker_value) if hier is not None and marker_value else None
-    try:
-        proc, out_fd, err_fd = _spawn(argv, env, cwd, run_as, cgroup)
-    except (OSError, ValueError, subprocess.SubprocessError) as err:
-        if cgroup is not None:
-            cgroup.remove()
-        raise SpawnError(f"could not start {argv[0]!r}: {err}") from err
+    limits = limits or JobLimits()
+    cgroup = hierarchy.create(marker_value) if hierarchy is not None and marker_value else None
+    proc, out_fd, err_fd = _start(argv, env, cwd, run_as, cgroup, limits)
     pgid = proc.pid  # start_new_session: the job leads its own session and group
     job = _JobProcesses(pgid, cgroup, (MARKER, marker_value) if marker_value else None)
     readers = [
@@ -318,6 +335,7 @@ async def run_process(
     ]
     waiter = _Exit(proc).future
     try:
+        refused = _limit_resources(cgroup, limits)
         info = ProcessInfo(
             pid=proc.pid,
             pgid=pgid,
@@ -325,7 +343,11 @@ async def run_process(
             boot_id=procs.boot_id(),
         )
         await on_started(info)
-        outcome = await _until_end(job, waiter, stop, timeout_s, kill_grace_s)
+        if refused is not None:
+            outcome = await _end_refused(job, waiter, refused)
+        else:
+            outcome = await _until_end(job, waiter, stop, timeout_s, kill_grace_s)
+            outcome = _memory_outcome(outcome, cgroup, limits)
     except BaseException:
         # Whatever went wrong here (including our own cancellation), the job must not outlive
         # our knowledge of it.
@@ -340,6 +362,48 @@ async def run_process(
         if cgroup is not None:
             cgroup.remove()
     return outcome
+
+
+def _start(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    cwd: Path,
+    run_as: RunAs | None,
+    cgroup: JobCgroup | None,
+    limits: JobLimits,
+) -> tuple[subprocess.Popen[bytes], int, int]:
+    """``_spawn`` in the job's cgroup, its device policy written first (the job never opens a
+    device it was not granted). Raises SpawnError, the cgroup removed."""
+    try:
+        if cgroup is not None:
+            cgroup.limit_devices(limits)
+        return _spawn(argv, env, cwd, run_as, cgroup)
+    except (OSError, ValueError, subprocess.SubprocessError, LimitError) as err:
+        if cgroup is not None:
+            cgroup.remove()
+        what = "limit" if isinstance(err, LimitError) else "start"
+        raise SpawnError(f"could not {what} {argv[0]!r}: {err}") from err
+
+
+async def _end_refused(job: _JobProcesses, waiter: asyncio.Future[int], reason: str) -> Outcome:
+    await job.kill()
+    await waiter
+    return Outcome(state="failed", reason=reason)
+
+
+def _limit_resources(cgroup: JobCgroup | None, limits: JobLimits) -> str | None:
+    """Memory, CPU and pids limits on the job just started; why they could not be set (the
+    job is then ended, never left running unlimited on a node that says it enforces)."""
+    if cgroup is None:
+        return None
+    try:
+        cgroup.limit_resources(limits)
+    except LimitError as err:
+        log.warning("job cgroup %s: %s", cgroup.path, err)
+        if err.over_memory:  # already past it in its first microseconds
+            return oom_reason(limits, "limit")
+        return f"could not set the job's limits: {err}"
+    return None
 
 
 async def _close_readers(readers: list[PipeReader]) -> None:

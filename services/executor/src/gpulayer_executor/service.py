@@ -23,6 +23,7 @@ from nats.js import JetStreamContext
 from gpulayer_contracts import Heartbeat, __version__
 from gpulayer_contracts.codec import encode
 from gpulayer_contracts.subjects import node_heartbeat
+from gpulayer_executor import cgroups
 from gpulayer_executor import state as st
 from gpulayer_executor.config import ExecutorConfig
 from gpulayer_executor.intake import GrantIntake
@@ -69,8 +70,18 @@ class Executor:
             self._stopping,
             publish_timeout_s=config.publish_timeout_s,
         )
+        # Decided once per process (cgroups.hierarchy is cached): said in every heartbeat.
+        self.hierarchy = cgroups.hierarchy(config.enforce)
+        self.enforcement = cgroups.enforcement(self.hierarchy)
         self.runner = JobRunner(
-            nc, self.js, config, self.store, self.writer, self.reporter, telemetry
+            nc,
+            self.js,
+            config,
+            self.store,
+            self.writer,
+            self.reporter,
+            telemetry,
+            hierarchy=self.hierarchy,
         )
         self.reconciler = Reconciler(
             self.store,
@@ -104,7 +115,12 @@ class Executor:
             asyncio.create_task(self._janitor(), name="janitor"),
             asyncio.create_task(self._heartbeat(), name="heartbeat"),
         ]
-        log.info("executor for node %s serving (max_jobs=%s)", self.node_id, self.config.max_jobs)
+        log.info(
+            "executor for node %s serving (max_jobs=%s, enforcement: %s)",
+            self.node_id,
+            self.config.max_jobs,
+            self.enforcement,
+        )
         self.ready.set()
         stop_wait = asyncio.create_task(stop.wait(), name="stop")
         try:
@@ -140,6 +156,10 @@ class Executor:
                 sent_at=datetime.now(UTC),
                 source="executor",
                 agent_version=__version__,
+                slots=self.config.max_jobs,
+                reserved_cores=self.config.reserved_cores,
+                reserved_memory_gb=self.config.reserved_memory_gb,
+                enforcement=self.enforcement,
             )
             try:
                 await self.nc.publish(subject, encode(beat))
