@@ -99,6 +99,26 @@ async def test_submit_wait_follows_the_job(stack: dict[str, str], tmp_path: Path
     assert "no job 'no-such-job'" in err
 
 
+async def test_nodes_show_what_the_node_offers_and_how_it_enforces(
+    stack: dict[str, str],
+) -> None:
+    """The executor's heartbeat reaches placement: its job slots and enforcement mode, and the
+    probe's cores and RAM less the executor's reserve, with what a running job holds."""
+    code, out, err = await gpulayer("nodes", "--json", env=stack)
+    assert code == 0, err
+    (node,) = [n for n in json.loads(out) if n["node_id"] == "cli-node"]
+    res = node["resources"]
+    assert res["slots"] == 64  # GPULAYER_EXECUTOR_MAX_JOBS' default
+    assert res["cores"] == node["capabilities"]["host"]["cpu_cores"]  # no cores reserved
+    memory = node["capabilities"]["host"]["memory_bytes"] / 1e9
+    assert res["memory_gb"] == pytest.approx(memory - 1.0)  # 1 GB reserved by default
+    assert res["enforcement"] == "none" or res["enforcement"].startswith("cgroup v")
+    assert (res["cores_used"], res["slots_used"]) == (0, 0)
+    text_code, text, _ = await gpulayer("nodes", env=dict(stack, COLUMNS="250"))
+    assert text_code == 0
+    assert res["enforcement"] in " ".join(text.split())
+
+
 async def test_a_job_id_names_one_job(stack: dict[str, str], tmp_path: Path) -> None:
     """Submitting a known id again follows that job; a changed job under a used id is refused
     before anything is published (placement would ignore it)."""
