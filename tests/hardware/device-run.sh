@@ -28,7 +28,7 @@ eval "$(grep -o 'export GPULAYER_[A-Z_]*=[^ ,]*' "$OUT/dev-up.log" | sort -u)"
 export GPULAYER_NATS_URL=${GPULAYER_NATS_URL:-nats://127.0.0.1:4222}
 gpulayer nodes
 # -W default: a newer package there may warn where the locked one here does not.
-python -m pytest -m hardware tests/hardware -v -rs -s -p no:cacheprovider -W default
+timeout 300 python -m pytest -m hardware tests/hardware -v -rs -s -p no:cacheprovider -W default
 status=$?
 gpulayer jobs
 tar czf "$OUT/service-logs.tgz" $(find .gpulayer -name '*.log') 2>/dev/null
