@@ -23,8 +23,9 @@ SCHEDULABLE: frozenset[Level] = frozenset({"tested", "hardware-validated", "impl
 
 SUPPORT_MATRIX: dict[Accelerator, dict[Mode, Level]] = {
     "cpu": {"independent": "tested", "distributed": "unsupported"},
-    # CUDA stays `implemented` until tests/hardware/test_gpu_smoke.py passes on NVIDIA hardware.
-    "cuda": {"independent": "implemented", "distributed": "unsupported"},
+    # tests/hardware passed on one NVIDIA H200 (2026-11-30, docs/hardware-validation.md): the
+    # probe agreed with nvidia-smi and a one-GPU torch job ran through the whole stack.
+    "cuda": {"independent": "hardware-validated", "distributed": "unsupported"},
     # No Apple machine has run the suite; MPS has no multi-node story at all.
     "mps": {"independent": "implemented", "distributed": "unsupported"},
     "rocm": {"independent": "detection-only", "distributed": "detection-only"},
