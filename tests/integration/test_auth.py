@@ -430,5 +430,10 @@ async def test_placement_hears_the_max_deliveries_advisory(
         await placement.nc.flush()
         subject = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.JOBS.placement-jobs"
         await admin.publish(subject, b"{}")
-        assert await asyncio.wait_for(heard.get(), 5) == subject
+        await admin.flush()
+        try:
+            assert await asyncio.wait_for(heard.get(), 10) == subject
+        except TimeoutError:
+            errors = [placement.errors.get_nowait() for _ in range(placement.errors.qsize())]
+            raise AssertionError(f"no advisory heard; placement's errors: {errors}") from None
         assert placement.errors.empty()
