@@ -273,3 +273,90 @@ async def test_a_service_waiting_out_its_backoff_can_be_cancelled(cluster: Clust
     assert reply["state"] == "cancelled"
     await cluster.event("svc-w", "cancelled")
     await cluster.no_grant()
+
+
+async def test_an_array_of_20_is_20_jobs_each_with_its_index(cluster: Cluster) -> None:
+    """One submit, 20 jobs <id>-<i> (each granted, each carrying its index for the executor's
+    GPULAYER_ARRAY_INDEX); listed under the array's id; a resubmit adds nothing."""
+    await cluster.node("big", gpus=0)
+    await cluster.submit("arr", array={"count": 20})
+    grants = [await cluster.grant() for _ in range(20)]
+    by_id = {g.job.job_id: g for g in grants}
+    assert sorted(by_id) == sorted(f"arr-{i}" for i in range(20))
+    for job_id, g in by_id.items():
+        assert g.job.array is not None
+        assert (g.job.array.count, f"arr-{g.job.array.index}") == (20, job_id)
+    rows = await cluster.db("SELECT array_id, count(*) AS n FROM jobs GROUP BY array_id")
+    assert [(r["array_id"], r["n"]) for r in rows] == [("arr", 20)]
+    await cluster.submit("arr", array={"count": 20})  # same id: deduplicated, no new jobs
+    await cluster.no_grant()
+    assert "accepted" in cluster.types("arr-19")
+
+
+async def test_an_array_whose_ids_would_be_too_long_is_rejected(cluster: Cluster) -> None:
+    await cluster.submit("a" * 126, array={"count": 100})
+    rejected = await cluster.event("a" * 126, "rejected")
+    assert rejected.reasons[0].startswith("$.array.count: the array's last job id")
+
+
+async def test_a_dependency_chain_of_three_runs_in_order(cluster: Cluster) -> None:
+    """c waits for b, b for a: each is granted only after the one before succeeded, and a
+    job naming an unknown id is rejected at submit."""
+    await cluster.node("n", gpus=0)
+    await cluster.submit("a")
+    await cluster.submit("b", after=["a"])
+    await cluster.submit("c", after=["b", "a"])
+    await cluster.submit("d", after=["nobody"])
+    rejected = await cluster.event("d", "rejected")
+    assert rejected.reasons == [
+        "$.after[0]: no job 'nobody' (a dependency must be submitted first)"
+    ]
+    ga = await cluster.grant()
+    assert ga.job.job_id == "a"
+    await cluster.no_grant()
+    row = await cluster.row("b")
+    assert (row["state"], row["blocked"]) == ("pending", True)
+    await cluster.report(ga, "succeeded", 0)
+    gb = await cluster.grant()
+    assert gb.job.job_id == "b"
+    await cluster.no_grant()
+    await cluster.report(gb, "succeeded", 0)
+    gc = await cluster.grant()
+    assert gc.job.job_id == "c"
+
+
+async def test_a_failed_dependency_cancels_its_dependents(cluster: Cluster) -> None:
+    """x fails: y (after x) is cancelled naming x, and z (after y) is cancelled naming y."""
+    await cluster.node("n", gpus=0)
+    await cluster.submit("x")
+    await cluster.submit("y", after=["x"])
+    await cluster.submit("z", after=["y"])
+    gx = await cluster.grant()
+    await cluster.event("z", "accepted")
+    await cluster.report(gx, "failed", 3)
+    y = await cluster.event("y", "cancelled")
+    z = await cluster.event("z", "cancelled")
+    assert y.reason == "dependency x ended failed (after)"
+    assert z.reason == "dependency y ended cancelled (after)"
+    await cluster.no_grant()
+    # Naming a job that already ended badly is refused at submit.
+    await cluster.submit("w", after=["x"])
+    w = await cluster.event("w", "rejected")
+    assert w.reasons == ["$.after[0]: job 'x' already ended failed"]
+
+
+async def test_a_cycle_in_one_batch_is_rejected(cluster: Cluster) -> None:
+    # Published before placement reads the stream, so they arrive in one batch.
+    await cluster.svc.close()
+    await cluster.submit("p", after=["q"])
+    await cluster.submit("q", after=["p"])
+    await cluster.submit("s", after=["q"])
+    svc = PlacementService(cluster.nc, cluster.svc.pool, Settings(node_timeout_s=1.0))
+    await svc.start()
+    try:
+        p = await cluster.event("p", "rejected")
+        s = await cluster.event("s", "rejected")
+    finally:
+        await svc.close()
+    assert p.reasons == ["$.after: a cycle of dependencies (p -> q -> p)"]
+    assert s.reasons == ["$.after: job 'q' was rejected"]
