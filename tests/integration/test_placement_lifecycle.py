@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
@@ -360,3 +361,83 @@ async def test_a_cycle_in_one_batch_is_rejected(cluster: Cluster) -> None:
         await svc.close()
     assert p.reasons == ["$.after: a cycle of dependencies (p -> q -> p)"]
     assert s.reasons == ["$.after: job 'q' was rejected"]
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+async def test_no_device_is_double_booked_across_retries_and_restarts(
+    cluster: Cluster, seed: int
+) -> None:
+    """Property, over random outcomes: 24 one-GPU jobs with retries (lost or failed at random,
+    some retry on failure) and 3 services with no backoff, on two nodes of 2 GPUs. Whatever
+    ends each attempt, no grant is ever given a device an attempt still running holds, no
+    grant id is given twice, and every job reaches a final state holding nothing."""
+    rng = random.Random(seed)
+    await cluster.node("p", gpus=2)
+    await cluster.node("q", gpus=2)
+    for i in range(24):
+        retries = rng.choice([0, 1, 2])
+        await cluster.submit(
+            f"j{i}",
+            retries=retries,
+            retry_on_failure=retries > 0 and rng.random() < 0.5,
+            requirements={"gpu_count": 1},
+        )
+    services = [f"s{i}" for i in range(3)]
+    for s in services:
+        await cluster.submit(
+            s, kind="service", restart={"backoff_s": 0}, requirements={"gpu_count": 1}
+        )
+    held: dict[tuple[str, int], str] = {}  # (node, device) -> grant id of the running attempt
+    seen: set[str] = set()
+    restarts = dict.fromkeys(services, 0)
+    violations: list[str] = []
+    jobs_left = {f"j{i}" for i in range(24)}
+    running_for_good: set[str] = set()
+    while jobs_left or len(running_for_good) < len(services):
+        try:
+            g = await cluster.grant(timeout=15)
+        except TimeoutError:
+            rows = await cluster.db(
+                "SELECT job_id, state, reason, attempt, requeues, node_id FROM jobs "
+                "WHERE job_id = ANY($1::text[])",
+                sorted(jobs_left),
+            )
+            raise AssertionError(f"no grant; {[dict(r) for r in rows]} {held}") from None
+        if g.grant_id in seen:
+            violations.append(f"grant {g.grant_id} given twice")
+        seen.add(g.grant_id)
+        for d in g.devices:
+            other = held.get((g.node_id, d))
+            if other is not None:
+                violations.append(f"{g.grant_id} got {g.node_id}:{d}, held by {other}")
+            held[(g.node_id, d)] = g.grant_id
+        job_id = g.job.job_id
+        if job_id in restarts:
+            if restarts[job_id] >= 3:
+                await cluster.report(g, "running")
+                running_for_good.add(job_id)
+                continue  # keeps running: cancelled below
+            restarts[job_id] += 1
+            outcome = rng.choice(["failed", "succeeded", "lost"])
+        else:
+            outcome = rng.choice(["succeeded", "failed", "lost", "lost"])
+        for d in g.devices:
+            del held[(g.node_id, d)]  # released before its end is reported
+        await cluster.report(g, outcome, 0 if outcome == "succeeded" else 1)
+        attempt = int(g.grant_id.rsplit("-", 1)[1])
+        retries, on_failure = g.job.retries, g.job.retry_on_failure
+        if job_id not in restarts and not (
+            attempt <= retries and (outcome == "lost" or (outcome == "failed" and on_failure))
+        ):
+            jobs_left.discard(job_id)
+    assert violations == []
+    for s in services:
+        await api(cluster.nc, API_CANCEL, {"job_id": s})
+    await cluster.no_grant()
+    rows = await cluster.db(
+        "SELECT job_id, state FROM jobs WHERE job_id LIKE 'j%' AND state IN "
+        "('pending', 'placed', 'running')"
+    )
+    assert rows == []
+    left = await cluster.db("SELECT job_id FROM allocations WHERE job_id LIKE 'j%'")
+    assert left == []
