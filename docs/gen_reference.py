@@ -206,6 +206,43 @@ def _ordered_defs(schema: Schema) -> list[tuple[str, Schema]]:
     return [(n, defs[n]) for n in order]
 
 
+# Written by hand (the tables can't say it): what retries, services, arrays and dependencies do.
+LIFECYCLE = """\
+## Retries, services, arrays and dependencies
+
+- **Retries.** `retries = N` (at most 100): a job that is `lost` (its node went silent, or its
+  executor lost it) is placed again, up to N times; with `retry_on_failure = true` a `failed` one
+  too (a non-zero exit, a timeout, out of memory). Each time a `requeued` event says why, and
+  the next placement is a new attempt with a new grant id (`<job_id>-<attempt>`): an executor
+  starts a grant id at most once, and a late report for an old attempt changes nothing. A job
+  that runs out of retries ends with its last attempt's state.
+- **Services.** `kind = "service"` with `restart = {{policy, backoff_s, max_backoff_s}}`: when its
+  process ends it waits again (`always`: whatever the exit; `on-failure`: not after exit code 0),
+  not before `backoff_s` doubled per restart so far, at most `max_backoff_s` (defaults 1 s and
+  300 s). A restart goes back through placement, as a waiting job with a not-before time: its
+  last node is offered first, so it goes back there when it still fits. When its node goes
+  offline it is placed again at once, anywhere that fits (offered only on nodes that meet its
+  `gpu.apis_any`, like any job). Only `gpulayer cancel` stops it; `gpulayer services` lists
+  services with their restarts and node. A service has no timeout unless it sets `timeout_s`.
+- **Arrays.** `array = {{count = N}}` (at most 10000) submits N jobs `<job_id>-0` ..
+  `<job_id>-<N-1>`, each with `GPULAYER_ARRAY_INDEX` set to its index; every id must still be a
+  job id (128 characters at most), else the array is rejected under `<job_id>`. The jobs are
+  stored, placed and listed as jobs of their own; `gpulayer jobs` folds them into one line per
+  array with a count per state (`--expand` shows each). The array's own id names no job.
+- **Dependencies.** `after = ["job-a", "job-b"]` (at most 1024 ids): the job is not even matched
+  until all of them have succeeded; if one ends otherwise (failed, cancelled, lost for good,
+  rejected) the job is `cancelled` naming it, and the jobs waiting for it after it. A dependency
+  must be submitted before the job naming it (or in the same batch) and belong to the same owner:
+  an unknown id, another user's job, a job that already ended badly, or a cycle rejects the job
+  at submit. An id submitted later is not waited for: the job naming it was rejected, and its
+  id stays taken (submit it again under a new id). An array's own id is not a job: name its jobs.
+
+The order of decisions for one job is listed in
+[placement rules](placement-rules.md#the-order-of-decisions).
+
+"""
+
+
 def render() -> str:
     """The whole of docs/jobs.md."""
     out = [
@@ -217,6 +254,7 @@ def render() -> str:
             logs=_shown(JOB_WILDCARD_LOGS),
             logs_stream=_stream_of(JOB_WILDCARD_LOGS),
         ),
+        LIFECYCLE.format(),
         "## Job request",
         "",
     ]

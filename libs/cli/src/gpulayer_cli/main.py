@@ -195,17 +195,19 @@ def cmd_submit(args: argparse.Namespace) -> int:
         if not args.wait:
             print(job.job_id)
             return 0
-        last = ""
+        last: dict[str, str] = {}
         owner = (existing or {}).get("owner") or _me()
-        async for event in follow_events(nc, [job.job_id], owner=owner):
+        ids = _job_ids(job)
+        async for event in follow_events(nc, ids, owner=owner, stop_when=_end_of(job)):
             if args.json:
                 from gpulayer_contracts import encode
 
                 print(encode(event).decode(), flush=True)
             else:
                 print_event(console, event)
-            last = event_tag(event)
-        return 0 if last == "succeeded" else EXIT_FAILED
+            last[event.job_id] = event_tag(event)
+        # Every job of the submit (each of an array) must have succeeded.
+        return 0 if all(last.get(i) == "succeeded" for i in ids) else EXIT_FAILED
 
     try:
         return _in_cli_span(tel, job.job_id, args.wait, lambda: asyncio.run(_with_nats(go)))
@@ -219,6 +221,37 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return 130
     finally:
         tel.shutdown()
+
+
+def _job_ids(job: JobRequest) -> list[str]:
+    """The ids a submit creates: the job's, or each job of its array."""
+    if job.array is None:
+        return [job.job_id]
+    return [f"{job.job_id}-{i}" for i in range(job.array.count)]
+
+
+def _end_of(job: JobRequest) -> Callable[[Any], bool]:
+    """When ``submit --wait`` stops following a job: at its last end. A service's process
+    ending is no end (it restarts) until it is cancelled; a job's ``lost`` (or ``failed``, with
+    retry_on_failure) is none while it has retries left, counted from its requeued events."""
+    from gpulayer_contracts import Requeued, is_terminal
+
+    requeued: dict[str, int] = {}
+
+    def stop(event: Any) -> bool:
+        if isinstance(event, Requeued):
+            requeued[event.job_id] = requeued.get(event.job_id, 0) + 1
+            return False
+        if not is_terminal(event):
+            return False
+        tag = type(event).__struct_config__.tag
+        if job.kind == "service":
+            return tag in ("cancelled", "rejected")
+        if tag == "lost" or (tag == "failed" and job.retry_on_failure):
+            return requeued.get(event.job_id, 0) >= job.retries
+        return True
+
+    return stop
 
 
 def _cli_telemetry() -> Telemetry:
@@ -301,6 +334,27 @@ def _render_jobs(console: Console, data: Any) -> None:
     from gpulayer_cli.render import jobs_table
 
     console.print(jobs_table(data))
+
+
+def _render_jobs_folded(console: Console, data: Any) -> None:
+    from gpulayer_cli.render import fold_arrays, jobs_table
+
+    console.print(jobs_table(fold_arrays(data)))
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    """Recent jobs; the jobs of an array on one line unless ``--expand`` (``--json``: every
+    job)."""
+    from gpulayer_contracts.subjects import API_JOBS
+
+    render = _render_jobs if args.expand else _render_jobs_folded
+    return _api_command(API_JOBS, lambda a: {"state": a.state, "limit": a.limit}, render)(args)
+
+
+def _render_services(console: Console, data: Any) -> None:
+    from gpulayer_cli.render import services_table
+
+    console.print(services_table(data))
 
 
 def cmd_job(args: argparse.Namespace) -> int:
@@ -525,9 +579,9 @@ def build_parser() -> argparse.ArgumentParser:
     from gpulayer_contracts.subjects import (
         API_CANCEL,
         API_EXPLAIN,
-        API_JOBS,
         API_NODES,
         API_PROFILES,
+        API_SERVICES,
     )
 
     n = sub.add_parser("nodes", help="the fleet: platforms, accelerators, APIs, state")
@@ -538,8 +592,17 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--state", default=None)
     j.add_argument("--limit", type=int, default=50)
     j.add_argument("--json", action="store_true")
-    j.set_defaults(
-        fn=_api_command(API_JOBS, lambda a: {"state": a.state, "limit": a.limit}, _render_jobs)
+    j.add_argument("--expand", action="store_true", help="each job of an array on its own line")
+    j.set_defaults(fn=cmd_jobs)
+
+    sv = sub.add_parser("services", help="long-running services: state, node, restarts")
+    sv.add_argument("--state", default=None)
+    sv.add_argument("--limit", type=int, default=50)
+    sv.add_argument("--json", action="store_true")
+    sv.set_defaults(
+        fn=_api_command(
+            API_SERVICES, lambda a: {"state": a.state, "limit": a.limit}, _render_services
+        )
     )
 
     jb = sub.add_parser("job", help="one job: its record and every event so far")

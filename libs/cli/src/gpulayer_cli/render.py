@@ -18,6 +18,7 @@ from gpulayer_contracts import (
     Pending,
     Placed,
     Rejected,
+    Requeued,
     Running,
     Succeeded,
 )
@@ -32,6 +33,7 @@ _STYLE = {
     "failed": "bold red",
     "cancelled": "red",
     "lost": "bold red",
+    "requeued": "yellow",
 }
 
 
@@ -62,6 +64,8 @@ def describe_event(event: JobEvent) -> str:
             return f"cancelled: {reason}"
         case Lost(node_id=node, reason=reason):
             return f"lost on {node}: {reason}"
+        case Requeued(reason=reason):
+            return f"waits again: {reason}"
     return event_tag(event)
 
 
@@ -219,6 +223,62 @@ def jobs_table(jobs: list[dict[str, Any]]) -> Table:
             code,
             ago(j.get("submitted_at")),
             _shorten(j.get("reason") or "", 160),
+        )
+    return t
+
+
+def fold_arrays(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The jobs of each array (``array_id`` set) folded into one line where the first of them
+    stands: ``<array> [n jobs]``, its state the count per state (``running 2, succeeded 18``),
+    its node the one they share or how many. Other jobs unchanged."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for j in jobs:
+        if j.get("array_id"):
+            groups.setdefault(j["array_id"], []).append(j)
+    out: list[dict[str, Any]] = []
+    for j in jobs:
+        array = j.get("array_id")
+        if not array:
+            out.append(j)
+            continue
+        members = groups.pop(array, None)
+        if members is None:
+            continue  # folded where the first of its jobs stood
+        states: dict[str, int] = {}
+        for m in members:
+            states[m["state"]] = states.get(m["state"], 0) + 1
+        nodes = {m.get("node_id") for m in members if m.get("node_id")}
+        out.append(
+            {
+                "job_id": f"{array} [{len(members)} jobs]",
+                "state": ", ".join(f"{k} {v}" for k, v in sorted(states.items())),
+                "node_id": next(iter(nodes)) if len(nodes) == 1 else f"{len(nodes)} nodes",
+                "submitted_at": min(str(m.get("submitted_at") or "") for m in members) or None,
+                "reason": "",
+            }
+        )
+    return out
+
+
+def services_table(services: list[dict[str, Any]]) -> Table:
+    t = Table(title="services")
+    _id_column(t, "service", [s["job_id"] for s in services])
+    t.add_column("state", no_wrap=True)
+    _id_column(t, "node", [s.get("node_id") or "-" for s in services])
+    t.add_column("restarts", no_wrap=True, justify="right")
+    t.add_column("policy", no_wrap=True)
+    t.add_column("submitted", no_wrap=True)
+    t.add_column("reason")
+    for s in services:
+        restart = s.get("restart") or {}
+        t.add_row(
+            s["job_id"],
+            s["state"],
+            s.get("node_id") or "-",
+            str(s.get("restarts", 0)),
+            restart.get("policy", "always"),
+            ago(s.get("submitted_at")),
+            _shorten(s.get("reason") or "", 160),
         )
     return t
 

@@ -53,6 +53,14 @@ MAX_NAME_BYTES: Final = 1024  # the job's human-readable name
 MAX_SHORT_TEXT_BYTES: Final = 256
 MAX_LIST_ITEMS: Final = 64  # frameworks, framework_capabilities, apis_any (each)
 ENV_NAME_PATTERN: Final = r"[A-Za-z_][A-Za-z0-9_]*"
+# Lifecycle (issue 15, part B).
+MAX_RETRIES: Final = 100  # retries of a lost (or failed) job
+MAX_BACKOFF_S: Final = 86400.0  # a service's restart backoff and its cap: a day
+MAX_ARRAY_COUNT: Final = 10000  # jobs one array submit creates
+# The jobs of one array together, as stored (count x the job's encoded size): one submit
+# message may not make placement insert and hold more than this at once.
+MAX_ARRAY_BYTES: Final = 64 * KIB * KIB
+MAX_AFTER: Final = 1024  # dependencies of one job
 
 # --- Capabilities, heartbeats and executor status (per message) ---
 MAX_NODE_ID_BYTES: Final = 128
@@ -290,7 +298,85 @@ def _numbers_and_short_texts_fit(job: JobRequest) -> bool:
         texts += [v for v in (dist.backend, dist.launcher) if v is not None]
     if job.requires_core is not None:
         texts.append(job.requires_core)
+    if not _lifecycle_fits(job):
+        return False
     return all(len(x) <= MAX_LIST_ITEMS for x in lists) and all(_fits(x, short) for x in texts)
+
+
+def _lifecycle_fits(job: JobRequest) -> bool:
+    """The fast mirror of ``_lifecycle_bounds``."""
+    if _range("", job.retries, 0, MAX_RETRIES):
+        return False
+    r = job.restart
+    if r is not None and (
+        _range("", r.backoff_s, 0, MAX_BACKOFF_S) or _range("", r.max_backoff_s, 0, MAX_BACKOFF_S)
+    ):
+        return False
+    a = job.array
+    if a is not None:
+        if _range("", a.count, 1, MAX_ARRAY_COUNT) or _array_id_error(job.job_id, a.count):
+            return False
+        if a.index is not None and _range("", a.index, 0, MAX_ARRAY_COUNT - 1):
+            return False
+    after = job.after
+    return len(after) <= MAX_AFTER and all(
+        isinstance(x, str) and _JOB_ID.fullmatch(x) for x in after
+    )
+
+
+def _array_id_error(job_id: object, count: int) -> str | None:
+    """An array's last job id, ``<job_id>-<count - 1>``, must still be a job id."""
+    if not isinstance(job_id, str) or not isinstance(count, int) or count < 1:
+        return None  # reported by the checks of the id and of the count
+    last = f"{job_id}-{count - 1}"
+    if _JOB_ID.fullmatch(last):
+        return None
+    return (
+        f"$.array.count: the array's last job id {_show(last)} is {len(last)} characters, "
+        f"over the job id's 128 ({JOB_ID_PATTERN}): use a shorter job_id"
+    )
+
+
+def _lifecycle_bounds(job: JobRequest) -> Iterator[str]:
+    error = _range("$.retries", job.retries, 0, MAX_RETRIES)
+    if error:
+        yield error
+    r = job.restart
+    if r is not None:
+        for path, value in (
+            ("$.restart.backoff_s", r.backoff_s),
+            ("$.restart.max_backoff_s", r.max_backoff_s),
+        ):
+            error = _range(path, value, 0, MAX_BACKOFF_S)
+            if error:
+                yield error
+    a = job.array
+    if a is not None:
+        error = _range("$.array.count", a.count, 1, MAX_ARRAY_COUNT) or _array_id_error(
+            job.job_id, a.count
+        )
+        if error:
+            yield error
+        if a.index is not None:
+            error = _range("$.array.index", a.index, 0, MAX_ARRAY_COUNT - 1)
+            if error:
+                yield error
+    yield from _count("$.after", job.after, MAX_AFTER)
+    for i, dep in enumerate(job.after[: MAX_AFTER + 1]):
+        if not isinstance(dep, str) or not _JOB_ID.fullmatch(dep):
+            yield f"$.after[{i}]: {_show(dep)} is not a job id ({JOB_ID_PATTERN})"
+
+
+def array_size_error(count: int, encoded_len: int) -> str | None:
+    """The rejection for an array of ``count`` jobs of ``encoded_len`` bytes each (as stored);
+    None when they fit MAX_ARRAY_BYTES together."""
+    total = count * encoded_len
+    if total <= MAX_ARRAY_BYTES:
+        return None
+    return (
+        f"$.array.count: {count} jobs of {encoded_len} bytes are {total} bytes together, over "
+        f"the limit of {MAX_ARRAY_BYTES} bytes for one array"
+    )
 
 
 def _job_bounds(job: JobRequest) -> Iterator[str]:
@@ -394,6 +480,7 @@ def _job_bounds(job: JobRequest) -> Iterator[str]:
         # newline; a Python-built job skips it altogether.
         yield f"$.profile: {_show(job.profile)} is not name@version ({PROFILE_REF_PATTERN})"
     yield from _texts("$.profile_fields", job.profile_fields, MAX_LIST_ITEMS, MAX_SHORT_TEXT_BYTES)
+    yield from _lifecycle_bounds(job)
 
 
 def bound_messages(messages: list[str], most: int = MAX_ERRORS) -> list[str]:

@@ -134,8 +134,29 @@ class Lost(JobEvent, frozen=True, tag="lost", kw_only=True):
     reason: str | None = None
 
 
+class Requeued(JobEvent, frozen=True, tag="requeued", kw_only=True):
+    """The job's attempt ended (``ended``: lost, failed, or a service's exit) and it waits to be
+    placed again, under the same id: a retry of a job, or a service's restart. ``requeues``
+    counts them so far; ``not_before``: a service's backoff, it is not placed before then."""
+
+    node_id: str | None = None
+    ended: str = "lost"
+    reason: str | None = None
+    requeues: int = 1
+    not_before: datetime | None = None
+
+
 AnyJobEvent = (
-    Accepted | Rejected | Pending | Placed | Running | Succeeded | Failed | Cancelled | Lost
+    Accepted
+    | Rejected
+    | Pending
+    | Placed
+    | Running
+    | Succeeded
+    | Failed
+    | Cancelled
+    | Lost
+    | Requeued
 )
 
 TERMINAL_EVENT_TYPES = frozenset({"rejected", "succeeded", "failed", "cancelled", "lost"})

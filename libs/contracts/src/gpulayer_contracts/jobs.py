@@ -150,6 +150,39 @@ class Distributed(Input, frozen=True):
     launcher: Annotated[str | None, _doc("Launcher, e.g. torchrun")] = None
 
 
+# --- Lifecycle (issue 15, part B): retries, services, arrays, dependencies ---
+
+JobKind = Literal["job", "service"]
+RestartPolicy = Literal["always", "on-failure"]
+
+
+class Restart(Input, frozen=True):
+    """How a service is restarted when its process ends. Each restart waits ``backoff_s``
+    doubled per restart so far, at most ``max_backoff_s``; only ``gpulayer cancel`` stops it."""
+
+    policy: Annotated[
+        RestartPolicy,
+        _doc("always: whatever the exit; on-failure: not after exit code 0"),
+    ] = "always"
+    backoff_s: Annotated[
+        float, msgspec.Meta(ge=0, description="Seconds before the first restart")
+    ] = 1.0
+    max_backoff_s: Annotated[
+        float, msgspec.Meta(ge=0, description="Cap on the doubled backoff, in seconds")
+    ] = 300.0
+
+
+class ArraySpec(Input, frozen=True):
+    """One submit, ``count`` jobs ``<job_id>-<i>`` (i from 0), each with
+    ``GPULAYER_ARRAY_INDEX=<i>``."""
+
+    count: Annotated[int, msgspec.Meta(ge=1, description="Jobs in the array")]
+    index: Annotated[
+        int | None,
+        _doc("Set by placement on each job of the array; a submitted job leaves it unset"),
+    ] = None
+
+
 class JobRequest(Input, frozen=True):
     """A job as submitted. ``job_id`` is the dedupe key: the same id twice is one job."""
 
@@ -192,4 +225,27 @@ class JobRequest(Input, frozen=True):
             "Set by placement when it expands profile: the requirements the profile supplied "
             "(explanations name the profile for them); a submitter's value is replaced"
         ),
+    ] = []
+    # --- lifecycle (issue 15, part B) ---
+    retries: Annotated[
+        int,
+        msgspec.Meta(
+            ge=0,
+            description="Times a lost job (node gone, executor lost it) is placed again; "
+            "failed ones too with retry_on_failure",
+        ),
+    ] = 0
+    retry_on_failure: Annotated[
+        bool, _doc("Also retry a job that failed (non-zero exit, timeout), within retries")
+    ] = False
+    kind: Annotated[
+        JobKind, _doc("job: runs once; service: restarted by its restart policy until cancelled")
+    ] = "job"
+    restart: Annotated[
+        Restart | None, _doc('A service\'s restart policy (kind = "service" only)')
+    ] = None
+    array: Annotated[ArraySpec | None, _doc("Submit count jobs <job_id>-<i> at once")] = None
+    after: Annotated[
+        list[JobId],
+        _doc("Job ids that must all have succeeded before this one starts (submitted before it)"),
     ] = []

@@ -202,7 +202,44 @@ def validate_job(job: JobRequest, core_version: str = __version__) -> Validation
             f"$.requirements.accelerator: {req.accelerator} is {level} in the support matrix"
         )
 
+    errors += lifecycle_errors(job)
     return Validation(errors=bound_messages(errors), warnings=bound_messages(warnings))
+
+
+def lifecycle_errors(job: JobRequest) -> list[str]:
+    """What makes retries, a service, an array or dependencies invalid on their own (whether
+    the dependencies exist is placement's to say, at submit)."""
+    errors: list[str] = []
+    if job.kind == "service":
+        if job.retries or job.retry_on_failure:
+            errors.append(
+                "$.retries: a service is restarted by its restart policy, not retried "
+                "(leave retries and retry_on_failure unset)"
+            )
+    elif job.restart is not None:
+        errors.append('$.restart: only a service restarts (set kind = "service")')
+    if job.retry_on_failure and not job.retries:
+        errors.append("$.retry_on_failure: set retries too (how many times)")
+    r = job.restart
+    if r is not None and r.max_backoff_s < r.backoff_s:
+        errors.append(
+            f"$.restart.max_backoff_s: {r.max_backoff_s:g} is below backoff_s ({r.backoff_s:g})"
+        )
+    if job.array is not None and job.array.index is not None:
+        errors.append(
+            "$.array.index: set by gpulayer on each job of the array, a job may not set it"
+        )
+    for i, dep in enumerate(job.after):
+        if dep == job.job_id:
+            errors.append(f"$.after[{i}]: a job can't wait for itself")
+    return errors
+
+
+def array_env(job: JobRequest) -> dict[str, str]:
+    """``GPULAYER_ARRAY_INDEX`` of a job of an array (set by the executor); empty otherwise."""
+    if job.array is None or job.array.index is None:
+        return {}
+    return {"GPULAYER_ARRAY_INDEX": str(job.array.index)}
 
 
 def visibility_env(

@@ -2,7 +2,8 @@
 
 Order, last one wins: the executor's minimal base environment, the job's own ``env`` (checked
 first: it may not touch a protected variable), then what gpulayer owns: device visibility,
-``GPULAYER_JOB_ID``, ``GPULAYER_GRANT_ID`` and ``GPULAYER_DEVICES``.
+``GPULAYER_JOB_ID``, ``GPULAYER_GRANT_ID``, ``GPULAYER_DEVICES`` and, for a job of an array,
+``GPULAYER_ARRAY_INDEX``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 import msgspec
 
 from gpulayer_contracts.events import Grant
-from gpulayer_contracts.validation import protected_env_names, visibility_env
+from gpulayer_contracts.validation import array_env, protected_env_names, visibility_env
 
 # Passed through from the executor's own environment when set there. Everything else the
 # executor was started with (credentials, NATS URLs, proxies, LD_* ...) stays out of jobs.
@@ -93,4 +94,5 @@ def job_environment(grant: Grant, base: Mapping[str, str]) -> dict[str, str]:
     env.update(device_env(grant))
     env["GPULAYER_JOB_ID"] = grant.job.job_id
     env["GPULAYER_GRANT_ID"] = grant.grant_id
+    env.update(array_env(grant.job))
     return env

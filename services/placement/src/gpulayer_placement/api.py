@@ -34,10 +34,12 @@ from gpulayer_contracts.subjects import (
     API_MATRIX,
     API_NODES,
     API_PROFILES,
+    API_SERVICES,
     api_caller,
 )
 from gpulayer_matching import NodeView
 from gpulayer_matching.resources import CPU, GB, MEMORY, SLOTS
+from gpulayer_placement import dependencies
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.publisher import Publisher
 from gpulayer_placement.store import Store
@@ -111,6 +113,7 @@ class Api:
             API_CANCEL: self.cancel,
             API_MATRIX: self.matrix,
             API_PROFILES: self.profile_fit,
+            API_SERVICES: self.services,
         }
         return [
             await self.nc.subscribe(subject, queue=QUEUE, cb=self._wrap(handler))
@@ -196,6 +199,19 @@ class Api:
             rows = await Store.fetch(conn, "list_jobs", q.state, min(max(q.limit, 1), 10_000))
         return [{k: _iso(v) for k, v in dict(r).items()} for r in rows]
 
+    async def services(self, data: bytes, caller: str = ANONYMOUS) -> Any:
+        """Services (``kind = "service"``), newest first: state, restarts so far, the node it runs
+        on (or last ran on), when a restart waits out its backoff."""
+        q = msgspec.json.decode(data or b"{}", type=_JobsQuery)
+        async with self.pool.acquire() as conn:
+            rows = await Store.fetch(conn, "list_services", q.state, min(max(q.limit, 1), 10_000))
+        out = []
+        for r in rows:
+            row = {k: _iso(v) for k, v in dict(r).items()}
+            row["restart"] = msgspec.json.decode(r["restart"]) if r["restart"] else None
+            out.append(row)
+        return out
+
     async def _job_row(self, job_id: str) -> dict[str, Any]:
         async with self.pool.acquire() as conn:
             row = await Store.fetchrow(conn, "get_job", job_id)
@@ -248,19 +264,31 @@ class Api:
         if owner != caller and not self.privileged(caller):
             log.warning("refused: %s tried to cancel job %s of %s", caller, q.job_id, owner)
             raise ApiError(f"job {q.job_id} belongs to another user: only its owner may cancel it")
-        async with self.pool.acquire() as conn:
-            done = await Store.fetchrow(conn, "cancel_pending", q.job_id, q.reason)
-        if done is not None:
-            self.forget(q.job_id)
-            cancelled = Cancelled(job_id=q.job_id, reason=q.reason, owner=owner)
-            await self.publisher.publish_events([cancelled])
-            return {"job_id": q.job_id, "state": "cancelled"}
-        row = await self._job_row(q.job_id)
-        if row["state"] in ("placed", "running"):
-            cancel = CancelJob(job_id=q.job_id, reason=q.reason, grant_id=row["grant_id"])
-            subject, payload, headers = self.publisher.cancel_item(row["node_id"], cancel)
-            await self.js.publish(subject, payload, headers=headers)
-            return {"job_id": q.job_id, "state": "cancelling", "node_id": row["node_id"]}
+        # A retried job or a restarting service moves between waiting and running on its own:
+        # whichever state it is in when asked, the cancel holds (a stop asked while it runs
+        # makes its end final), so look again if it moved between the two statements.
+        for _ in range(3):
+            async with self.pool.acquire() as conn, conn.transaction():
+                done = await Store.fetchrow(conn, "cancel_pending", q.job_id, q.reason)
+                if done is not None:
+                    _, cascaded = await dependencies.release(conn, [(q.job_id, "cancelled")])
+                    stopping = None
+                else:
+                    stopping = await Store.fetchrow(conn, "request_stop", q.job_id)
+            if done is not None:
+                self.forget(q.job_id)
+                cancelled = Cancelled(job_id=q.job_id, reason=q.reason, owner=owner)
+                await self.publisher.publish_events([cancelled, *cascaded])
+                return {"job_id": q.job_id, "state": "cancelled"}
+            if stopping is not None:
+                grant_id = stopping["grant_id"]
+                cancel = CancelJob(job_id=q.job_id, reason=q.reason, grant_id=grant_id)
+                subject, payload, headers = self.publisher.cancel_item(stopping["node_id"], cancel)
+                await self.js.publish(subject, payload, headers=headers)
+                return {"job_id": q.job_id, "state": "cancelling", "node_id": stopping["node_id"]}
+            row = await self._job_row(q.job_id)
+            if row["state"] not in ("pending", "placed", "running"):
+                break
         raise ApiError(f"job {q.job_id} is already {row['state']}")
 
     async def matrix(self, data: bytes, caller: str = ANONYMOUS) -> Any:

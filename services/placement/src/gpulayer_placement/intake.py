@@ -14,15 +14,30 @@ import logging
 from dataclasses import dataclass, field
 
 import asyncpg
+import msgspec
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from gpulayer_contracts import Accepted, JobEvent, JobRequest, Rejected, encode, validate_job
-from gpulayer_contracts.bounds import bound_messages, clip_text, job_size_error
+from gpulayer_contracts import (
+    Accepted,
+    ArraySpec,
+    JobEvent,
+    JobRequest,
+    Rejected,
+    encode,
+    validate_job,
+)
+from gpulayer_contracts.bounds import (
+    array_size_error,
+    bound_messages,
+    clip_text,
+    job_size_error,
+)
 from gpulayer_contracts.codec import InvalidInput, best_effort_job_id, decode_job_json
 from gpulayer_contracts.profiles import expand_profile
 from gpulayer_contracts.subjects import ANONYMOUS, JOBS_SUBMIT_ALL, owner_from_submit
+from gpulayer_placement import dependencies
 from gpulayer_placement.dead_letters import MAX_DELIVER, DeadLetters
 from gpulayer_placement.loops import consume
 from gpulayer_placement.outcome import Outcome
@@ -199,12 +214,47 @@ class Intake:
             )
             b.rejections[job.job_id] = errors
             b.rows[job.job_id] = (job.job_id, _storable(body), "rejected", traceparent)
+        elif job.array is not None:
+            self._expand(b, job, result.warnings, traceparent, msg)
         else:
             b.accepted[job.job_id] = job
             b.warnings[job.job_id] = result.warnings
             b.rows[job.job_id] = (job.job_id, body, "pending", traceparent)
             if tel:
                 b.submitted[job.job_id] = msg.metadata.timestamp.timestamp()
+
+    def _expand(
+        self, b: Batch, job: JobRequest, warnings: list[str], traceparent: str | None, msg: Msg
+    ) -> None:
+        """An array: ``count`` jobs ``<id>-<i>``, each carrying its index (the executor sets
+        ``GPULAYER_ARRAY_INDEX`` from it), stored and placed as jobs of their own. Refused whole
+        (under the array's id) when its last job's grant would not fit the server or all its
+        jobs together pass MAX_ARRAY_BYTES."""
+        assert job.array is not None
+        n, owner = job.array.count, b.owners[job.job_id]
+
+        def element(i: int) -> JobRequest:
+            spec = ArraySpec(count=n, index=i)
+            return msgspec.structs.replace(job, job_id=f"{job.job_id}-{i}", array=spec)
+
+        size = len(encode(element(n - 1)))  # the longest id and index
+        error = job_size_error(size, self.max_payload) or array_size_error(n, size)
+        if error is not None:
+            b.rejections[job.job_id] = [error]
+            b.rows[job.job_id] = (job.job_id, encode(job).decode(), "rejected", traceparent)
+            return
+        del b.origin[job.job_id], b.owners[job.job_id]  # the array's id names no job
+        stamp = msg.metadata.timestamp.timestamp() if self.tel.enabled else None
+        for i in range(n):
+            one = element(i)
+            if one.job_id in b.rows:
+                continue  # the same id twice in one batch is one job
+            b.origin[one.job_id], b.owners[one.job_id] = msg, owner
+            b.accepted[one.job_id] = one
+            b.warnings[one.job_id] = warnings
+            b.rows[one.job_id] = (one.job_id, encode(one).decode(), "pending", traceparent)
+            if stamp is not None:
+                b.submitted[one.job_id] = stamp
 
     def _malformed(self, b: Batch, msg: Msg, err: InvalidInput, traceparent: str | None) -> None:
         """A message that doesn't decode is rejected under the job id read from it; one that
@@ -245,15 +295,19 @@ class Intake:
 
     async def _store_batch(self, b: Batch) -> Stored:
         stored = Stored()
-        ids, bodies, states, parents = zip(*b.rows.values(), strict=True)
-        reasons = ["; ".join(b.rejections[i]) if i in b.rejections else None for i in ids]
         try:
             async with self.pool.acquire() as conn, conn.transaction():
+                # Dependencies first: unknown, foreign or failed ones and cycles reject the job.
+                checked = await dependencies.check(conn, b.accepted, b.owners)
+                _reject_for_dependencies(b, checked)
+                ids, bodies, states, parents = zip(*b.rows.values(), strict=True)
+                reasons = ["; ".join(b.rejections[i]) if i in b.rejections else None for i in ids]
                 owners = [b.owners.get(i, ANONYMOUS) for i in ids]
                 inserted = await Store.fetch(
                     conn, "insert_jobs", ids, bodies, states, reasons, parents, owners
                 )
                 stored.new = {r["job_id"] for r in inserted}
+                await dependencies.record(conn, checked, stored.new)
                 stored.fresh = [j for j in b.accepted if j in stored.new]
                 self.scheduler.remember({j: b.accepted[j] for j in stored.fresh}, b.submitted)
                 if stored.fresh and self.wake.idle():
@@ -295,11 +349,20 @@ class Intake:
         self, b: Batch, job_id: str, body: str, state: str, reason: str | None, parent: str | None
     ) -> set[str]:
         owner = b.owners.get(job_id, ANONYMOUS)
-        async with self.pool.acquire() as conn:
+        job = b.accepted.get(job_id) if state == "pending" else None
+        async with self.pool.acquire() as conn, conn.transaction():
+            checked = dependencies.Checked()
+            if job is not None and job.after:
+                checked = await dependencies.check(conn, {job_id: job}, b.owners)
+                if checked.rejections:
+                    _reject_for_dependencies(b, checked)
+                    state, reason = "rejected", "; ".join(b.rejections[job_id])
             rows = await Store.fetch(
                 conn, "insert_jobs", [job_id], [body], [state], [reason], [parent], [owner]
             )
-        return {r["job_id"] for r in rows}
+            new = {r["job_id"] for r in rows}
+            await dependencies.record(conn, checked, new)
+        return new
 
     async def _announcements(self, b: Batch, new: set[str]) -> list[JobEvent]:
         """``accepted`` / ``rejected`` for new jobs and for known ones said again."""
@@ -351,6 +414,16 @@ class Intake:
         async with self.pool.acquire() as conn:
             rows = await Store.fetch(conn, "job_ages", job_ids)
         return {r["job_id"] for r in rows if r["age_s"] < ANNOUNCE_AGAIN_WITHIN_S}
+
+
+def _reject_for_dependencies(b: Batch, checked: dependencies.Checked) -> None:
+    """Jobs whose dependencies can't be waited for become rejections of the batch."""
+    for job_id, errors in checked.rejections.items():
+        b.accepted.pop(job_id, None)
+        b.warnings.pop(job_id, None)
+        b.rejections[job_id] = errors
+        _, body, _, parent = b.rows[job_id]
+        b.rows[job_id] = (job_id, body, "rejected", parent)
 
 
 def _owner(msg: Msg) -> str:

@@ -35,6 +35,7 @@ from gpulayer_contracts.subjects import (
     node_from_subject,
 )
 from gpulayer_placement.fleet import Fleet, Offer
+from gpulayer_placement.lifecycle import Lifecycle
 from gpulayer_placement.publisher import Publisher
 from gpulayer_placement.replica_sync import ReplicaSync
 from gpulayer_placement.settings import Settings
@@ -61,6 +62,7 @@ class Liveness:
         settings: Settings,
         stop: asyncio.Event,
         telemetry: Telemetry = DISABLED,
+        lifecycle: Lifecycle | None = None,
     ) -> None:
         self.nc = nc
         self.js = js
@@ -72,6 +74,10 @@ class Liveness:
         self.settings = settings
         self.stop = stop
         self.tel = telemetry
+        # Lost jobs with retries left, and services, wait again; their dependents learn of it.
+        self.lifecycle = (
+            lifecycle if lifecycle is not None else Lifecycle(publisher=None, wake=wake)
+        )
         self._caps_queue: asyncio.Queue[Msg] = asyncio.Queue()
         self._heartbeats: dict[str, datetime] = {}
 
@@ -259,6 +265,7 @@ class Liveness:
             lost = await Store.fetch(conn, "lose_node_jobs", stale, reason)
             if lost:
                 await self.sync.notify(conn, stale)
+            settled = await self.lifecycle.settle(conn, lost)
         for node in stale:
             self.fleet.set_online(node, False)
             log.warning("node %s is offline: %s", node, reason, extra=job_context(node_id=node))
@@ -271,3 +278,4 @@ class Liveness:
         )
         if lost:
             self.wake.capacity()
+        await self.lifecycle.announce(settled)

@@ -45,13 +45,23 @@ RETURNING node_id;
 WITH lost AS (
     UPDATE jobs SET state = 'lost', reason = $2, updated_at = now()
     WHERE node_id = ANY($1::text[]) AND state IN ('placed', 'running')
-    RETURNING job_id, node_id, owner
+    RETURNING jobs.job_id, jobs.node_id, jobs.owner, jobs.state, jobs.reason,
+       -- lifecycle: what lifecycle.plan needs to requeue a retried job or a restarting service,
+       -- NULL for the rest (most jobs: nothing to decode); has_dependents: a job waits for it.
+       CASE WHEN jobs.kind = 'service' OR coalesce(jobs.request->>'retries', '0') <> '0'
+            THEN jsonb_build_object(
+                'kind', jobs.kind, 'retries', jobs.request->'retries',
+                'retry_on_failure', jobs.request->'retry_on_failure',
+                'restart', jobs.request->'restart', 'requeues', jobs.requeues,
+                'stop_requested', jobs.stop_requested)::text
+       END AS lifecycle,
+       EXISTS (SELECT 1 FROM job_dependencies d WHERE d.after_id = jobs.job_id) AS has_dependents
 ), released AS (
     DELETE FROM allocations a USING lost WHERE a.job_id = lost.job_id
 ), freed AS (
     DELETE FROM reservations r USING lost WHERE r.job_id = lost.job_id
 )
-SELECT job_id, node_id, owner FROM lost;
+SELECT job_id, node_id, owner, state, reason, lifecycle, has_dependents FROM lost;
 
 -- name: insert_jobs
 -- $6: owners; NULL (a caller of an older version) is 'anonymous'.
@@ -68,6 +78,8 @@ RETURNING job_id;
 SELECT job_id, request::text AS request, reason, attempt, submitted_at, traceparent, owner
 FROM jobs
 WHERE state = 'pending' AND (submitted_at, job_id) > ($2::timestamptz, $3::text)
+  -- lifecycle: dependencies not all succeeded, or a restart's backoff not over
+  AND NOT blocked AND (not_before IS NULL OR not_before <= now())
 ORDER BY submitted_at, job_id
 LIMIT $1
 FOR UPDATE SKIP LOCKED;
@@ -76,6 +88,7 @@ FOR UPDATE SKIP LOCKED;
 SELECT job_id, request::text AS request, reason, attempt, submitted_at, traceparent, owner
 FROM jobs
 WHERE state = 'pending' AND job_id = ANY($1::text[])
+  AND NOT blocked AND (not_before IS NULL OR not_before <= now())
 ORDER BY submitted_at, job_id
 FOR UPDATE SKIP LOCKED;
 
@@ -124,7 +137,17 @@ WITH s AS (
     WHERE jobs.job_id = s.job_id AND jobs.grant_id = s.grant_id AND jobs.node_id = s.node_id
       AND jobs.state IN ('placed', 'running')
       AND NOT (s.state = 'running' AND jobs.state = 'running')
-    RETURNING jobs.job_id, jobs.node_id, jobs.state
+    RETURNING jobs.job_id, jobs.node_id, jobs.state, jobs.owner, jobs.reason,
+       -- lifecycle: what lifecycle.plan needs to requeue a retried job or a restarting service,
+       -- NULL for the rest (most jobs: nothing to decode); has_dependents: a job waits for it.
+       CASE WHEN jobs.kind = 'service' OR coalesce(jobs.request->>'retries', '0') <> '0'
+            THEN jsonb_build_object(
+                'kind', jobs.kind, 'retries', jobs.request->'retries',
+                'retry_on_failure', jobs.request->'retry_on_failure',
+                'restart', jobs.request->'restart', 'requeues', jobs.requeues,
+                'stop_requested', jobs.stop_requested)::text
+       END AS lifecycle,
+       EXISTS (SELECT 1 FROM job_dependencies d WHERE d.after_id = jobs.job_id) AS has_dependents
 ), released AS (
     DELETE FROM allocations a USING changed c
     WHERE a.job_id = c.job_id AND c.state <> 'running'
@@ -135,6 +158,7 @@ WITH s AS (
     RETURNING r.node_id
 )
 SELECT c.job_id, c.node_id, c.state, r.device_index, r.mode,
+       c.owner, c.reason, c.lifecycle, c.has_dependents,
        (SELECT pg_notify('gpulayer_allocations', $7 || '|' || string_agg(DISTINCT node_id, ','))
         FROM (SELECT node_id FROM released UNION SELECT node_id FROM freed) AS gone
         HAVING count(*) > 0) AS notified
@@ -169,12 +193,13 @@ RETURNING job_id;
 
 -- name: get_job
 SELECT job_id, request::text AS request, state, submitted_at, updated_at, node_id, grant_id,
-       accelerator, devices, exit_code, reason, unsatisfiable, attempt, owner
+       accelerator, devices, exit_code, reason, unsatisfiable, attempt, owner,
+       requeues, blocked, not_before, kind, array_id
 FROM jobs WHERE job_id = $1;
 
 -- name: list_jobs
 SELECT job_id, state, submitted_at, updated_at, node_id, accelerator, devices, exit_code, reason,
-       owner
+       owner, kind, array_id, requeues
 FROM jobs
 WHERE ($1::text IS NULL OR state = $1)
 ORDER BY submitted_at DESC, job_id
@@ -191,3 +216,72 @@ SELECT state, count(*) AS n FROM jobs GROUP BY state;
 
 -- name: pending_counts
 SELECT unsatisfiable, count(*) AS n FROM jobs WHERE state = 'pending' GROUP BY unsatisfiable;
+
+-- --- Job lifecycle (issue 15, part B): retries, services, arrays, dependencies -----------------
+
+-- name: requeue_jobs
+-- Jobs whose attempt just ended (in this transaction) and that wait again: a retry or a
+-- service's restart. The next placement makes attempt + 1, so a new grant id; reports for the
+-- old grant find the job no longer placed or running and change nothing. A job whose cancel was
+-- asked for stays ended.
+UPDATE jobs SET state = 'pending', requeues = jobs.requeues + 1, not_before = r.not_before,
+    reason = r.reason, devices = '{}', unsatisfiable = false, updated_at = now()
+FROM unnest($1::text[], $2::text[], $3::timestamptz[]) AS r(job_id, reason, not_before)
+WHERE jobs.job_id = r.job_id AND jobs.state IN ('succeeded', 'failed', 'lost')
+  AND NOT jobs.stop_requested
+RETURNING jobs.job_id, jobs.requeues;
+
+-- name: request_stop
+-- gpulayer cancel of a placed or running job: its end will be final (no retry, no restart).
+UPDATE jobs SET stop_requested = true
+WHERE job_id = $1 AND state IN ('placed', 'running')
+RETURNING job_id, state, node_id, grant_id;
+
+-- name: dependency_states
+-- The jobs named as dependencies, locked against a change of state until the dependents are
+-- stored: the statement that ends a dependency then sees them (dependencies.check).
+SELECT job_id, state, owner FROM jobs WHERE job_id = ANY($1::text[])
+ORDER BY job_id
+FOR SHARE;
+
+-- name: record_dependencies
+-- $1, $2: (job, dependency) pairs; $3: jobs with a dependency not yet succeeded.
+WITH deps AS (
+    INSERT INTO job_dependencies (job_id, after_id)
+    SELECT * FROM unnest($1::text[], $2::text[])
+    ON CONFLICT DO NOTHING
+    RETURNING job_id
+)
+UPDATE jobs SET blocked = true
+WHERE job_id = ANY($3::text[]) AND state = 'pending';
+
+-- name: unblock_dependents
+-- Waiting jobs of which one of $1 was a dependency and whose dependencies have now all
+-- succeeded: matched from now on.
+UPDATE jobs SET blocked = false, updated_at = now()
+WHERE blocked AND state = 'pending'
+  AND job_id IN (SELECT job_id FROM job_dependencies WHERE after_id = ANY($1::text[]))
+  AND NOT EXISTS (
+      SELECT 1 FROM job_dependencies d JOIN jobs j ON j.job_id = d.after_id
+      WHERE d.job_id = jobs.job_id AND j.state <> 'succeeded')
+RETURNING job_id;
+
+-- name: cancel_dependents
+-- Waiting jobs of which one of $1 was a dependency, which ended without succeeding ($2: how):
+-- cancelled, naming it. One level; dependencies.release repeats it for their dependents.
+UPDATE jobs SET state = 'cancelled', blocked = false, updated_at = now(),
+    reason = 'dependency ' || e.after_id || ' ended ' || e.how || ' (after)'
+FROM (SELECT DISTINCT ON (d.job_id) d.job_id, x.after_id, x.how
+      FROM unnest($1::text[], $2::text[]) AS x(after_id, how)
+      JOIN job_dependencies d ON d.after_id = x.after_id
+      ORDER BY d.job_id, x.after_id) AS e
+WHERE jobs.job_id = e.job_id AND jobs.state = 'pending'
+RETURNING jobs.job_id, jobs.owner, jobs.reason;
+
+-- name: list_services
+SELECT job_id, state, submitted_at, updated_at, node_id, requeues AS restarts, reason, owner,
+       not_before, request->'restart' AS restart
+FROM jobs
+WHERE kind = 'service' AND ($1::text IS NULL OR state = $1)
+ORDER BY submitted_at DESC, job_id
+LIMIT $2;

@@ -16,7 +16,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import asyncpg
@@ -26,7 +26,7 @@ from gpulayer_contracts.bounds import clip_text
 from gpulayer_contracts.codec import job_request_decoder
 from gpulayer_contracts.subjects import ANONYMOUS
 from gpulayer_contracts.validation import requested_gpu_count
-from gpulayer_matching import NoPlacement, Placement, match
+from gpulayer_matching import NodeView, NoPlacement, Placement, match
 from gpulayer_matching.resources import reservations
 from gpulayer_placement import waiting
 from gpulayer_placement.fleet import Fleet
@@ -70,6 +70,9 @@ class Scheduler:
         self._submitted: dict[str, float] = {}
         # Waiting jobs that need no device: a pass can't stop early while any is known.
         self._deviceless_waiting: set[str] = set()
+        # Lifecycle: a restarting service's last node, offered first so that it goes back there
+        # when it still fits (filled by lifecycle.Lifecycle, used once).
+        self.prefer: dict[str, str] = {}
 
     def remember(self, jobs: Mapping[str, JobRequest], submitted: Mapping[str, float]) -> None:
         """Requests already decoded by intake, and when they entered the JOBS stream."""
@@ -81,6 +84,7 @@ class Scheduler:
         self._jobs.pop(job_id, None)
         self._submitted.pop(job_id, None)
         self._deviceless_waiting.discard(job_id)
+        self.prefer.pop(job_id, None)
 
     async def run(self) -> None:
         """Wait to be woken, then run the pass asked for; retry what failed."""
@@ -268,7 +272,7 @@ class Scheduler:
         taken out of the fleet and the job is matched again; a job that still makes it raise is
         failed (None). Either way the pass goes on with the other jobs."""
         try:
-            return match(job, self.fleet.rotated())
+            return match(job, self._nodes_for(job_id))
         except Exception as err:
             first = err
         bad: list[tuple[str, Exception]] = []
@@ -289,6 +293,13 @@ class Scheduler:
                 first = again
         self._isolate_job(job_id, first, outcome)
         return None
+
+    def _nodes_for(self, job_id: str) -> Sequence[NodeView]:
+        """The fleet in matching order; a restarting service's last node first."""
+        nodes = self.fleet.rotated()
+        node_id = self.prefer.pop(job_id, None) if self.prefer else None
+        view = self.fleet.get(node_id) if node_id is not None else None
+        return nodes if view is None else [view, *nodes]
 
     def _isolate_job(self, job_id: str, err: BaseException, outcome: Outcome) -> None:
         log.error("job %s can't be matched: %r; failed", job_id, err, exc_info=err)

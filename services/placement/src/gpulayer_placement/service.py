@@ -10,6 +10,8 @@ Parts (each in a file named for it, each taking its collaborators in its constru
 - ``status``: executor reports: job rows updated, devices released, waiting jobs reconsidered.
 - ``liveness``: capabilities and heartbeats into memory and PostgreSQL; silent nodes reaped.
 - ``replica_sync``: other replicas' allocation changes (PostgreSQL LISTEN), allocation reloads.
+- ``lifecycle`` (with ``dependencies``): when an attempt ends, a retry or a service's restart
+  (back to waiting), or the end for good, which releases or cancels the jobs waiting for it.
 - ``api``: request/reply for the CLI. ``metrics``: gauges, when telemetry is on.
 
 Tasks: ``ingest``, ``status``, ``schedule``, ``capabilities``, ``heartbeats``, ``reaper``,
@@ -34,6 +36,7 @@ from gpulayer_placement.api import Api
 from gpulayer_placement.dead_letters import DeadLetters
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.intake import Intake
+from gpulayer_placement.lifecycle import Lifecycle
 from gpulayer_placement.liveness import Liveness
 from gpulayer_placement.loops import every
 from gpulayer_placement.metrics import Gauges
@@ -109,6 +112,9 @@ class PlacementService:
             dead=self.dead,
             max_payload=max_payload,
         )
+        self.lifecycle = Lifecycle(
+            publisher=self.publisher, wake=wake, prefer=self.scheduler.prefer
+        )
         self._wire_reports(telemetry, max_payload)
 
     def _wire_reports(self, telemetry: Telemetry, max_payload: int) -> None:
@@ -126,6 +132,7 @@ class PlacementService:
             replica_id=self.replica_id,
             telemetry=telemetry,
             dead=self.dead,
+            lifecycle=self.lifecycle,
         )
         self.liveness = Liveness(
             nc=nc,
@@ -138,6 +145,7 @@ class PlacementService:
             settings=s,
             stop=stop,
             telemetry=telemetry,
+            lifecycle=self.lifecycle,
         )
         self.api = Api(
             nc=nc,
@@ -217,4 +225,5 @@ class PlacementService:
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+        self.lifecycle.close()
         await self.sync.close()

@@ -28,6 +28,7 @@ from gpulayer_contracts.events import JobStatus
 from gpulayer_contracts.subjects import NODE_WILDCARD_STATUS, node_from_subject
 from gpulayer_placement.dead_letters import MAX_DELIVER, DeadLetters
 from gpulayer_placement.fleet import Fleet
+from gpulayer_placement.lifecycle import Lifecycle
 from gpulayer_placement.loops import consume
 from gpulayer_placement.settings import Settings
 from gpulayer_placement.store import Store
@@ -57,6 +58,7 @@ class ExecutorStatus:
         replica_id: str,
         telemetry: Telemetry = DISABLED,
         dead: DeadLetters | None = None,
+        lifecycle: Lifecycle | None = None,
     ) -> None:
         self.js = js
         self.pool = pool
@@ -68,6 +70,10 @@ class ExecutorStatus:
         self.replica_id = replica_id
         self.tel = telemetry
         self.dead = dead if dead is not None else DeadLetters(js, telemetry)
+        # Retries, restarts and dependencies of the jobs whose attempts end here.
+        self.lifecycle = (
+            lifecycle if lifecycle is not None else Lifecycle(publisher=None, wake=wake)
+        )
 
     async def subscribe(self) -> JetStreamContext.PullSubscription:
         """The durable pull consumer on every node's status subject."""
@@ -151,13 +157,16 @@ class ExecutorStatus:
         poison: list[Poison] = []
         rows = self.read(msgs, poison)
         if rows:
-            async with self.pool.acquire() as conn:
+            async with self.pool.acquire() as conn, conn.transaction():
                 changed = await Store.fetch(
                     conn,
                     "apply_status",
                     *[list(col) for col in zip(*rows, strict=True)],
                     self.replica_id,
                 )
+                # One row per job (the LEFT JOIN repeats a job per device it released).
+                per_job = {r["job_id"]: r for r in changed}
+                settled = await self.lifecycle.settle(conn, per_job.values())
             finished = sorted({r["job_id"] for r in changed if r["state"] != "running"})
             for r in changed:
                 if r["device_index"] is not None:
@@ -167,6 +176,7 @@ class ExecutorStatus:
                 self.forget(job_id)
             if finished:
                 self.wake.capacity()
+            await self.lifecycle.announce(settled)
         dead = {id(p[0]) for p in poison}
         await asyncio.gather(*(m.ack() for m in msgs if id(m) not in dead))
         for msg, reason, why, job_id in poison:

@@ -1,0 +1,443 @@
+"""Job lifecycle with real NATS and PostgreSQL (issue 15, part B): a lost job retried then lost
+for good, a service restarted after each crash and re-placed when its node goes offline, an
+array of jobs, dependency chains, and a cancelled service staying stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from nats.aio.client import Client
+from tests.unit.placement.placement_fakes import gpu_node
+
+from gpulayer_cli.client import api
+from gpulayer_contracts import Grant, Heartbeat, JobStatus, encode
+from gpulayer_contracts.codec import event_decoder, grant_decoder
+from gpulayer_contracts.subjects import (
+    API_CANCEL,
+    API_JOB,
+    JOBS_SUBMIT,
+    MSG_ID_HEADER,
+    NODE_WILDCARD_GRANTS,
+    node_capabilities,
+    node_heartbeat,
+    node_status,
+)
+from gpulayer_placement.service import PlacementService, Settings
+from gpulayer_placement.store import create_pool
+from gpulayer_runtime.nats import ensure_streams
+
+pytestmark = pytest.mark.integration
+
+
+class Cluster:
+    """Placement with fake nodes: capabilities, probe and executor heartbeats while ``alive``,
+    grants collected, statuses reported by hand."""
+
+    def __init__(self, nc: Client, svc: PlacementService) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.svc = svc
+        self.grants: asyncio.Queue[Grant] = asyncio.Queue()
+        self.events: dict[str, list[Any]] = {}
+        self.changed = asyncio.Event()
+        self.alive: set[str] = set()
+        self._beat: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        async def on_grant(msg: Any) -> None:
+            await self.grants.put(grant_decoder.decode(msg.data))
+
+        async def on_event(msg: Any) -> None:
+            ev = event_decoder.decode(msg.data)
+            self.events.setdefault(ev.job_id, []).append(ev)
+            self.changed.set()
+
+        await self.nc.subscribe(NODE_WILDCARD_GRANTS, cb=on_grant)
+        await self.nc.subscribe("gpulayer.job.*.*.events", cb=on_event)
+        await self.nc.flush()
+        self._beat = asyncio.create_task(self._beating())
+
+    async def _beating(self) -> None:
+        while True:
+            now = datetime.now(UTC)
+            for node in list(self.alive):
+                for source in ("probe", "executor"):
+                    beat = Heartbeat(node_id=node, sent_at=now, source=source)
+                    await self.nc.publish(node_heartbeat(node), encode(beat))
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        if self._beat is not None:
+            self._beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._beat
+
+    async def node(self, node_id: str, gpus: int = 1) -> None:
+        self.alive.add(node_id)
+        await self.js.publish(node_capabilities(node_id), encode(gpu_node(node_id, gpus)))
+
+    async def submit(self, job_id: str, **fields: Any) -> None:
+        body = {"job_id": job_id, "command": ["true"], **fields}
+        await self.js.publish(
+            JOBS_SUBMIT, json.dumps(body).encode(), headers={MSG_ID_HEADER: job_id}
+        )
+
+    async def grant(self, timeout: float = 10.0) -> Grant:
+        return await asyncio.wait_for(self.grants.get(), timeout)
+
+    async def no_grant(self, within: float = 0.5) -> None:
+        try:
+            g = await asyncio.wait_for(self.grants.get(), within)
+        except TimeoutError:
+            return
+        raise AssertionError(f"unexpected grant {g.grant_id} on {g.node_id}")
+
+    async def until_state(self, job_id: str, want: str, timeout: float = 10.0) -> dict[str, Any]:
+        """The job's record once placement has applied what makes it ``want``."""
+        async with asyncio.timeout(timeout):
+            while True:
+                row = await self.row(job_id)
+                if row["state"] == want:
+                    return row
+                await asyncio.sleep(0.05)
+
+    async def report(self, grant: Grant, state: str, exit_code: int | None = None) -> None:
+        status = JobStatus(
+            job_id=grant.job.job_id,
+            grant_id=grant.grant_id,
+            node_id=grant.node_id,
+            state=state,  # type: ignore[arg-type]
+            exit_code=exit_code,
+            reason=None if state != "lost" else "executor lost it",
+        )
+        await self.js.publish(node_status(grant.node_id), encode(status))
+
+    def types(self, job_id: str) -> list[str]:
+        return [type(e).__struct_config__.tag for e in self.events.get(job_id, [])]
+
+    async def event(self, job_id: str, tag: str, count: int = 1, timeout: float = 10.0) -> Any:
+        async def wait() -> Any:
+            while self.types(job_id).count(tag) < count:
+                self.changed.clear()
+                await self.changed.wait()
+            return [e for e in self.events[job_id] if type(e).__struct_config__.tag == tag][-1]
+
+        try:
+            return await asyncio.wait_for(wait(), timeout)
+        except TimeoutError:
+            raise AssertionError(f"{job_id}: {self.types(job_id)}") from None
+
+    async def row(self, job_id: str) -> dict[str, Any]:
+        return dict(await api(self.nc, API_JOB, {"job_id": job_id}))
+
+    async def db(self, sql: str, *args: Any) -> list[Any]:
+        async with self.svc.pool.acquire() as conn:
+            return list(await conn.fetch(sql, *args))
+
+
+@pytest.fixture
+async def cluster(nc: Client, database_url: str) -> AsyncIterator[Cluster]:
+    await ensure_streams(nc.jetstream())
+    pool = await create_pool(database_url)
+    svc = PlacementService(nc, pool, Settings(node_timeout_s=1.0, resend_after_s=60))
+    await svc.start()
+    c = Cluster(nc, svc)
+    await c.start()
+    yield c
+    await c.stop()
+    await svc.close()
+    await pool.close()
+
+
+async def test_a_lost_job_is_retried_once_then_lost_for_good(cluster: Cluster) -> None:
+    """retries = 1: lost by its executor, it is placed again under attempt 2 with a requeued
+    event; lost again (its node goes silent), it stays lost and holds nothing."""
+    await cluster.node("n1", gpus=1)
+    await cluster.submit("r-1", retries=1, requirements={"gpu_count": 1})
+    first = await cluster.grant()
+    assert first.grant_id == "r-1-1"
+    await cluster.report(first, "running")
+    await cluster.report(first, "lost")
+    requeued = await cluster.event("r-1", "requeued")
+    assert requeued.ended == "lost"
+    assert requeued.requeues == 1
+    assert requeued.reason == "retry 1 of 1 after the job lost: executor lost it"
+    second = await cluster.grant()
+    assert (second.grant_id, second.node_id, second.devices) == ("r-1-2", "n1", [0])
+    # A late report for the first attempt changes nothing.
+    await cluster.report(first, "succeeded", 0)
+    await cluster.report(second, "running")
+    await cluster.event("r-1", "placed", count=2)
+
+    cluster.alive.discard("n1")  # the node goes silent: its job is lost a second time
+    await cluster.event("r-1", "lost")
+    await cluster.until_state("r-1", "lost")
+    row = await cluster.row("r-1")
+    assert (row["attempt"], row["requeues"]) == (2, 1)
+    assert cluster.types("r-1").count("requeued") == 1
+    await cluster.no_grant()
+    held = await cluster.db("SELECT * FROM allocations WHERE job_id = 'r-1'")
+    assert held == []
+
+
+async def test_a_failed_job_is_retried_only_with_retry_on_failure(cluster: Cluster) -> None:
+    await cluster.node("n1", gpus=2)
+    await cluster.submit("f-plain", retries=3)
+    await cluster.submit("f-retry", retries=1, retry_on_failure=True)
+    grants = {g.job.job_id: g for g in [await cluster.grant(), await cluster.grant()]}
+    for g in grants.values():
+        await cluster.report(g, "failed", 1)
+    again = await cluster.grant()
+    assert again.grant_id == "f-retry-2"
+    await cluster.report(again, "failed", 1)
+    await cluster.no_grant()
+    await cluster.until_state("f-retry", "failed")
+    assert (await cluster.row("f-plain"))["state"] == "failed"
+    assert "requeued" not in cluster.types("f-plain")
+
+
+async def test_a_service_is_restarted_twice_then_re_placed_when_its_node_goes_offline(
+    cluster: Cluster,
+) -> None:
+    """A service killed twice is restarted twice on its node (after its backoff), then placed
+    on the other node when its node stops beating; listed with its restarts and node."""
+    await cluster.node("a", gpus=1)
+    await cluster.submit(
+        "svc",
+        kind="service",
+        restart={"policy": "always", "backoff_s": 0.2, "max_backoff_s": 0.3},
+        requirements={"gpu_count": 1},
+    )
+    g1 = await cluster.grant()
+    await cluster.node("b", gpus=1)  # joins after: the restarts still go back to "a"
+    await cluster.report(g1, "running")
+    await cluster.report(g1, "failed", -9)
+    first = await cluster.event("svc", "requeued")
+    assert first.reason.startswith("restart 1 of the service after it failed")
+    assert first.not_before is not None
+    g2 = await cluster.grant()
+    assert (g2.grant_id, g2.node_id) == ("svc-2", "a")
+    # Placed no sooner than its backoff.
+    placed = (await cluster.event("svc", "placed", count=2)).at
+    assert (placed - first.not_before).total_seconds() > -0.05
+    await cluster.report(g2, "running")
+    await cluster.report(g2, "succeeded", 0)  # policy always: even a clean exit restarts
+    second = await cluster.event("svc", "requeued", count=2)
+    assert second.requeues == 2
+    g3 = await cluster.grant()
+    assert (g3.grant_id, g3.node_id) == ("svc-3", "a")
+    await cluster.report(g3, "running")
+    await cluster.until_state("svc", "running")
+
+    services = await api(cluster.nc, "gpulayer.api.services")
+    (listed,) = [s for s in services if s["job_id"] == "svc"]
+    assert (listed["restarts"], listed["node_id"]) == (2, "a")
+
+    cluster.alive.discard("a")
+    lost = await cluster.event("svc", "requeued", count=3)
+    assert lost.ended == "lost"
+    assert lost.not_before is None  # a lost node is no crash: re-placed at once
+    g4 = await cluster.grant()
+    assert (g4.grant_id, g4.node_id) == ("svc-4", "b")
+
+
+async def test_a_cancelled_service_stays_stopped(cluster: Cluster) -> None:
+    """The cancel is asked while it runs; the executor then reports its end as failed (killed):
+    no restart."""
+    await cluster.node("a")
+    await cluster.submit("svc-c", kind="service", restart={"backoff_s": 0})
+    g1 = await cluster.grant()
+    await cluster.report(g1, "running")
+    await cluster.event("svc-c", "placed")
+    reply = await api(cluster.nc, API_CANCEL, {"job_id": "svc-c"})
+    assert reply["state"] == "cancelling"
+    await cluster.report(g1, "failed", -15)
+    await cluster.no_grant()
+    await cluster.until_state("svc-c", "failed")
+    assert "requeued" not in cluster.types("svc-c")
+
+
+async def test_a_service_waiting_out_its_backoff_can_be_cancelled(cluster: Cluster) -> None:
+    await cluster.node("a")
+    await cluster.submit("svc-w", kind="service", restart={"backoff_s": 60, "max_backoff_s": 60})
+    g1 = await cluster.grant()
+    await cluster.report(g1, "failed", 1)
+    await cluster.event("svc-w", "requeued")
+    reply = await api(cluster.nc, API_CANCEL, {"job_id": "svc-w"})
+    assert reply["state"] == "cancelled"
+    await cluster.event("svc-w", "cancelled")
+    await cluster.no_grant()
+
+
+async def test_an_array_of_20_is_20_jobs_each_with_its_index(cluster: Cluster) -> None:
+    """One submit, 20 jobs <id>-<i> (each granted, each carrying its index for the executor's
+    GPULAYER_ARRAY_INDEX); listed under the array's id; a resubmit adds nothing."""
+    await cluster.node("big", gpus=0)
+    await cluster.submit("arr", array={"count": 20})
+    grants = [await cluster.grant() for _ in range(20)]
+    by_id = {g.job.job_id: g for g in grants}
+    assert sorted(by_id) == sorted(f"arr-{i}" for i in range(20))
+    for job_id, g in by_id.items():
+        assert g.job.array is not None
+        assert (g.job.array.count, f"arr-{g.job.array.index}") == (20, job_id)
+    rows = await cluster.db("SELECT array_id, count(*) AS n FROM jobs GROUP BY array_id")
+    assert [(r["array_id"], r["n"]) for r in rows] == [("arr", 20)]
+    await cluster.submit("arr", array={"count": 20})  # same id: deduplicated, no new jobs
+    await cluster.no_grant()
+    assert "accepted" in cluster.types("arr-19")
+
+
+async def test_an_array_whose_ids_would_be_too_long_is_rejected(cluster: Cluster) -> None:
+    await cluster.submit("a" * 126, array={"count": 100})
+    rejected = await cluster.event("a" * 126, "rejected")
+    assert rejected.reasons[0].startswith("$.array.count: the array's last job id")
+
+
+async def test_a_dependency_chain_of_three_runs_in_order(cluster: Cluster) -> None:
+    """c waits for b, b for a: each is granted only after the one before succeeded, and a
+    job naming an unknown id is rejected at submit."""
+    await cluster.node("n", gpus=0)
+    await cluster.submit("a")
+    await cluster.submit("b", after=["a"])
+    await cluster.submit("c", after=["b", "a"])
+    await cluster.submit("d", after=["nobody"])
+    rejected = await cluster.event("d", "rejected")
+    assert rejected.reasons == [
+        "$.after[0]: no job 'nobody' (a dependency must be submitted first)"
+    ]
+    ga = await cluster.grant()
+    assert ga.job.job_id == "a"
+    await cluster.no_grant()
+    row = await cluster.row("b")
+    assert (row["state"], row["blocked"]) == ("pending", True)
+    await cluster.report(ga, "succeeded", 0)
+    gb = await cluster.grant()
+    assert gb.job.job_id == "b"
+    await cluster.no_grant()
+    await cluster.report(gb, "succeeded", 0)
+    gc = await cluster.grant()
+    assert gc.job.job_id == "c"
+
+
+async def test_a_failed_dependency_cancels_its_dependents(cluster: Cluster) -> None:
+    """x fails: y (after x) is cancelled naming x, and z (after y) is cancelled naming y."""
+    await cluster.node("n", gpus=0)
+    await cluster.submit("x")
+    await cluster.submit("y", after=["x"])
+    await cluster.submit("z", after=["y"])
+    gx = await cluster.grant()
+    await cluster.event("z", "accepted")
+    await cluster.report(gx, "failed", 3)
+    y = await cluster.event("y", "cancelled")
+    z = await cluster.event("z", "cancelled")
+    assert y.reason == "dependency x ended failed (after)"
+    assert z.reason == "dependency y ended cancelled (after)"
+    await cluster.no_grant()
+    # Naming a job that already ended badly is refused at submit.
+    await cluster.submit("w", after=["x"])
+    w = await cluster.event("w", "rejected")
+    assert w.reasons == ["$.after[0]: job 'x' already ended failed"]
+
+
+async def test_a_cycle_in_one_batch_is_rejected(cluster: Cluster) -> None:
+    # Published before placement reads the stream, so they arrive in one batch.
+    await cluster.svc.close()
+    await cluster.submit("p", after=["q"])
+    await cluster.submit("q", after=["p"])
+    await cluster.submit("s", after=["q"])
+    svc = PlacementService(cluster.nc, cluster.svc.pool, Settings(node_timeout_s=1.0))
+    await svc.start()
+    try:
+        p = await cluster.event("p", "rejected")
+        s = await cluster.event("s", "rejected")
+    finally:
+        await svc.close()
+    assert p.reasons == ["$.after: a cycle of dependencies (p -> q -> p)"]
+    assert s.reasons == ["$.after: job 'q' was rejected"]
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+async def test_no_device_is_double_booked_across_retries_and_restarts(
+    cluster: Cluster, seed: int
+) -> None:
+    """Property, over random outcomes: 24 one-GPU jobs with retries (lost or failed at random,
+    some retry on failure) and 3 services with no backoff, on two nodes of 2 GPUs. Whatever
+    ends each attempt, no grant is ever given a device an attempt still running holds, no
+    grant id is given twice, and every job reaches a final state holding nothing."""
+    rng = random.Random(seed)
+    await cluster.node("p", gpus=2)
+    await cluster.node("q", gpus=2)
+    for i in range(24):
+        retries = rng.choice([0, 1, 2])
+        await cluster.submit(
+            f"j{i}",
+            retries=retries,
+            retry_on_failure=retries > 0 and rng.random() < 0.5,
+            requirements={"gpu_count": 1},
+        )
+    services = [f"s{i}" for i in range(3)]
+    for s in services:
+        await cluster.submit(
+            s, kind="service", restart={"backoff_s": 0}, requirements={"gpu_count": 1}
+        )
+    held: dict[tuple[str, int], str] = {}  # (node, device) -> grant id of the running attempt
+    seen: set[str] = set()
+    restarts = dict.fromkeys(services, 0)
+    violations: list[str] = []
+    jobs_left = {f"j{i}" for i in range(24)}
+    running_for_good: set[str] = set()
+    while jobs_left or len(running_for_good) < len(services):
+        try:
+            g = await cluster.grant(timeout=15)
+        except TimeoutError:
+            rows = await cluster.db(
+                "SELECT job_id, state, reason, attempt, requeues, node_id FROM jobs "
+                "WHERE job_id = ANY($1::text[])",
+                sorted(jobs_left),
+            )
+            raise AssertionError(f"no grant; {[dict(r) for r in rows]} {held}") from None
+        if g.grant_id in seen:
+            violations.append(f"grant {g.grant_id} given twice")
+        seen.add(g.grant_id)
+        for d in g.devices:
+            other = held.get((g.node_id, d))
+            if other is not None:
+                violations.append(f"{g.grant_id} got {g.node_id}:{d}, held by {other}")
+            held[(g.node_id, d)] = g.grant_id
+        job_id = g.job.job_id
+        if job_id in restarts:
+            if restarts[job_id] >= 3:
+                await cluster.report(g, "running")
+                running_for_good.add(job_id)
+                continue  # keeps running: cancelled below
+            restarts[job_id] += 1
+            outcome = rng.choice(["failed", "succeeded", "lost"])
+        else:
+            outcome = rng.choice(["succeeded", "failed", "lost", "lost"])
+        for d in g.devices:
+            del held[(g.node_id, d)]  # released before its end is reported
+        await cluster.report(g, outcome, 0 if outcome == "succeeded" else 1)
+        attempt = int(g.grant_id.rsplit("-", 1)[1])
+        retries, on_failure = g.job.retries, g.job.retry_on_failure
+        if job_id not in restarts and not (
+            attempt <= retries and (outcome == "lost" or (outcome == "failed" and on_failure))
+        ):
+            jobs_left.discard(job_id)
+    assert violations == []
+    for s in services:
+        await api(cluster.nc, API_CANCEL, {"job_id": s})
+    await cluster.no_grant()
+    rows = await cluster.db(
+        "SELECT job_id, state FROM jobs WHERE job_id LIKE 'j%' AND state IN "
+        "('pending', 'placed', 'running')"
+    )
+    assert rows == []
+    left = await cluster.db("SELECT job_id FROM allocations WHERE job_id LIKE 'j%'")
+    assert left == []
