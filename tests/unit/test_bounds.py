@@ -292,6 +292,19 @@ OUTSIDE_INSIDE: list[tuple[str, JobRequest, str, JobRequest]] = [
         "$.job_id: 'aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa... is not a job id",
         make_job(job_id="a" * 128),
     ),
+    # Queue policy (issue 15 part A).
+    (
+        "priority high",
+        make_job(priority=b.MAX_PRIORITY + 1),
+        "$.priority: 1000001 is out of range (-1000000 <= x <= 1000000)",
+        make_job(priority=b.MAX_PRIORITY),
+    ),
+    (
+        "priority low",
+        make_job(priority=-(2**70)),
+        "$.priority: -1180591620717411303424 is out of range (-1000000 <= x <= 1000000)",
+        make_job(priority=-b.MAX_PRIORITY),
+    ),
 ]
 
 
@@ -986,6 +999,7 @@ def _near(limit: int) -> st.SearchStrategy[str]:
     python=st.one_of(st.none(), _near(b.MAX_SHORT_TEXT_BYTES)),
     cores=_numbers,
     memory=_numbers,
+    priority=st.sampled_from([0, -5, b.MAX_PRIORITY, b.MAX_PRIORITY + 1, -b.MAX_PRIORITY - 1]),
 )
 def test_the_fast_check_agrees_with_the_detailed_one(
     name: str,
@@ -999,8 +1013,10 @@ def test_the_fast_check_agrees_with_the_detailed_one(
     python: str | None,
     cores: float,
     memory: float,
+    priority: int,
 ) -> None:
     job = make_job(
+        priority=priority,
         name=name,
         command=command,
         env=env,

@@ -53,6 +53,8 @@ MAX_NAME_BYTES: Final = 1024  # the job's human-readable name
 MAX_SHORT_TEXT_BYTES: Final = 256
 MAX_LIST_ITEMS: Final = 64  # frameworks, framework_capabilities, apis_any (each)
 ENV_NAME_PATTERN: Final = r"[A-Za-z_][A-Za-z0-9_]*"
+# Queue policy (issue 15 part A): priority is -MAX_PRIORITY .. MAX_PRIORITY (PostgreSQL int4).
+MAX_PRIORITY: Final = 1_000_000
 
 # --- Capabilities, heartbeats and executor status (per message) ---
 MAX_NODE_ID_BYTES: Final = 128
@@ -284,6 +286,8 @@ def _numbers_and_short_texts_fit(job: JobRequest) -> bool:
         texts += [v for v in (dist.backend, dist.launcher) if v is not None]
     if job.requires_core is not None:
         texts.append(job.requires_core)
+    if _range("", job.priority, -MAX_PRIORITY, MAX_PRIORITY):
+        return False
     return all(len(x) <= MAX_LIST_ITEMS for x in lists) and all(_fits(x, short) for x in texts)
 
 
@@ -381,6 +385,10 @@ def _job_bounds(job: JobRequest) -> Iterator[str]:
                 yield from _text(f"{p}.{field}", value, MAX_SHORT_TEXT_BYTES)
     if job.requires_core is not None:
         yield from _text("$.requires_core", job.requires_core, MAX_SHORT_TEXT_BYTES)
+    # Queue policy (issue 15 part A).
+    error = _range("$.priority", job.priority, -MAX_PRIORITY, MAX_PRIORITY)
+    if error:
+        yield error
 
 
 def bound_messages(messages: list[str], most: int = MAX_ERRORS) -> list[str]:

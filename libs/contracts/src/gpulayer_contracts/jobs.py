@@ -158,3 +158,18 @@ class JobRequest(Input, frozen=True):
     sandbox: Sandbox = Sandbox()
     distributed: Distributed | None = None
     requires_core: Annotated[str | None, _doc("PEP 440 specifier on gpulayer's own version")] = None
+    # --- Queue policy (issue 15 part A) ---
+    priority: Annotated[
+        int,
+        _doc(
+            "Higher is placed first (-1000000 .. 1000000); within a priority, the owner with "
+            "the least recent GPU usage goes first, then the oldest job"
+        ),
+    ] = 0
+    preemptible: Annotated[
+        bool,
+        _doc(
+            "May be cancelled to place a higher-priority job that can't fit otherwise; it is "
+            "then requeued (same id, next attempt), not failed"
+        ),
+    ] = False
