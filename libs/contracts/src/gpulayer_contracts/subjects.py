@@ -37,7 +37,10 @@ API_CANCEL = f"{PREFIX}.api.cancel"
 API_MATRIX = f"{PREFIX}.api.matrix"
 # Placement answers ``gpulayer.api.<verb>`` (caller anonymous) and ``gpulayer.api.<verb>.<caller>``
 # (only the caller's credential may publish there, so the token names who asks).
-API_VERBS = (API_NODES, API_JOBS, API_JOB, API_EXPLAIN, API_CANCEL, API_MATRIX)
+API_VERBS: tuple[str, ...] = (API_NODES, API_JOBS, API_JOB, API_EXPLAIN, API_CANCEL, API_MATRIX)
+# Queue policy (issue 15 part A): quotas, set and listed by admins only.
+API_QUOTA = f"{PREFIX}.api.quota"
+API_VERBS += (API_QUOTA,)
 
 # Header names. Nats-Msg-Id is JetStream's own dedupe header.
 MSG_ID_HEADER = "Nats-Msg-Id"
