@@ -41,6 +41,7 @@ class Reservation:
     job_id: str
     node_id: str
     until: float
+    priority: int = 0  # a job of higher priority is ahead of it: the reservation doesn't hold it
 
 
 class _Tally:
@@ -88,8 +89,7 @@ class Policy:
         for fair share at once (PostgreSQL's sum is read again later)."""
         a = self.active.pop(job_id, None)
         self.preempting.pop(job_id, None)
-        if self.reservation is not None and self.reservation.job_id == job_id:
-            self.reservation = None
+        self.clear_reservation(job_id)
         if a is None:
             return
         node = self.by_node.get(a.node_id)
@@ -191,14 +191,20 @@ class Policy:
     # --- No starvation ---
 
     def new_pass(self) -> bool:
-        """A full pass starts. True when it may compute the reservation again."""
+        """A full pass starts. True when it may compute the reservation: the last computation
+        (found or not) is older than RESERVATION_EVERY_S, or its job was placed or ended."""
         if time.monotonic() - self._reserved_at < RESERVATION_EVERY_S:
             return False
         self.reservation = None
         return True
 
     def reserve(
-        self, job_id: str, job: JobRequest, views: Iterable[NodeView], items: Items
+        self,
+        job_id: str,
+        job: JobRequest,
+        views: Iterable[NodeView],
+        items: Items,
+        priority: int = 0,
     ) -> None:
         """Keep for ``job`` (blocked, first in order) the node where enough devices free up
         soonest by the running jobs' timeouts (a job without one never ends)."""
@@ -215,14 +221,25 @@ class Policy:
             until = order[n - 1].ends_at
             if best is None or (until, view.node_id) < best:
                 best = (until, view.node_id)
-        self.reservation = None if best is None else Reservation(job_id, best[1], best[0])
+        self.reservation = None if best is None else Reservation(job_id, best[1], best[0], priority)
 
-    def may_backfill(self, job_id: str, job: JobRequest, node_id: str, devices: int) -> bool:
+    def clear_reservation(self, job_id: str) -> None:
+        """``job_id`` was placed or ended: its reservation goes, and the next full pass may
+        compute one for the job now first in order."""
+        if self.reservation is not None and self.reservation.job_id == job_id:
+            self.reservation = None
+            self._reserved_at = -math.inf
+
+    def may_backfill(
+        self, job_id: str, job: JobRequest, node_id: str, devices: int, priority: int = 0
+    ) -> bool:
         """Whether a job that holds ``devices`` may go on ``node_id``: yes unless that node is
-        reserved for another job, and then only when its timeout ends before the reservation's
-        job can start."""
+        reserved for another job of at least its priority, and then only when its timeout ends
+        before the reservation's job can start."""
         r = self.reservation
         if r is None or r.node_id != node_id or r.job_id == job_id or devices == 0:
+            return True
+        if priority > r.priority:
             return True
         return job.timeout_s is not None and time.time() + job.timeout_s <= r.until
 

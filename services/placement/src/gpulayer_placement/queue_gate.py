@@ -36,7 +36,7 @@ class Gate:
         self.publisher = publisher
 
     def admit(
-        self, job_id: str, job: JobRequest, decision: Placement, owner: str
+        self, job_id: str, job: JobRequest, decision: Placement, owner: str, priority: int = 0
     ) -> Placement | NoPlacement:
         """The queue policy's word on a placement the matcher found: the owner's quota, then
         the reservation kept for a large job (another node, or wait)."""
@@ -45,7 +45,7 @@ class Gate:
         )
         if why is not None:
             return NoPlacement(summary=why, reasons=[why], unsatisfiable=False)
-        if self.policy.may_backfill(job_id, job, decision.node_id, len(decision.devices)):
+        if self.policy.may_backfill(job_id, job, decision.node_id, len(decision.devices), priority):
             return decision
         r = self.policy.reservation
         assert r is not None
@@ -75,9 +75,11 @@ class Gate:
             return decision
         if over_quota(decision):
             return decision  # over quota: neither reserves nor preempts
-        if reserve and self.policy.reservation is None:
-            self.policy.reserve(job_id, job, self.fleet.views(), self.fleet.reserved_items)
         priority = row.get("priority") or 0
+        if reserve and self.policy.reservation is None:
+            self.policy.reserve(
+                job_id, job, self.fleet.views(), self.fleet.reserved_items, priority
+            )
         if not self.policy.may_preempt(job_id, priority):
             return decision
         choice = choose_victims(

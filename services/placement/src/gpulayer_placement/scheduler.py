@@ -35,7 +35,7 @@ from gpulayer_placement.outcome import Outcome, PlacedJob, mode
 from gpulayer_placement.policy import Policy, load_policy
 from gpulayer_placement.preemption import Active
 from gpulayer_placement.publisher import Publisher
-from gpulayer_placement.queue_gate import Gate, over_quota
+from gpulayer_placement.queue_gate import Gate
 from gpulayer_placement.replica_sync import ReplicaSync
 from gpulayer_placement.settings import Settings
 from gpulayer_placement.store import CONFLICTS, DB_ERRORS, Store
@@ -127,13 +127,19 @@ class Scheduler:
         With ``early_stop``, paging ends once no device in the fleet is free and no waiting job
         that needs none is known: the jobs behind can't fit, and scanning them on every release
         would cost a page of rows each time. The periodic thorough pass never stops early."""
-        after = waiting.START
-        failed: dict[bytes, NoPlacement] = {}
-        size = self.settings.page_size
         if self.policy.stale():
             async with self.pool.acquire() as conn:
                 await load_policy(self.policy, conn)
         self._may_reserve = self.policy.new_pass()
+        try:
+            await self._pages(early_stop=early_stop)
+        finally:
+            self._may_reserve = False
+
+    async def _pages(self, *, early_stop: bool) -> None:
+        after = waiting.START
+        failed: dict[bytes, NoPlacement] = {}
+        size = self.settings.page_size
         while not self.stop.is_set():
             take = functools.partial(waiting.take_page, size=size, after=after)
             page = await self._schedule_batch(take, failed)
@@ -237,13 +243,16 @@ class Scheduler:
                 self.tel.record("gpulayer.placement.decision.duration", (t1 - t0) / 1e9)
             else:
                 t1 = 0
+            gated = isinstance(decision, Placement)
             if isinstance(decision, Placement):
-                decision = self.gate.admit(job_id, job, decision, owner)
+                decision = self.gate.admit(job_id, job, decision, owner, row.get("priority") or 0)
             if isinstance(decision, Placement):
                 self._placed(row, job, decision, owner, (t0, t1), outcome)
             else:
-                if not over_quota(decision):
-                    failed[key] = decision  # a quota stops this owner's job, not its equals
+                if not gated:
+                    # Capacity only shrinks in a pass; a quota or reservation stops this job,
+                    # not its equals.
+                    failed[key] = decision
                 if requested_gpu_count(job) == 0:
                     self._deviceless_waiting.add(job_id)
                 decision = self.gate.blocked(row, job, decision, outcome, reserve=self._may_reserve)
@@ -297,8 +306,7 @@ class Scheduler:
                 millicores=job_millicores(job),
             )
         )
-        if self.policy.reservation is not None and self.policy.reservation.job_id == job_id:
-            self.policy.reservation = None
+        self.policy.clear_reservation(job_id)
 
     def _match(
         self, job_id: str, job: JobRequest, outcome: Outcome
