@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
@@ -394,6 +395,64 @@ async def requests_group(run: Run) -> None:
     await _guard(run, names, work)
 
 
+POLICY_OWNERS = [f"team{i}" for i in range(10)]
+
+
+def _with_priority(job: JobRequest) -> JobRequest:
+    """A priority from -5 to 5, spread over the mix by the job's id."""
+    return msgspec.structs.replace(job, priority=zlib.crc32(job.job_id.encode()) % 11 - 5)
+
+
+async def _set_quotas(s: Scenario) -> None:
+    """A quota for each owner and a default, high enough that every job fits: each placement
+    is still checked against them, in memory and by PostgreSQL's trigger."""
+    rows = [("*", "jobs", 10**6)]
+    for owner in POLICY_OWNERS:
+        rows += [(owner, "gpus:cuda", 10**6), (owner, "cores", 10**9), (owner, "jobs", 10**6)]
+    await s.db.executemany("INSERT INTO quotas (owner, resource, max) VALUES ($1, $2, $3)", rows)
+
+
+async def policy_group(run: Run) -> None:
+    """Issue 15 part A: the 1k placement run from 10 owners with a priority and quotas on every
+    job, against the same 10 owners with neither; alternating, medians and their ratio."""
+    sz = run.sizes
+    shape = FleetShape.of(sz.small_nodes)
+    rates: dict[str, list[float]] = {"with": [], "without": []}
+    names = [
+        ("placement_policy_with_jobs_per_s", "jobs/s"),
+        ("placement_policy_without_jobs_per_s", "jobs/s"),
+    ]
+
+    async def work() -> None:
+        for round_ in range(ROUNDS):
+            for variant in ("with", "without"):
+                async with run.scenario(f"pol{round_}{variant}") as s:
+                    await load_fleet(s, fleet(f"o{round_}", sz.small_nodes), timeout=60)
+                    if variant == "with":
+                        await _set_quotas(s)
+                    adjust = _with_priority if variant == "with" else None
+                    tp = await placement_throughput(
+                        s, f"o{round_}{variant}", sz.jobs, shape, adjust, owners=POLICY_OWNERS
+                    )
+                    if tp.granted < tp.submitted:
+                        raise BenchError(f"policy {variant}: {tp.granted}/{tp.submitted} granted")
+                    rates[variant].append(tp.rate)
+        on, off = statistics.median(rates["with"]), statistics.median(rates["without"])
+        print(f"# policy runs, jobs/s: with {rates['with']}, without {rates['without']}")
+        run.add(
+            Figure("placement_policy_with_jobs_per_s", on, "jobs/s", note=f"runs {rates['with']}"),
+            Figure(
+                "placement_policy_without_jobs_per_s",
+                off,
+                "jobs/s",
+                note=f"runs {rates['without']}",
+            ),
+            Figure("policy_with_over_without", on / off, "x"),
+        )
+
+    await _guard(run, names, work)
+
+
 async def output_group(run: Run) -> None:
     """A job printing 200 MB through the executor's pipes against the same job with its output
     to /dev/null (bench/figures.py ``output_flood``)."""
@@ -423,6 +482,7 @@ def judge_all(run: Run) -> None:
     goal("executor_output_flood_over_devnull", "<=", GOAL_FLOOD_RATIO)
     goal("auth_signing_on_over_off", ">=", GOAL_SIGNING_RATIO, ">= 0.9 x (auth and signing off)")
     goal("requests_with_over_without", ">=", 0.9, ">= 0.9 x (no host requests bind)")
+    goal("policy_with_over_without", ">=", 0.8, ">= 0.8 x (no priorities or quotas)")
     p1k = run.get("placement_1k_nodes")
     p10k = run.get("placement_10k_nodes")
     if p1k and p10k:
@@ -492,6 +552,7 @@ async def amain(args: argparse.Namespace) -> list[Figure]:
             ("output", lambda: output_group(run)),
             ("signing", lambda: signing_group(run)),
             ("requests", lambda: requests_group(run)),
+            ("policy", lambda: policy_group(run)),
         ]
         for name, group in groups:
             if only is None or name in only:
@@ -523,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         help=(
             "comma-separated groups: probe,limits,placement1k,replicas,latency,placement10k,requests,"
-            "loop,output,signing,telemetry"
+            "loop,output,signing,policy,telemetry"
         ),
     )
     p.add_argument("--profile", metavar="DIR", help="attach py-spy to placement; raw stacks in DIR")

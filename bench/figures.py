@@ -64,6 +64,7 @@ from gpulayer_contracts.subjects import (
     MSG_ID_HEADER,
     NODE_WILDCARD_GRANTS,
     STREAMS,
+    jobs_submit,
 )
 from gpulayer_runtime.nats import connect, stream_config
 from gpulayer_runtime.servers import EmbeddedNats
@@ -336,9 +337,11 @@ async def placement_throughput(
     m: int,
     shape: FleetShape,
     adjust: Callable[[JobRequest], JobRequest] | None = None,
+    owners: Sequence[str] = (),
 ) -> Throughput:
     """M jobs as fast as the load generator publishes them; first publish to last grant.
-    ``adjust``: applied to each job of the mix before it is encoded."""
+    ``adjust``: applied to each job of the mix before it is encoded. ``owners``: the jobs are
+    dealt round-robin to these owners' submit subjects (all published at once)."""
     mix = job_mix(prefix, m, gpu_jobs_for(m, shape))
     jobs = encoded([adjust(j) for j in mix] if adjust is not None else mix)
     watch = GrantWatch()
@@ -346,7 +349,13 @@ async def placement_throughput(
     sub = await s.nc.subscribe(NODE_WILDCARD_GRANTS, cb=watch.cb)
     try:
         t0 = time.perf_counter()
-        await publish_all(s.js, jobs)
+        if owners:
+            n = len(owners)
+            await asyncio.gather(
+                *(publish_all(s.js, jobs[i::n], jobs_submit(o)) for i, o in enumerate(owners))
+            )
+        else:
+            await publish_all(s.js, jobs)
         t_pub = time.perf_counter()
         await watch.wait(max(30.0, m / 250))
     finally:

@@ -52,6 +52,33 @@ readers ignore fields they don't know, and fields are only ever added, each with
 
 In the tables, *required* marks a field without a default; `a | b` is one of the values; `or
 null` means the field may be `null` (JSON) or left out (TOML has no null).
+
+## Order of decisions
+
+Placement decides about a waiting job in this order; each step is one rule with its own reason
+in `pending` events and `gpulayer explain` ([placement rules](placement-rules.md#the-order-of-decisions)
+has each in full):
+
+1. **Validity** at submit: bounds and validation (a `profile` is expanded first); a job that
+   breaks one is `rejected`.
+2. **Arrays** at submit: `array = {{count = N}}` becomes N jobs `<job_id>-<i>`.
+3. **Dependencies** at submit: every id in `after` must be known and the submitter's own, with
+   no cycle; the job waits `blocked` until they all succeeded.
+4. **The gate**: blocked jobs and services in their restart backoff are not taken at all.
+5. **Order in the queue**: higher `priority` first; within a priority, the owner with the
+   least recent GPU usage (GPU-seconds, half-life one day) first, then the oldest job.
+6. **Requirements**: each requirement one filter, the first node that meets them all now wins.
+7. **Quota**: the owner's quota (jobs, cores, GPUs per accelerator) must hold with this job
+   added, or it waits with e.g. `owner alice holds 8/8 cuda GPUs`.
+8. **Reservation**: a node kept for the first job in order that could not be placed takes no
+   job holding devices unless that job's `timeout_s` ends before the reserved job can start.
+9. **Preemption**: a job that still can't be placed may stop `preemptible` jobs of strictly
+   lower priority on one node; they are requeued (`pending`, same id, next attempt).
+10. **Node and devices**: the placement is recorded in one statement (devices, cores, RAM,
+   slots, GPU memory, the owner's quota) and the grant sent.
+11. **When an attempt ends**: a job with `retries` left and a service (by its restart policy)
+   wait again (`requeued`); any other end is final, and jobs waiting for it are unblocked or
+   cancelled.
 """
 
 

@@ -310,6 +310,19 @@ OUTSIDE_INSIDE: list[tuple[str, JobRequest, str, JobRequest]] = [
         "$.job_id: 'aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa... is not a job id",
         make_job(job_id="a" * 128),
     ),
+    # Queue policy (issue 15 part A).
+    (
+        "priority high",
+        make_job(priority=b.MAX_PRIORITY + 1),
+        "$.priority: 1000001 is out of range (-1000000 <= x <= 1000000)",
+        make_job(priority=b.MAX_PRIORITY),
+    ),
+    (
+        "priority low",
+        make_job(priority=-(2**70)),
+        "$.priority: -1180591620717411303424 is out of range (-1000000 <= x <= 1000000)",
+        make_job(priority=-b.MAX_PRIORITY),
+    ),
 ]
 
 
@@ -1011,6 +1024,7 @@ def _near(limit: int) -> st.SearchStrategy[str]:
     profile_fields=st.lists(_near(b.MAX_SHORT_TEXT_BYTES), max_size=3),
     cores=_numbers,
     memory=_numbers,
+    priority=st.sampled_from([0, -5, b.MAX_PRIORITY, b.MAX_PRIORITY + 1, -b.MAX_PRIORITY - 1]),
 )
 def test_the_fast_check_agrees_with_the_detailed_one(
     name: str,
@@ -1027,8 +1041,10 @@ def test_the_fast_check_agrees_with_the_detailed_one(
     profile_fields: list[str],
     cores: float,
     memory: float,
+    priority: int,
 ) -> None:
     job = make_job(
+        priority=priority,
         name=name,
         command=command,
         env=env,

@@ -405,6 +405,61 @@ def _render_explain(console: Console, data: Any) -> None:
     console.print(data.get("summary", ""))
     for reason in data.get("reasons", []):
         console.print(f"  - {reason}")
+    policy = data.get("policy")
+    if policy:  # queue policy: where the job stands among the waiting ones
+        console.print(
+            f"priority {policy['priority']}; owner {policy['owner']} used "
+            f"{policy['owner_usage_gpu_s']:g} GPU-seconds recently ({policy['order']})"
+        )
+        for key in ("waiting_reason", "note", "reservation", "preempted_for"):
+            if policy.get(key):
+                console.print(f"  {key.replace('_', ' ')}: {policy[key]}")
+
+
+def _render_quotas(console: Console, data: Any) -> None:
+    from gpulayer_cli.render import quotas_table
+
+    console.print(quotas_table(data))
+
+
+def _quota_body(args: argparse.Namespace) -> dict[str, Any]:
+    """The API request of ``gpulayer quota set|delete|list``."""
+    if args.quota_op == "list":
+        return {"op": "list"}
+    owner = None if args.default else args.owner
+    if owner is None and not args.default:
+        raise SystemExit("gpulayer quota: name an OWNER or give --default")
+    if args.quota_op == "delete":
+        return {"op": "delete", "owner": owner}
+    gpus: dict[str, int] = {}
+    for item in args.gpus or []:
+        acc, sep, n = item.partition("=")
+        if not sep or not n.lstrip("-").isdigit():
+            raise SystemExit(f"gpulayer quota: --gpus {item!r} is not ACCELERATOR=N")
+        gpus[acc] = int(n)
+    return {"op": "set", "owner": owner, "gpus": gpus, "cores": args.cores, "jobs": args.jobs}
+
+
+def _quota_parser(sub: Any) -> None:
+    from gpulayer_contracts.subjects import API_QUOTA
+
+    qp = sub.add_parser("quota", help="per-owner quotas (admins): set, delete, list")
+    qs = qp.add_subparsers(dest="quota_op", required=True)
+    for name, text in (
+        ("set", "set an owner's (or the default) quota; -1 clears a limit"),
+        ("delete", "remove an owner's (or the default) quota"),
+        ("list", "every quota and what each owner holds now"),
+    ):
+        p = qs.add_parser(name, help=text)
+        if name != "list":
+            p.add_argument("owner", nargs="?")
+            p.add_argument("--default", action="store_true", help="the default quota")
+        if name == "set":
+            p.add_argument("--gpus", action="append", metavar="ACC=N", help="e.g. cuda=8")
+            p.add_argument("--cores", type=float, default=None)
+            p.add_argument("--jobs", type=int, default=None)
+        p.add_argument("--json", action="store_true")
+        p.set_defaults(fn=_api_command(API_QUOTA, _quota_body, _render_quotas))
 
 
 def _render_cancel(console: Console, data: Any) -> None:
@@ -614,6 +669,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("job_id")
     e.add_argument("--json", action="store_true")
     e.set_defaults(fn=_api_command(API_EXPLAIN, lambda a: {"job_id": a.job_id}, _render_explain))
+
+    _quota_parser(sub)
 
     c = sub.add_parser("cancel", help="cancel a waiting or running job")
     c.add_argument("job_id")

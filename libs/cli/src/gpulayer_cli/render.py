@@ -213,8 +213,12 @@ def jobs_table(jobs: list[dict[str, Any]]) -> Table:
     exits = ["-" if j.get("exit_code") is None else str(j["exit_code"]) for j in jobs]
     _id_column(t, "exit", exits)
     t.add_column("submitted", no_wrap=True)
+    # Queue policy: priority, and the owner's recent GPU-seconds (fair share: least goes first).
+    t.add_column("prio", justify="right", no_wrap=True)
+    t.add_column("owner (GPU-s)", no_wrap=True)
     t.add_column("reason")
     for j, devs, code in zip(jobs, devices, exits, strict=True):
+        usage = j.get("owner_usage_gpu_s")
         t.add_row(
             j["job_id"],
             j["state"],
@@ -222,6 +226,8 @@ def jobs_table(jobs: list[dict[str, Any]]) -> Table:
             devs,
             code,
             ago(j.get("submitted_at")),
+            str(j.get("priority") or 0),
+            f"{j.get('owner') or '-'} ({usage:g})" if usage is not None else j.get("owner") or "-",
             _shorten(j.get("reason") or "", 160),
         )
     return t
@@ -280,6 +286,20 @@ def services_table(services: list[dict[str, Any]]) -> Table:
             ago(s.get("submitted_at")),
             _shorten(s.get("reason") or "", 160),
         )
+    return t
+
+
+def quotas_table(rows: list[dict[str, Any]]) -> Table:
+    """``gpulayer quota list``: one row per owner and resource, with what it holds now."""
+    t = Table(title="quotas")
+    t.add_column("owner")
+    t.add_column("resource")
+    t.add_column("held / max", justify="right")
+    for r in rows:
+        resource, held, most = r["resource"], r["used"], r["max"]
+        if resource == "cores":
+            held, most = f"{held / 1000:g}", f"{most / 1000:g}"
+        t.add_row(r["owner"], resource, f"{held} / {most}")
     return t
 
 

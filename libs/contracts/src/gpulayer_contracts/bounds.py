@@ -61,6 +61,8 @@ MAX_ARRAY_COUNT: Final = 10000  # jobs one array submit creates
 # message may not make placement insert and hold more than this at once.
 MAX_ARRAY_BYTES: Final = 64 * KIB * KIB
 MAX_AFTER: Final = 1024  # dependencies of one job
+# Queue policy (issue 15 part A): priority is -MAX_PRIORITY .. MAX_PRIORITY (PostgreSQL int4).
+MAX_PRIORITY: Final = 1_000_000
 
 # --- Capabilities, heartbeats and executor status (per message) ---
 MAX_NODE_ID_BYTES: Final = 128
@@ -298,7 +300,7 @@ def _numbers_and_short_texts_fit(job: JobRequest) -> bool:
         texts += [v for v in (dist.backend, dist.launcher) if v is not None]
     if job.requires_core is not None:
         texts.append(job.requires_core)
-    if not _lifecycle_fits(job):
+    if not _lifecycle_fits(job) or _range("", job.priority, -MAX_PRIORITY, MAX_PRIORITY):
         return False
     return all(len(x) <= MAX_LIST_ITEMS for x in lists) and all(_fits(x, short) for x in texts)
 
@@ -481,6 +483,10 @@ def _job_bounds(job: JobRequest) -> Iterator[str]:
         yield f"$.profile: {_show(job.profile)} is not name@version ({PROFILE_REF_PATTERN})"
     yield from _texts("$.profile_fields", job.profile_fields, MAX_LIST_ITEMS, MAX_SHORT_TEXT_BYTES)
     yield from _lifecycle_bounds(job)
+    # Queue policy (issue 15 part A).
+    error = _range("$.priority", job.priority, -MAX_PRIORITY, MAX_PRIORITY)
+    if error:
+        yield error
 
 
 def bound_messages(messages: list[str], most: int = MAX_ERRORS) -> list[str]:

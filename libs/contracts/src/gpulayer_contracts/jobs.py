@@ -249,3 +249,18 @@ class JobRequest(Input, frozen=True):
         list[JobId],
         _doc("Job ids that must all have succeeded before this one starts (submitted before it)"),
     ] = []
+    # --- Queue policy (issue 15 part A) ---
+    priority: Annotated[
+        int,
+        _doc(
+            "Higher is placed first (-1000000 .. 1000000); within a priority, the owner with "
+            "the least recent GPU usage goes first, then the oldest job"
+        ),
+    ] = 0
+    preemptible: Annotated[
+        bool,
+        _doc(
+            "May be cancelled to place a higher-priority job that can't fit otherwise; it is "
+            "then requeued (same id, next attempt), not failed"
+        ),
+    ] = False

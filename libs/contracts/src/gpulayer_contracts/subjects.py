@@ -39,7 +39,7 @@ API_PROFILES = f"{PREFIX}.api.profiles"
 API_SERVICES = f"{PREFIX}.api.services"  # lifecycle: long-running services, their restarts
 # Placement answers ``gpulayer.api.<verb>`` (caller anonymous) and ``gpulayer.api.<verb>.<caller>``
 # (only the caller's credential may publish there, so the token names who asks).
-API_VERBS = (
+API_VERBS: tuple[str, ...] = (
     API_NODES,
     API_JOBS,
     API_JOB,
@@ -49,6 +49,9 @@ API_VERBS = (
     API_PROFILES,
     API_SERVICES,
 )
+# Queue policy (issue 15 part A): quotas, set and listed by admins only.
+API_QUOTA = f"{PREFIX}.api.quota"
+API_VERBS += (API_QUOTA,)
 
 # Header names. Nats-Msg-Id is JetStream's own dedupe header.
 MSG_ID_HEADER = "Nats-Msg-Id"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 import asyncpg
 import msgspec
@@ -34,13 +34,15 @@ from gpulayer_contracts.subjects import (
     API_MATRIX,
     API_NODES,
     API_PROFILES,
+    API_QUOTA,
     API_SERVICES,
     api_caller,
 )
 from gpulayer_matching import NodeView
 from gpulayer_matching.resources import CPU, GB, MEMORY, SLOTS
-from gpulayer_placement import dependencies
+from gpulayer_placement import dependencies, quotas
 from gpulayer_placement.fleet import Fleet
+from gpulayer_placement.policy import Policy, load_policy
 from gpulayer_placement.publisher import Publisher
 from gpulayer_placement.store import Store
 
@@ -61,6 +63,14 @@ class _JobQuery(msgspec.Struct, frozen=True):
 class _JobsQuery(msgspec.Struct, frozen=True):
     state: str | None = None
     limit: int = 100
+
+
+class _QuotaQuery(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    op: Literal["list", "set", "delete"] = "list"
+    owner: str | None = None  # None: the default quota
+    gpus: dict[str, int] = {}
+    cores: float | None = None
+    jobs: int | None = None
 
 
 class _CancelQuery(msgspec.Struct, frozen=True):
@@ -92,7 +102,9 @@ class Api:
         forget: Callable[[str], None],
         admins: frozenset[str] = frozenset({"admin"}),
         profiles: Profiles | None = None,
+        policy: Policy | None = None,
     ) -> None:
+        self.policy = policy if policy is not None else Policy()
         self.nc = nc
         self.js = js
         self.pool = pool
@@ -114,6 +126,7 @@ class Api:
             API_MATRIX: self.matrix,
             API_PROFILES: self.profile_fit,
             API_SERVICES: self.services,
+            API_QUOTA: self.quota,
         }
         return [
             await self.nc.subscribe(subject, queue=QUEUE, cb=self._wrap(handler))
@@ -197,7 +210,10 @@ class Api:
         q = msgspec.json.decode(data or b"{}", type=_JobsQuery)
         async with self.pool.acquire() as conn:
             rows = await Store.fetch(conn, "list_jobs", q.state, min(max(q.limit, 1), 10_000))
-        return [{k: _iso(v) for k, v in dict(r).items()} for r in rows]
+        out = [{k: _iso(v) for k, v in dict(r).items()} for r in rows]
+        for job in out:  # fair share: the owner's recent GPU-seconds, lowest goes first
+            job["owner_usage_gpu_s"] = round(self.policy.usage(job.get("owner") or ANONYMOUS), 1)
+        return out
 
     async def services(self, data: bytes, caller: str = ANONYMOUS) -> Any:
         """Services (``kind = "service"``), newest first: state, restarts so far, the node it runs
@@ -245,6 +261,7 @@ class Api:
         out.update(
             summary=decision.summary, reasons=decision.reasons, unsatisfiable=decision.unsatisfiable
         )
+        out["policy"] = self._policy_note(row, decision.can_run_now > 0)
         if row["state"] in ("placed", "running"):
             out["node_id"] = row["node_id"]
             out["devices"] = list(row["devices"])
@@ -298,6 +315,58 @@ class Api:
         """The runtime profiles this replica expands jobs with, and per profile how many nodes
         of its fleet satisfy it now and why the others don't."""
         return matcher.profile_fit(self.profiles, self.fleet.views())
+
+    def _policy_note(self, row: dict[str, Any], fits_now: bool) -> dict[str, Any]:
+        """Where the queue policy puts a job: its priority, its owner's fair-share usage, and
+        for a waiting one the reason the scheduler last gave (quota, reservation, preemption)."""
+        owner = row.get("owner") or ANONYMOUS
+        note: dict[str, Any] = {
+            "priority": row.get("priority") or 0,
+            "preemptible": bool(row.get("preemptible")),
+            "owner": owner,
+            "owner_usage_gpu_s": round(self.policy.usage(owner), 1),
+            "order": "higher priority first; within a priority the owner with the least recent "
+            "GPU usage (GPU-seconds, half-life 1 day), then the oldest job",
+        }
+        if row["state"] == "pending":
+            note["waiting_reason"] = row.get("reason")
+            if fits_now and row.get("reason"):
+                note["note"] = "a node could run it now: the queue policy holds it (see reason)"
+        r = self.policy.reservation
+        if r is not None and r.job_id == row["job_id"]:
+            note["reservation"] = {"node_id": r.node_id, "until": r.until}
+        if row.get("preempted_for"):
+            note["preempted_for"] = row["preempted_for"]
+        return note
+
+    async def quota(self, data: bytes, caller: str = ANONYMOUS) -> Any:
+        """Admins only: ``{"op": "list"}``, ``{"op": "set", ...QuotaRequest}``,
+        ``{"op": "delete", "owner": name}`` (owner None: the default quota)."""
+        if not self.privileged(caller):
+            log.warning("refused: %s tried to manage quotas", caller)
+            raise ApiError("only admins may see or change quotas")
+        q = msgspec.json.decode(data or b"{}", type=_QuotaQuery)
+        owner = quotas.DEFAULT_OWNER if q.owner is None else q.owner
+        if q.owner is not None and (not q.owner or any(c in q.owner for c in ".*> \t\x00")):
+            raise ApiError(f"owner {q.owner!r} is not an identity name")
+        async with self.pool.acquire() as conn, conn.transaction():
+            if q.op == "set":
+                req = quotas.QuotaRequest(owner=q.owner, gpus=q.gpus, cores=q.cores, jobs=q.jobs)
+                resources, maxima, clear = quotas.quota_rows(req)
+                await Store.execute(conn, "set_quota", owner, resources, maxima, clear)
+            elif q.op == "delete":
+                await Store.fetch(conn, "delete_quota", owner)
+            rows = await Store.fetch(conn, "list_quotas")
+            await load_policy(self.policy, conn)
+        return [
+            {
+                "owner": "default" if r["owner"] == quotas.DEFAULT_OWNER else r["owner"],
+                "resource": r["resource"],
+                "max": r["max"],
+                "used": r["used"],
+            }
+            for r in rows
+        ]
 
 
 def _resources(fleet: Fleet, view: NodeView) -> dict[str, Any]:

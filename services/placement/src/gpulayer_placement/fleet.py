@@ -229,6 +229,11 @@ class Fleet:
         if refresh:
             self._refresh(node_id)
 
+    def reserved_items(self, job_id: str) -> list[tuple[str, int]]:
+        """What a placed job reserves besides devices (empty when not known here)."""
+        entry = self._reserved.get(job_id)
+        return list(entry[1]) if entry is not None else []
+
     def unreserve(self, job_id: str) -> str | None:
         """The job ended (or its placement was not committed): give back what it held. Returns
         its node, None when nothing was held (already given back, or never known here)."""

@@ -140,6 +140,7 @@ class Intake:
         outcome = stored.outcome
         if outcome is not None:
             published = await self.publisher.publish_outcome(outcome, before=events)
+            await self.scheduler.gate.send_cancels(outcome)  # preemptions it chose (queue policy)
         else:
             published = await self.publisher.publish_events(events)
         dead = {id(d[0]) for d in batch.dead}

@@ -145,7 +145,9 @@ class Lifecycle:
         what waits again, release the dependents of what ended for good. On ``conn``, in the
         caller's transaction."""
         out = Settled()
-        ended = {r["job_id"]: r for r in rows if r.get("state") != "running"}
+        # ``pending``: a preempted job its executor stopped, already waiting again (queue
+        # policy requeues it in apply_status): not an end, for retries or for its dependents.
+        ended = {r["job_id"]: r for r in rows if r.get("state") not in ("running", "pending")}
         now = datetime.now(UTC)
         plans = [p for r in ended.values() if (p := plan(r, now)) is not None]
         if plans:

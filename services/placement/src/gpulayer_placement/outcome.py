@@ -33,6 +33,10 @@ class Outcome:
     failed: list[tuple[str, str]] = field(default_factory=list)
     commit_ns: tuple[int, int] = (0, 0)
     owners: dict[str, str] = field(default_factory=dict)  # of waiting jobs; absent: anonymous
+    # Preemptions chosen (queue policy): (waiting job, its priority, victims), and the victims
+    # PostgreSQL marked (rows of ``mark_preempted``), whose cancels go out after the commit.
+    preempt: list[tuple[str, int, list[str]]] = field(default_factory=list)
+    cancels: list[Any] = field(default_factory=list)
 
 
 def mode(p: Placement) -> str:

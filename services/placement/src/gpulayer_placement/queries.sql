@@ -64,32 +64,40 @@ WITH lost AS (
 SELECT job_id, node_id, owner, state, reason, lifecycle, has_dependents FROM lost;
 
 -- name: insert_jobs
--- $6: owners; NULL (a caller of an older version) is 'anonymous'.
-INSERT INTO jobs (job_id, request, state, reason, traceparent, owner)
+-- $6: owners; NULL (a caller of an older version) is 'anonymous'. Priority and preemptible
+-- are copied from the request of a waiting job (validated: within bounds); 0 / false otherwise.
+INSERT INTO jobs (job_id, request, state, reason, traceparent, owner, priority, preemptible)
 SELECT j.job_id, j.request::jsonb, j.state, j.reason, j.traceparent,
-       coalesce(j.owner, 'anonymous')
+       coalesce(j.owner, 'anonymous'),
+       CASE WHEN j.state = 'pending' THEN coalesce((j.request::jsonb ->> 'priority')::int, 0)
+            ELSE 0 END,
+       j.state = 'pending' AND coalesce((j.request::jsonb ->> 'preemptible')::boolean, false)
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[])
      AS j(job_id, request, state, reason, traceparent, owner)
 ON CONFLICT (job_id) DO NOTHING
 RETURNING job_id;
 
 -- name: take_pending
--- Oldest first, a page after ($2, $3). SKIP LOCKED lets several replicas split waiting jobs.
-SELECT job_id, request::text AS request, reason, attempt, submitted_at, traceparent, owner
+-- Highest priority first, then oldest, a page after ($2, $3, $4) = (-priority, submitted_at,
+-- job_id) (jobs_pending_priority_idx). SKIP LOCKED lets several replicas split waiting jobs.
+SELECT job_id, request::text AS request, reason, attempt, submitted_at, traceparent, owner,
+       priority
 FROM jobs
-WHERE state = 'pending' AND (submitted_at, job_id) > ($2::timestamptz, $3::text)
+WHERE state = 'pending'
+  AND ((-priority), submitted_at, job_id) > ($2::int, $3::timestamptz, $4::text)
   -- lifecycle: dependencies not all succeeded, or a restart's backoff not over
   AND NOT blocked AND (not_before IS NULL OR not_before <= now())
-ORDER BY submitted_at, job_id
+ORDER BY (-priority), submitted_at, job_id
 LIMIT $1
 FOR UPDATE SKIP LOCKED;
 
 -- name: take_jobs
-SELECT job_id, request::text AS request, reason, attempt, submitted_at, traceparent, owner
+SELECT job_id, request::text AS request, reason, attempt, submitted_at, traceparent, owner,
+       priority
 FROM jobs
 WHERE state = 'pending' AND job_id = ANY($1::text[])
   AND NOT blocked AND (not_before IS NULL OR not_before <= now())
-ORDER BY submitted_at, job_id
+ORDER BY (-priority), submitted_at, job_id
 FOR UPDATE SKIP LOCKED;
 
 -- name: place_jobs
@@ -105,6 +113,11 @@ WITH held AS (
     INSERT INTO reservations (job_id, node_id, resource, amount, capacity)
     SELECT * FROM unnest($11::text[], $12::text[], $13::text[], $14::bigint[], $15::bigint[])
     RETURNING node_id
+), counted AS (
+    -- What each job counts against its owner's quota ($16 owners, $17 devices, $18
+    -- millicores); the owner_holds trigger refuses the statement past a quota.
+    INSERT INTO owner_holds (job_id, owner, accelerator, gpus, millicores)
+    SELECT * FROM unnest($1::text[], $16::text[], $4::text[], $17::int[], $18::bigint[])
 ), placed AS (
     UPDATE jobs SET state = 'placed', node_id = p.node_id, grant_id = p.grant_id,
         accelerator = p.accelerator, devices = p.devices::int[], attempt = jobs.attempt + 1,
@@ -132,7 +145,14 @@ WITH s AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int[], $6::text[])
          AS s(job_id, grant_id, node_id, state, exit_code, reason)
 ), changed AS (
-    UPDATE jobs SET state = s.state, exit_code = s.exit_code, reason = s.reason, updated_at = now()
+    -- A job being preempted (preempted_for set) that reports 'cancelled' is requeued: back to
+    -- 'pending' with the reason, same id; its next placement takes the next attempt number.
+    UPDATE jobs SET state = CASE WHEN s.state = 'cancelled' AND jobs.preempted_for IS NOT NULL
+                                 THEN 'pending' ELSE s.state END,
+        exit_code = s.exit_code,
+        reason = CASE WHEN s.state = 'cancelled' AND jobs.preempted_for IS NOT NULL
+                      THEN 'requeued: preempted for job ' || jobs.preempted_for ELSE s.reason END,
+        preempted_for = NULL, updated_at = now()
     FROM s
     WHERE jobs.job_id = s.job_id AND jobs.grant_id = s.grant_id AND jobs.node_id = s.node_id
       AND jobs.state IN ('placed', 'running')
@@ -194,12 +214,12 @@ RETURNING job_id;
 -- name: get_job
 SELECT job_id, request::text AS request, state, submitted_at, updated_at, node_id, grant_id,
        accelerator, devices, exit_code, reason, unsatisfiable, attempt, owner,
-       requeues, blocked, not_before, kind, array_id
+       requeues, blocked, not_before, kind, array_id, priority, preemptible, preempted_for
 FROM jobs WHERE job_id = $1;
 
 -- name: list_jobs
 SELECT job_id, state, submitted_at, updated_at, node_id, accelerator, devices, exit_code, reason,
-       owner, kind, array_id, requeues
+       owner, kind, array_id, requeues, priority
 FROM jobs
 WHERE ($1::text IS NULL OR state = $1)
 ORDER BY submitted_at DESC, job_id
@@ -285,3 +305,52 @@ FROM jobs
 WHERE kind = 'service' AND ($1::text IS NULL OR state = $1)
 ORDER BY submitted_at DESC, job_id
 LIMIT $2;
+
+-- --- Queue policy (issue 15 part A): quotas, fair share, preemption ---
+
+-- name: load_active
+-- Placed and running jobs, for quotas, fair share, reservations and preemption. NULL for $1:
+-- every node. ``started``: when it was placed (its owner_holds row), ``timeout_s`` its limit.
+SELECT j.job_id, j.node_id, j.owner, j.accelerator, j.devices, j.priority, j.preemptible,
+       j.preempted_for, (j.request ->> 'timeout_s')::float8 AS timeout_s,
+       extract(epoch FROM coalesce(h.placed_at, j.updated_at))::float8 AS started,
+       coalesce(h.millicores, 0) AS millicores,
+       (SELECT min(a.mode) FROM allocations a WHERE a.job_id = j.job_id) AS mode
+FROM jobs j LEFT JOIN owner_holds h ON h.job_id = j.job_id
+WHERE j.state IN ('placed', 'running') AND ($1::text[] IS NULL OR j.node_id = ANY($1::text[]));
+
+-- name: load_policy
+-- Quotas ('quota': owner, resource, max) and each owner's ended GPU-seconds decayed to now
+-- ('share': owner, NULL, value), in one snapshot.
+SELECT 'quota' AS kind, owner, resource, max::float8 AS value FROM quotas
+UNION ALL
+SELECT 'share', owner, NULL,
+       gpu_seconds * power(0.5, greatest(extract(epoch FROM now() - as_of), 0)
+                               / gpulayer_fair_share_half_life_s())
+FROM fair_share;
+
+-- name: set_quota
+-- One owner's quota rows ($2 resources, $3 maxima) replace the named resources; $4 lists the
+-- resources to clear.
+WITH cleared AS (
+    DELETE FROM quotas WHERE owner = $1 AND resource = ANY($4::text[])
+)
+INSERT INTO quotas (owner, resource, max)
+SELECT $1, r, m FROM unnest($2::text[], $3::bigint[]) AS q(r, m)
+ON CONFLICT (owner, resource) DO UPDATE SET max = EXCLUDED.max;
+
+-- name: delete_quota
+DELETE FROM quotas WHERE owner = $1 RETURNING resource;
+
+-- name: list_quotas
+SELECT q.owner, q.resource, q.max, coalesce(u.used, 0) AS used
+FROM quotas q LEFT JOIN owner_usage u ON u.owner = q.owner AND u.resource = q.resource
+ORDER BY q.owner, q.resource;
+
+-- name: mark_preempted
+-- Victims chosen for job $2: still active, preemptible, of lower priority than $3, not already
+-- being preempted. Returns those marked (their grant and node, to send the cancel to).
+UPDATE jobs SET preempted_for = $2, updated_at = now()
+WHERE job_id = ANY($1::text[]) AND state IN ('placed', 'running') AND preemptible
+  AND priority < $3 AND preempted_for IS NULL
+RETURNING job_id, node_id, grant_id, owner, preempted_for;

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import asyncpg
@@ -34,8 +35,11 @@ class ReplicaSync:
         wake: Wake,
         stop: asyncio.Event,
         replica_id: str,
+        on_load: Callable[[Any, list[str] | None], Awaitable[None]] | None = None,
     ) -> None:
         self.pool = pool
+        # Also run on every allocation load (the queue policy's active jobs), same connection.
+        self.on_load = on_load
         self.fleet = fleet
         self.wake = wake
         self.stop = stop
@@ -88,6 +92,8 @@ class ReplicaSync:
             else:
                 capacities.append((r["node_id"], r["resource"], r["amount"]))
         self.fleet.replace_holds(devices, nodes, reservations=held, capacities=capacities)
+        if self.on_load is not None:
+            await self.on_load(conn, nodes)
 
     async def reload(self, nodes: list[str] | None) -> None:
         """Replace the fleet's holds on ``nodes`` (None: every node) with the database's."""

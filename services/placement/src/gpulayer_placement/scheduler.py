@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -27,11 +28,14 @@ from gpulayer_contracts.codec import job_request_decoder
 from gpulayer_contracts.subjects import ANONYMOUS
 from gpulayer_contracts.validation import requested_gpu_count
 from gpulayer_matching import NodeView, NoPlacement, Placement, match
-from gpulayer_matching.resources import reservations
+from gpulayer_matching.resources import job_millicores, reservations
 from gpulayer_placement import waiting
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.outcome import Outcome, PlacedJob, mode
+from gpulayer_placement.policy import Policy, load_policy
+from gpulayer_placement.preemption import Active
 from gpulayer_placement.publisher import Publisher
+from gpulayer_placement.queue_gate import Gate
 from gpulayer_placement.replica_sync import ReplicaSync
 from gpulayer_placement.settings import Settings
 from gpulayer_placement.store import CONFLICTS, DB_ERRORS, Store
@@ -56,8 +60,12 @@ class Scheduler:
         settings: Settings,
         stop: asyncio.Event,
         telemetry: Telemetry = DISABLED,
+        policy: Policy | None = None,
     ) -> None:
         self.pool = pool
+        self.policy = policy if policy is not None else Policy()
+        self.gate = Gate(fleet=fleet, policy=self.policy, publisher=publisher)
+        self._may_reserve = False
         self.fleet = fleet
         self.wake = wake
         self.publisher = publisher
@@ -123,6 +131,16 @@ class Scheduler:
         With ``early_stop``, paging ends once no device in the fleet is free and no waiting job
         that needs none is known: the jobs behind can't fit, and scanning them on every release
         would cost a page of rows each time. The periodic thorough pass never stops early."""
+        if self.policy.stale():
+            async with self.pool.acquire() as conn:
+                await load_policy(self.policy, conn)
+        self._may_reserve = self.policy.new_pass()
+        try:
+            await self._pages(early_stop=early_stop)
+        finally:
+            self._may_reserve = False
+
+    async def _pages(self, *, early_stop: bool) -> None:
         after = waiting.START
         failed: dict[bytes, NoPlacement] = {}
         size = self.settings.page_size
@@ -162,6 +180,7 @@ class Scheduler:
             self.release(outcome)  # nothing was committed
             raise
         await self.publisher.publish_outcome(outcome)
+        await self.gate.send_cancels(outcome)
         return waiting.last(rows), len(rows)
 
     async def place_inline(self, conn: Any, job_ids: list[str]) -> Outcome | None:
@@ -191,7 +210,11 @@ class Scheduler:
         for pl in outcome.placements:
             self.fleet.release(pl.placement.node_id, pl.placement.devices, mode(pl.placement))
             self.fleet.unreserve(pl.job.job_id)
+            self.policy.remove(pl.job.job_id, ended=False)
+        for job_id, _, _ in outcome.preempt:
+            self.policy.preempting.pop(job_id, None)
         outcome.placements.clear()
+        outcome.preempt.clear()
 
     def match_rows(
         self, rows: list[asyncpg.Record], failed: dict[bytes, NoPlacement], outcome: Outcome
@@ -200,7 +223,7 @@ class Scheduler:
         its devices at once. ``failed`` remembers requirement sets that found no node in this
         pass: capacity only shrinks during a pass, so an equal job behind them can't fit
         either."""
-        for row in rows:
+        for row in self.policy.order(rows):
             job_id = row["job_id"]
             owner = row.get("owner") or ANONYMOUS
             try:
@@ -224,12 +247,19 @@ class Scheduler:
                 self.tel.record("gpulayer.placement.decision.duration", (t1 - t0) / 1e9)
             else:
                 t1 = 0
+            gated = isinstance(decision, Placement)
+            if isinstance(decision, Placement):
+                decision = self.gate.admit(job_id, job, decision, owner, row.get("priority") or 0)
             if isinstance(decision, Placement):
                 self._placed(row, job, decision, owner, (t0, t1), outcome)
             else:
-                failed[key] = decision
+                if not gated:
+                    # Capacity only shrinks in a pass; a quota or reservation stops this job,
+                    # not its equals.
+                    failed[key] = decision
                 if requested_gpu_count(job) == 0:
                     self._deviceless_waiting.add(job_id)
+                decision = self.gate.blocked(row, job, decision, outcome, reserve=self._may_reserve)
                 if decision.summary != row["reason"]:
                     outcome.waiting.append((job_id, decision))
                     outcome.owners[job_id] = owner
@@ -264,6 +294,23 @@ class Scheduler:
         self.fleet.hold(
             decision.node_id, decision.devices, mode(decision), job_id=job_id, items=held
         )
+        started = time.time()
+        self.policy.add(
+            Active(
+                job_id=job_id,
+                node_id=decision.node_id,
+                owner=owner,
+                accelerator=decision.accelerator,
+                devices=tuple(decision.devices),
+                shared=decision.use == "shared",
+                priority=row.get("priority") or 0,
+                preemptible=job.preemptible,
+                started=started,
+                ends_at=started + job.timeout_s if job.timeout_s is not None else math.inf,
+                millicores=job_millicores(job),
+            )
+        )
+        self.policy.clear_reservation(job_id)
 
     def _match(
         self, job_id: str, job: JobRequest, outcome: Outcome
@@ -308,6 +355,8 @@ class Scheduler:
 
     async def persist(self, conn: Any, outcome: Outcome) -> None:
         """Allocations and job rows of ``outcome`` in one statement each, on ``conn``."""
+        for job_id, priority, victims in outcome.preempt:
+            outcome.cancels += await Store.fetch(conn, "mark_preempted", victims, job_id, priority)
         if outcome.placements:
             alloc: tuple[list[str], list[str], list[int], list[str]] = ([], [], [], [])
             for pl in outcome.placements:
@@ -329,6 +378,9 @@ class Scheduler:
                 *alloc,
                 self.sync.replica_id,
                 *held,
+                [pl.owner for pl in ps],
+                [len(pl.placement.devices) for pl in ps],
+                [job_millicores(pl.job) for pl in ps],
             )
         if outcome.failed:
             await Store.execute(

@@ -40,6 +40,7 @@ from gpulayer_placement.lifecycle import Lifecycle
 from gpulayer_placement.liveness import Liveness
 from gpulayer_placement.loops import every
 from gpulayer_placement.metrics import Gauges
+from gpulayer_placement.policy import Policy, load_active, load_policy
 from gpulayer_placement.publisher import Publisher
 from gpulayer_placement.replica_sync import ReplicaSync
 from gpulayer_placement.scheduler import Scheduler
@@ -88,7 +89,14 @@ class PlacementService:
         # The server's limit, from its INFO (NATS' default before a connection says otherwise).
         max_payload = nc.max_payload or (1 << 20)
         self.dead = DeadLetters(js, telemetry, max_payload)
-        self.sync = ReplicaSync(pool, fleet, wake, stop, self.replica_id)
+        # Queue policy (priority, quotas, fair share, reservation, preemption): its active jobs
+        # are loaded with the fleet's holds.
+        self.policy = policy = Policy()
+
+        async def on_load(conn: Any, nodes: list[str] | None) -> None:
+            await load_active(policy, conn, nodes)
+
+        self.sync = ReplicaSync(pool, fleet, wake, stop, self.replica_id, on_load=on_load)
         self.publisher = Publisher(js, pool, s, telemetry, self.signer)
         self.scheduler = Scheduler(
             pool=pool,
@@ -99,6 +107,7 @@ class PlacementService:
             settings=s,
             stop=stop,
             telemetry=telemetry,
+            policy=policy,
         )
         self.intake = Intake(
             js=js,
@@ -133,6 +142,7 @@ class PlacementService:
             telemetry=telemetry,
             dead=self.dead,
             lifecycle=self.lifecycle,
+            events=self.publisher.publish_events,
         )
         self.liveness = Liveness(
             nc=nc,
@@ -156,6 +166,7 @@ class PlacementService:
             forget=self.forget,
             admins=s.admins,
             profiles=s.profiles,
+            policy=self.policy,
         )
         self.publisher.max_payload = self.api.max_payload = max_payload
         self.gauges = Gauges(pool, fleet, telemetry)
@@ -164,6 +175,7 @@ class PlacementService:
         """Drop what this replica keeps in memory about a job that has ended."""
         self.publisher.forget(job_id)
         self.scheduler.forget(job_id)
+        self.policy.remove(job_id)
 
     async def start(self) -> None:
         """Check the server's max_payload, migrate, load the fleet, subscribe, and start every
@@ -176,6 +188,7 @@ class PlacementService:
             await migrate(conn)
             await self.liveness.load_nodes(conn)
             await self.sync.load_allocations(conn)
+            await load_policy(self.policy, conn)
         await self.sync.listen()
         self._subs += await self.liveness.subscribe()
         jobs = await self.intake.subscribe()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import asyncpg
 import msgspec
@@ -24,7 +24,7 @@ from gpulayer_contracts.codec import (
     decode_message,
     status_decoder,
 )
-from gpulayer_contracts.events import JobStatus
+from gpulayer_contracts.events import JobEvent, JobStatus, Pending
 from gpulayer_contracts.subjects import NODE_WILDCARD_STATUS, node_from_subject
 from gpulayer_placement.dead_letters import MAX_DELIVER, DeadLetters
 from gpulayer_placement.fleet import Fleet
@@ -59,7 +59,10 @@ class ExecutorStatus:
         telemetry: Telemetry = DISABLED,
         dead: DeadLetters | None = None,
         lifecycle: Lifecycle | None = None,
+        events: Callable[[list[JobEvent]], Awaitable[bool]] | None = None,
     ) -> None:
+        # Publishes the 'pending' of jobs requeued after preemption (queue policy).
+        self.events = events
         self.js = js
         self.pool = pool
         self.fleet = fleet
@@ -177,10 +180,22 @@ class ExecutorStatus:
             if finished:
                 self.wake.capacity()
             await self.lifecycle.announce(settled)
+            await self._requeued(changed)
         dead = {id(p[0]) for p in poison}
         await asyncio.gather(*(m.ack() for m in msgs if id(m) not in dead))
         for msg, reason, why, job_id in poison:
             await self.dead.send(msg, reason, why, job_id)
+
+    async def _requeued(self, changed: list[asyncpg.Record]) -> None:
+        """Preempted jobs whose executor stopped them are waiting again: say so, with why."""
+        requeued = [
+            Pending(job_id=r["job_id"], summary=r["reason"] or "requeued", owner=r["owner"])
+            for r in changed
+            if r["state"] == "pending"
+        ]
+        if requeued and self.events is not None:
+            log.info("requeued after preemption: %s", ", ".join(e.job_id for e in requeued))
+            await self.events(list(requeued))
 
 
 class _OutOfBounds(InvalidInput):

@@ -1,5 +1,6 @@
-"""Which waiting jobs a scheduling batch takes, and the order it matches them in: oldest first,
-locked ``FOR UPDATE SKIP LOCKED`` so that replicas split them. The scheduler (and intake's
+"""Which waiting jobs a scheduling batch takes, and the order it matches them in: highest
+priority first, then oldest (the queue policy then orders each batch by fair share), locked
+``FOR UPDATE SKIP LOCKED`` so that replicas split them. The scheduler (and intake's
 inline placement) take waiting jobs from here and nowhere else."""
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import asyncpg
 
 from gpulayer_placement.store import Store
 
-Cursor = tuple[datetime, str]  # (submitted_at, job_id) of the last job a page held
-START: Cursor = (datetime(1970, 1, 1, tzinfo=UTC), "")
+# (-priority, submitted_at, job_id) of the last job a page held
+Cursor = tuple[int, datetime, str]
+START: Cursor = (-(2**31), datetime(1970, 1, 1, tzinfo=UTC), "")
 
 
 async def take_page(conn: Any, size: int, after: Cursor) -> list[asyncpg.Record]:
@@ -27,4 +29,5 @@ async def take_ids(conn: Any, ids: list[str]) -> list[asyncpg.Record]:
 
 def last(rows: list[asyncpg.Record]) -> Cursor:
     """Where the page after ``rows`` starts."""
-    return rows[-1]["submitted_at"], rows[-1]["job_id"]
+    last = rows[-1]
+    return -(last.get("priority") or 0), last["submitted_at"], last["job_id"]

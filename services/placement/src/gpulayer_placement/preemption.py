@@ -1,0 +1,135 @@
+"""Which running jobs to stop so that a higher-priority job fits, and what a node would look
+like without them. Pure: node views and the active jobs in, a choice out.
+
+Rules (docs/placement-rules.md "Order of decisions"): only jobs submitted with
+``preemptible = true``, of strictly lower priority than the waiting job, not already being
+preempted, on one node; the fewest such jobs, lowest priorities and most recently started first
+(they lose the least work). No choice when even all of them together would not make room.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from gpulayer_contracts import JobRequest
+from gpulayer_matching import NodeView, Placement, match, would_fit_when_idle
+from gpulayer_matching.resources import CPU, GPU_MEMORY, MEMORY, SLOTS
+
+
+@dataclass(slots=True)
+class Active:
+    """A placed or running job, as the queue policy sees it."""
+
+    job_id: str
+    node_id: str
+    owner: str
+    accelerator: str | None
+    devices: tuple[int, ...]
+    shared: bool
+    priority: int
+    preemptible: bool
+    started: float  # epoch seconds it was placed
+    ends_at: float  # started + timeout_s; inf without a timeout
+    millicores: int = 0
+    preempting: bool = False  # chosen as a victim, its cancel sent
+
+    @property
+    def gpus(self) -> int:
+        return len(self.devices)
+
+
+Items = Callable[[str], list[tuple[str, int]]]  # job id -> what it reserves besides devices
+
+
+def without(
+    view: NodeView, gone: Sequence[Active], rest: Iterable[Active], items: Items
+) -> NodeView:
+    """``view`` as it would be once the ``gone`` jobs ended: their exclusive devices free, shared
+    devices free where no job of ``rest`` (the node's other jobs) still shares them, their cores,
+    RAM, slot and GPU memory given back."""
+    exclusive = set(view.exclusive)
+    shared_gone: set[int] = set()
+    cpu = memory = slots = 0
+    gpu = dict(view.gpu_reserved)
+    for a in gone:
+        if a.shared:
+            shared_gone.update(a.devices)
+        else:
+            exclusive.difference_update(a.devices)
+        for resource, amount in items(a.job_id):
+            if resource == CPU:
+                cpu += amount
+            elif resource == MEMORY:
+                memory += amount
+            elif resource == SLOTS:
+                slots += amount
+            elif resource.startswith(GPU_MEMORY):
+                d = int(resource[len(GPU_MEMORY) :])
+                gpu[d] = gpu.get(d, 0) - amount
+    still = {d for a in rest if a.shared for d in a.devices}
+    return msgspec.structs.replace(
+        view,
+        exclusive=frozenset(exclusive),
+        shared=frozenset(view.shared - (shared_gone - still)),
+        cpu_free=None if view.cpu_free is None else view.cpu_free + cpu,
+        memory_free=None if view.memory_free is None else view.memory_free + memory,
+        slots_free=None if view.slots_free is None else view.slots_free + slots,
+        gpu_reserved={d: v for d, v in gpu.items() if v > 0},
+    )
+
+
+def room_after(
+    job: JobRequest,
+    view: NodeView,
+    order: Sequence[Active],
+    on_node: Sequence[Active],
+    items: Items,
+) -> int | None:
+    """How many of ``order`` (the node's jobs, in the order they would go) must end before
+    ``job`` fits on ``view``; None when even all of them are not enough."""
+    for n in range(1, len(order) + 1):
+        gone = order[:n]
+        ids = {a.job_id for a in gone}
+        rest = [a for a in on_node if a.job_id not in ids]
+        if isinstance(match(job, [without(view, gone, rest, items)]), Placement):
+            return n
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    node_id: str
+    victims: tuple[Active, ...]
+
+
+def choose_victims(
+    job: JobRequest,
+    priority: int,
+    views: Iterable[NodeView],
+    active_by_node: dict[str, list[Active]],
+    items: Items,
+) -> Choice | None:
+    """The node and the fewest preemptible, lower-priority jobs there whose end makes room for
+    ``job``; ties: the lowest highest victim priority, then the node's id. None: no such set."""
+    best: tuple[tuple[int, int, str], Choice] | None = None
+    for view in views:
+        on_node = active_by_node.get(view.node_id)
+        if not on_node or not view.online or view.executor_down:
+            continue
+        candidates = [
+            a for a in on_node if a.preemptible and a.priority < priority and not a.preempting
+        ]
+        if not candidates or not would_fit_when_idle(job, view):
+            continue
+        candidates.sort(key=lambda a: (a.priority, -a.started, a.job_id))
+        n = room_after(job, view, candidates, on_node, items)
+        if n is None:
+            continue
+        victims = tuple(candidates[:n])
+        key = (n, max(v.priority for v in victims), view.node_id)
+        if best is None or key < best[0]:
+            best = (key, Choice(view.node_id, victims))
+    return None if best is None else best[1]
