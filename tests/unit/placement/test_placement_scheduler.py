@@ -147,3 +147,32 @@ async def test_new_jobs_wake_a_pass_over_those_ids_only_and_capacity_a_full_one(
         scheduler.stop.set()
         wake.event.set()
         await task
+
+
+class _OnceConn(FakeConn):
+    """Answers ``cancel_dependents`` once (one level of dependents), then with nothing."""
+
+    async def fetch(self, sql: str, *args: Any) -> list[dict[str, Any]]:
+        rows = await super().fetch(sql, *args)
+        if self.calls[-1][0] == "cancel_dependents":
+            self.rows.pop("cancel_dependents", None)
+        return rows
+
+
+async def test_jobs_waiting_for_a_job_that_cannot_be_matched_are_cancelled() -> None:
+    """A job the matcher fails on is failed; the jobs that waited for it (``after``) are
+    cancelled naming it in the same transaction, and their events go out with the batch."""
+    dependent = {"job_id": "b", "reason": "dependency a ended failed (after)", "owner": "o"}
+    conn = _OnceConn({"cancel_dependents": [dependent]})
+    scheduler, _, _, js = build(conn)
+    outcome = Outcome()
+    outcome.failed.append(("a", "placement could not match this job: boom"))
+    await scheduler.persist(conn, outcome)
+    assert conn.names() == ["fail_pending", "cancel_dependents", "cancel_dependents"]
+    assert conn.calls[1][1] == (["a"], ["failed"])
+    assert conn.calls[2][1] == (["b"], ["cancelled"])  # and b's own dependents after it
+    assert [(c.job_id, c.reason) for c in outcome.cancelled] == [
+        ("b", "dependency a ended failed (after)")
+    ]
+    await scheduler.publisher.publish_outcome(outcome)
+    assert any(b'"cancelled"' in payload and b'"b"' in payload for _, payload, _ in js.sent)

@@ -29,7 +29,7 @@ from gpulayer_contracts.subjects import ANONYMOUS
 from gpulayer_contracts.validation import requested_gpu_count
 from gpulayer_matching import NodeView, NoPlacement, Placement, match
 from gpulayer_matching.resources import job_millicores, reservations
-from gpulayer_placement import waiting
+from gpulayer_placement import dependencies, waiting
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.outcome import Outcome, PlacedJob, mode
 from gpulayer_placement.policy import Policy, load_policy
@@ -385,6 +385,10 @@ class Scheduler:
         if outcome.failed:
             await Store.execute(
                 conn, "fail_pending", [j for j, _ in outcome.failed], [r for _, r in outcome.failed]
+            )
+            # Jobs waiting for one that failed here are cancelled naming it, as for any failure.
+            _, outcome.cancelled = await dependencies.release(
+                conn, [(j, "failed") for j, _ in outcome.failed]
             )
         if outcome.waiting:
             await Store.execute(
