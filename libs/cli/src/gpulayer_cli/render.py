@@ -20,6 +20,7 @@ from gpulayer_contracts import (
     Rejected,
     Running,
     Succeeded,
+    Warned,
 )
 
 _STYLE = {
@@ -32,6 +33,7 @@ _STYLE = {
     "failed": "bold red",
     "cancelled": "red",
     "lost": "bold red",
+    "warning": "bold yellow",
 }
 
 
@@ -62,6 +64,8 @@ def describe_event(event: JobEvent) -> str:
             return f"cancelled: {reason}"
         case Lost(node_id=node, reason=reason):
             return f"lost on {node}: {reason}"
+        case Warned(node_id=node, reason=reason):
+            return f"warning on {node}: {reason}"
     return event_tag(event)
 
 

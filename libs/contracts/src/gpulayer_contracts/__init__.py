@@ -43,8 +43,10 @@ from gpulayer_contracts.events import (
     Rejected,
     Running,
     Succeeded,
+    Warned,
     is_terminal,
 )
+from gpulayer_contracts.health import DeviceObservation, DoctorReport, NodeObservations
 from gpulayer_contracts.jobs import (
     Distributed,
     GpuUsage,
@@ -65,7 +67,9 @@ __all__ = [
     "AnyJobEvent",
     "CancelJob",
     "Cancelled",
+    "DeviceObservation",
     "Distributed",
+    "DoctorReport",
     "Failed",
     "GpuApis",
     "GpuUsage",
@@ -78,6 +82,7 @@ __all__ = [
     "JobStatus",
     "LogLine",
     "Lost",
+    "NodeObservations",
     "Pending",
     "Placed",
     "Rejected",
@@ -88,6 +93,7 @@ __all__ = [
     "Succeeded",
     "Validation",
     "Variant",
+    "Warned",
     "WorkerCapabilities",
     "__version__",
     "bound_event",

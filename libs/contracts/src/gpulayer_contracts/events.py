@@ -33,6 +33,9 @@ class Grant(Wire, frozen=True):
     # job's own payload): the executor publishes the job's events and logs under it, and picks
     # the local account the job runs as by it. "anonymous" without auth.
     owner: str = "anonymous"
+    # MIG instances granted (``MIG-...`` UUIDs): then ``devices`` are their parent GPUs, whose
+    # device nodes the job must open, and CUDA_VISIBLE_DEVICES names the instances.
+    instance_uuids: list[str] = []
 
 
 ExecState = Literal["running", "succeeded", "failed", "cancelled", "lost"]
@@ -134,8 +137,26 @@ class Lost(JobEvent, frozen=True, tag="lost", kw_only=True):
     reason: str | None = None
 
 
+class Warned(JobEvent, frozen=True, tag="warning", kw_only=True):
+    """Something the job's owner should know while it runs: a device it holds turned
+    unhealthy (``devices``), with the reason. Not a state change: the job keeps running."""
+
+    node_id: str | None = None
+    devices: list[int] = []
+    reason: str | None = None
+
+
 AnyJobEvent = (
-    Accepted | Rejected | Pending | Placed | Running | Succeeded | Failed | Cancelled | Lost
+    Accepted
+    | Rejected
+    | Pending
+    | Placed
+    | Running
+    | Succeeded
+    | Failed
+    | Cancelled
+    | Lost
+    | Warned
 )
 
 TERMINAL_EVENT_TYPES = frozenset({"rejected", "succeeded", "failed", "cancelled", "lost"})
