@@ -37,7 +37,9 @@ _INVALID_FIELD = re.compile(r'Field "(?P<field>[^"]+)" is not a valid field to q
 _CUDA_VERSION = re.compile(r"CUDA Version\s*:\s*(?P<v>\d+\.\d+(?:\.\d+)?)")
 _COMPUTE_CAP = re.compile(r"^\d+\.\d+$")
 _MEMORY = re.compile(r"^(?P<n>\d+(?:\.\d+)?)(?:\s*MiB)?$")
-_NO_HANDLE = re.compile(r"Unable to determine the device handle for (?:GPU|gpu)\s*(?P<rest>.*)")
+_NO_HANDLE = re.compile(
+    r"Unable to determine the device handle for (?:GPU|gpu)\s*(?P<rest>[^\r\n]*)"
+)
 
 
 class NvidiaSmiParseError(ValueError):
@@ -234,7 +236,12 @@ class NvidiaProbe:
                     fields.remove(m["field"])
                     continue
                 break
-            if not result.ok:
+            lost = [m.group(0) for m in _NO_HANDLE.finditer(result.output)]
+            if lost and result.error is None:
+                # nvidia-smi exits non-zero for a lost GPU but still lists the others.
+                for line in lost:
+                    found.note(f"GPU not offered: nvidia-smi: {line.strip()[:300]}")
+            elif not result.ok:
                 found.note(f"no NVIDIA devices: {describe_failure(result)}")
                 found.evidence["cuda"] = f"not available: {describe_failure(result)}"
                 return found
