@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from tests.helpers import Services, service_env
+from tests.helpers import Services, bin_path, service_env
 
 from gpulayer_contracts import JobEvent
 from gpulayer_contracts.codec import event_decoder
@@ -25,6 +25,7 @@ from gpulayer_contracts.subjects import (
     JOB_WILDCARD_EVENTS,
     JOBS_SUBMIT,
     MSG_ID_HEADER,
+    node_capabilities,
 )
 from gpulayer_runtime.nats import ensure_streams
 
@@ -92,7 +93,13 @@ async def events(nc: Client) -> AsyncIterator[Events]:
 
 
 async def start_node(
-    nats_url: str, database_url: str, tmp_path: Path, node: str, scenario: Path, services: Services
+    nc: Client,
+    nats_url: str,
+    database_url: str,
+    tmp_path: Path,
+    node: str,
+    scenario: Path,
+    services: Services,
 ) -> None:
     tools = tmp_path / "bin"
     tools.mkdir()
@@ -109,8 +116,13 @@ async def start_node(
         GPULAYER_PROBE_RECOVER_AFTER="2",
         GPULAYER_PROBE_REFRESH_S="60",
     )
+    published: asyncio.Queue[Msg] = asyncio.Queue()
+    sub = await nc.subscribe(node_capabilities(node), cb=published.put)
+    await nc.flush()
     for name in ("gpulayer-placement", "gpulayer-executor", "gpulayer-probe"):
         await services.start(name, env, tmp_path / f"{name}.log")
+    await asyncio.wait_for(published.get(), 60)  # the probe is up (and answers the doctor)
+    await sub.unsubscribe()
 
 
 def rows(path: Path) -> list[str]:
@@ -127,7 +139,7 @@ async def test_unhealthy_vanished_and_recovered_devices(
     clean = rows(observe)
     node = "health-node"
     async with Services() as services:
-        await start_node(nats_url, database_url, tmp_path, node, scenario, services)
+        await start_node(nc, nats_url, database_url, tmp_path, node, scenario, services)
         # A job holding all eight GPUs runs.
         await submit(nc, {"job_id": "hold8", "command": ["sleep", "120"],
                           "requirements": {"accelerator": "cuda", "gpu_count": 8}})  # fmt: skip
@@ -186,7 +198,7 @@ async def test_a_mig_instance_runs_a_10gb_job(
     out = tmp_path / "visible.txt"
     async with Services() as services:
         await start_node(
-            nats_url, database_url, tmp_path, "mig-node", NVIDIA / "a100-sxm4-80gb-mig-2g20gb",
+            nc, nats_url, database_url, tmp_path, "mig-node", NVIDIA / "a100-sxm4-80gb-mig-2g20gb",
             services,
         )  # fmt: skip
         # A whole-GPU job (no memory figure) takes GPU 0: never the MIG-enabled GPU 1.
@@ -213,3 +225,71 @@ async def test_a_mig_instance_runs_a_10gb_job(
         assert tag(done) == "succeeded", done
     visible = out.read_text()
     assert visible == "MIG-4b1e7c2a-59d3-5f0e-9a61-2d8c3f7b0e41", visible
+
+
+async def cli(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        bin_path("gpulayer"), *args, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_doctor_reports_what_changed_and_the_health(
+    nc: Client, nats_url: str, database_url: str, tmp_path: Path
+) -> None:
+    await ensure_streams(nc.jetstream())
+    scenario = tmp_path / "h100"
+    shutil.copytree(NVIDIA / "h100-dgx-8x", scenario)
+    async with Services() as services:
+        await start_node(nc, nats_url, database_url, tmp_path, "doc-node", scenario, services)
+        env = service_env(nats_url, database_url, tmp_path / "cli", "doc-node")
+        code, out, err = await cli("doctor", "doc-node", "--json", env=env)
+        assert code == 0, out + err
+        first = json.loads(out)
+        assert first["health"] == "healthy"
+        assert len(first["devices"]) == 8
+        # A driver update on the node: the doctor says what changed.
+        query = scenario / "query.txt"
+        query.write_text(query.read_text().replace("535.129.03", "550.54.15"))
+        code, out, err = await cli("doctor", "doc-node", env=env)
+        assert code == 0, out + err
+        assert "driver 535.129.03 -> 550.54.15" in out, out
+        assert "doc-node: healthy" in out
+        code, _, err = await cli("doctor", "nobody-here", "--timeout", "2", env=env)
+        assert code == 3
+        assert "no probe answered" in err
+
+
+async def test_a_node_with_device_files_but_no_driver_is_undetected(
+    nc: Client, nats_url: str, database_url: str, tmp_path: Path
+) -> None:
+    await ensure_streams(nc.jetstream())
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "nvidia0").touch()
+    (dev / "nvidiactl").touch()
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    shutil.copy(NVIDIA / "fake-nvidia-smi", tools / "nvidia-smi")
+    (tools / "nvidia-smi").chmod(0o755)
+    env = service_env(
+        nats_url, database_url, tmp_path / "work", "undetected-node",
+        PATH=f"{tools}{os.pathsep}{os.environ['PATH']}",
+        FAKE_NVIDIA_SMI_DIR=str(NVIDIA / "driver-failure"),
+        GPULAYER_PROBE_DEVICE_DIR=str(dev),
+    )  # fmt: skip
+    published: asyncio.Queue[Msg] = asyncio.Queue()
+    sub = await nc.subscribe(node_capabilities("undetected-node"), cb=published.put)
+    await nc.flush()
+    async with Services() as services:
+        await services.start("gpulayer-probe", env, tmp_path / "probe.log")
+        await asyncio.wait_for(published.get(), 60)  # the probe is up
+        await sub.unsubscribe()
+        code, out, err = await cli("doctor", "undetected-node", "--json", env=env)
+    assert code == 0, out + err  # not an alert
+    report = json.loads(out)
+    assert report["health"] == "undetected"
+    assert not [d for d in report["capabilities"]["accelerators"] if d["execution_supported"]]
