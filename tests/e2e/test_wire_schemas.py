@@ -1,8 +1,8 @@
 """Every message a running stack puts on the wire validates against the schema `gpulayer schema`
 prints for its subject (a validator from PyPI, jsonschema, not one of ours): job events from
 accepted to succeeded, rejected, pending, failed and cancelled; grants, status reports, a cancel,
-log lines, heartbeats, and capabilities from a real probe: this machine's (published, and its
-doctor reply), and `gpulayer probe` reading nvidia-smi output captured on a real H200."""
+log lines, heartbeats, observations, and capabilities from a real probe: this machine's
+(published, and in its doctor reply), and `gpulayer probe` reading nvidia-smi output captured on a real H200."""
 
 from __future__ import annotations
 
@@ -154,7 +154,11 @@ async def test_every_message_of_a_run_validates(wire: Wire, nc: Client) -> None:
         errors = [e.message for e in validators[name].iter_errors(body)]
         assert not errors, f"{subject}: {errors}: {body}"
         checked[name] += 1
-    validators["capabilities"].validate(json.loads(doctor.data))
+    # The doctor's reply (on the requester's inbox) is a DoctorReport holding the capabilities.
+    report = json.loads(doctor.data)
+    validators["doctor"].validate(report)
+    validators["capabilities"].validate(report["capabilities"])
+    checked["doctor"] += 1
 
     assert all(checked.values()), checked  # every kind of message was seen (and passed)
     types = {b["type"] for s, b in wire.messages if schema_for_subject(s) == "event"}

@@ -49,6 +49,7 @@ from gpulayer_contracts.subjects import (
     JOBS_SUBMIT,
     MSG_ID_HEADER,
     node_capabilities,
+    node_observations,
     node_status,
 )
 from gpulayer_executor.env import base_environment
@@ -401,6 +402,53 @@ async def test_an_out_of_range_capabilities_report_is_refused_and_the_node_keeps
     view = fleet.get(other)
     assert view is not None
     assert [d.index for d in view.capabilities.accelerators] == [0]
+    await stack.normal_job_succeeds()
+
+
+async def test_poison_observations_are_dropped_and_the_consumer_goes_on(stack: Stack) -> None:
+    """Garbage, a NaN, a huge number, a NUL and a forged node id on the observations subject:
+    each is dropped and counted, and the next good message still changes the node's health."""
+    other = f"obs-{uuid.uuid4().hex[:8]}"
+    gpu = AcceleratorDevice(
+        accelerator="cuda", index=0, memory_mib=16_000, execution_supported=True
+    )
+    await stack.nc.jetstream().publish(
+        node_capabilities(other), encode(node_caps(other, accelerators=[gpu]))
+    )
+    fleet = stack.svc.fleet
+    await wait_until(lambda: fleet.get(other) is not None)
+    part = stack.svc.observations
+    dropped = part.dropped
+    subject = node_observations(other)
+    now = datetime.now(UTC).isoformat()
+
+    def obs(device: str, node: str = other) -> bytes:
+        return f'{{"node_id": "{node}", "observed_at": "{now}", "devices": [{device}]}}'.encode()
+
+    poison = [
+        b"not json",
+        b'{"node_id": [1, 2]}',
+        obs('{"index": 0, "power_w": NaN}'),
+        obs('{"index": 0, "ecc_uncorrected_volatile": 1e400}'),
+        obs('{"index": 0, "temperature_c": 99999999999999999999999}'),
+        obs('{"index": 0, "reason": "a\\u0000b", "health": "unhealthy"}'),
+        b'{"node_id": "x", "observed_at": "' + now.encode() + b'", "devices": ' + b"[" * 5000,
+    ]
+    # One at a time: a batch keeps only the latest message per node.
+    for i, body in enumerate(poison, 1):
+        await stack.nc.publish(subject, body)
+        await wait_until(lambda i=i: part.dropped - dropped >= i)  # type: ignore[misc]
+    await stack.nc.publish("gpulayer.node.bad*node.observations", obs('{"index": 0}'))
+    # A forged sender: the node id in the payload is not the subject's, and loses.
+    await stack.nc.publish(
+        subject, obs('{"index": 0, "health": "unhealthy", "reason": "ECC"}', node="someone-else")
+    )
+    await wait_until(lambda: fleet.get(other) is not None and bool(fleet.get(other).sick))  # type: ignore[union-attr]
+    assert part.dropped - dropped >= len(poison)
+    view = fleet.get(other)
+    assert view is not None
+    assert view.health == {0: "unhealthy: ECC"}
+    assert "someone-else" not in part.latest
     await stack.normal_job_succeeds()
 
 

@@ -15,7 +15,7 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from gpulayer_contracts.codec import capabilities_decoder, heartbeat_decoder
+from gpulayer_contracts.codec import capabilities_decoder, doctor_decoder, heartbeat_decoder
 from gpulayer_contracts.subjects import node_capabilities, node_doctor, node_heartbeat
 from gpulayer_probe.service import ProbeService, ProbeSettings
 from gpulayer_runtime.nats import ensure_streams
@@ -132,8 +132,13 @@ async def test_doctor_redetects_now_and_replies(nc: Client, recording) -> None: 
 
         recording("h100-dgx-8x")  # "after a driver install"
         reply = await nc.request(node_doctor(NODE), b"", timeout=30)
-        fresh = capabilities_decoder.decode(reply.data)
+        report = doctor_decoder.decode(reply.data)
+        fresh = report.capabilities
+        assert fresh is not None
         assert len(fresh.accelerators) == 8
+        # What changed since the detection before: the eight GPUs the driver install brought.
+        assert len([c for c in report.changes if c.endswith("appeared")]) == 8
+        assert report.health == "healthy"
         assert "cuda" in fresh.gpu_apis.host
         published = capabilities_decoder.decode((await caps_inbox.next()).data)
         assert published.accelerators == fresh.accelerators

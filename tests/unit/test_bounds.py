@@ -1121,3 +1121,67 @@ def test_the_fast_capabilities_check_agrees_with_the_detailed_one(
     detailed = list(b._capabilities(report))
     event("within bounds" if not detailed else "out of bounds")
     assert b._capabilities_within_bounds(report) == (not detailed), detailed
+
+
+# --- Device observations (issue 17) ---
+
+_edge_int = st.sampled_from([None, 0, 1, -1, 101, 1001, -274, 2**53, 2**53 + 1, 2**64, 2**70])
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    index=st.sampled_from([0, b.MAX_DEVICE_INDEX, b.MAX_DEVICE_INDEX + 1, -1]),
+    uuid=st.one_of(st.none(), _cap_text),
+    used=_edge_int,
+    util=_edge_int,
+    temp=_edge_int,
+    power=st.one_of(st.none(), st.sampled_from([0.0, 91.5, float("nan"), float("inf"), -1.0, 1e6])),
+    throttle=_edge_int,
+    ecc=_edge_int,
+    reason=st.one_of(st.none(), _cap_text),
+    notes=st.lists(_cap_text, max_size=3),
+    mig_parent=st.one_of(st.none(), st.sampled_from([0, b.MAX_DEVICE_INDEX + 1])),
+    mig_profile=st.one_of(st.none(), _cap_text),
+)
+def test_the_fast_observations_check_agrees_with_the_detailed_one(
+    index: int,
+    uuid: str | None,
+    used: int | None,
+    util: int | None,
+    temp: int | None,
+    power: float | None,
+    throttle: int | None,
+    ecc: int | None,
+    reason: str | None,
+    notes: list[str],
+    mig_parent: int | None,
+    mig_profile: str | None,
+) -> None:
+    from datetime import UTC, datetime
+
+    from gpulayer_contracts.health import DeviceObservation, NodeObservations
+
+    obs = NodeObservations(
+        node_id="n",
+        observed_at=datetime.now(UTC),
+        devices=[
+            DeviceObservation(
+                index=index,
+                uuid=uuid,
+                memory_used_mib=used,
+                utilization_pct=util,
+                temperature_c=temp,
+                power_w=power,
+                throttle_reasons=throttle,
+                ecc_uncorrected_aggregate=ecc,
+                reason=reason,
+            )
+        ],
+        notes=notes,
+    )
+    detailed = list(b._observations(obs))
+    event("within bounds" if not detailed else "out of bounds")
+    assert b._observations_within_bounds(obs) == (not detailed), detailed
+    # The MIG fields of capabilities, through the capabilities check.
+    report = caps(accelerators=[device(index=0, mig_parent=mig_parent, mig_profile=mig_profile)])
+    assert b._capabilities_within_bounds(report) == (not list(b._capabilities(report)))

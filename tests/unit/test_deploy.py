@@ -604,6 +604,8 @@ def test_every_dashboard_query_names_an_emitted_metric() -> None:
         "gpulayer.node.info",
         "gpulayer.executor.jobs",
         "gpulayer.probe.detection.duration",
+        "gpulayer.device.health",
+        "gpulayer.device.temperature",
     ):
         assert any(u.startswith(prometheus_name(metric)) for u in used), f"{metric} not on a panel"
 

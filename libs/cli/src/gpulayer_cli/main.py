@@ -315,6 +315,8 @@ def _api_command(
             data = await api(nc, subject, payload(args), caller=_me())
             if args.json:
                 print(json.dumps(data, indent=2, default=str))
+            elif getattr(args, "devices", False):
+                render(_console(), data, True)  # type: ignore[call-arg]
             else:
                 render(_console(), data)
             return 0
@@ -324,10 +326,35 @@ def _api_command(
     return run
 
 
-def _render_nodes(console: Console, data: Any) -> None:
+def _render_nodes(console: Console, data: Any, devices: bool = False) -> None:
     from gpulayer_cli.render import nodes_table
 
     console.print(nodes_table(data))
+    if devices:
+        from gpulayer_cli.doctor import render_node_devices
+
+        render_node_devices(console, data)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """The node's probe detects again; what changed, and the node's health."""
+    import nats.errors
+
+    from gpulayer_cli.doctor import ask_doctor, print_report
+
+    async def go(nc: Any) -> int:
+        try:
+            report = await ask_doctor(nc, args.node, args.timeout)
+        except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError) as err:
+            print(
+                f"gpulayer: no probe answered for node {args.node!r} "
+                f"({type(err).__name__}): is its probe running?",
+                file=sys.stderr,
+            )
+            return EXIT_UNREACHABLE
+        return print_report(_console(), report, args.json)
+
+    return asyncio.run(_with_nats(go))
 
 
 def _render_jobs(console: Console, data: Any) -> None:
@@ -641,7 +668,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     n = sub.add_parser("nodes", help="the fleet: platforms, accelerators, APIs, state")
     n.add_argument("--json", action="store_true")
+    n.add_argument(
+        "--devices", action="store_true", help="each node's health and its devices' observations"
+    )
     n.set_defaults(fn=_api_command(API_NODES, lambda a: {}, _render_nodes))
+
+    dr = sub.add_parser(
+        "doctor",
+        help="ask a node's probe to detect again now; print what changed and its health "
+        "(0 healthy or undetected, 1 degraded or unhealthy, 3 no answer)",
+    )
+    dr.add_argument("node")
+    dr.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for the probe")
+    dr.add_argument("--json", action="store_true")
+    dr.set_defaults(fn=cmd_doctor)
 
     j = sub.add_parser("jobs", help="recent jobs")
     j.add_argument("--state", default=None)

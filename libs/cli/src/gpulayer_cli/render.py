@@ -21,6 +21,7 @@ from gpulayer_contracts import (
     Requeued,
     Running,
     Succeeded,
+    Warned,
 )
 
 _STYLE = {
@@ -34,6 +35,7 @@ _STYLE = {
     "cancelled": "red",
     "lost": "bold red",
     "requeued": "yellow",
+    "warning": "bold yellow",
 }
 
 
@@ -66,6 +68,8 @@ def describe_event(event: JobEvent) -> str:
             return f"lost on {node}: {reason}"
         case Requeued(reason=reason):
             return f"waits again: {reason}"
+        case Warned(node_id=node, reason=reason):
+            return f"warning on {node}: {reason}"
     return event_tag(event)
 
 

@@ -44,8 +44,10 @@ from gpulayer_contracts.events import (
     Requeued,
     Running,
     Succeeded,
+    Warned,
     is_terminal,
 )
+from gpulayer_contracts.health import DeviceObservation, DoctorReport, NodeObservations
 from gpulayer_contracts.jobs import (
     ArraySpec,
     Distributed,
@@ -69,7 +71,9 @@ __all__ = [
     "ArraySpec",
     "CancelJob",
     "Cancelled",
+    "DeviceObservation",
     "Distributed",
+    "DoctorReport",
     "Failed",
     "GpuApis",
     "GpuUsage",
@@ -82,6 +86,7 @@ __all__ = [
     "JobStatus",
     "LogLine",
     "Lost",
+    "NodeObservations",
     "Pending",
     "Placed",
     "Rejected",
@@ -94,6 +99,7 @@ __all__ = [
     "Succeeded",
     "Validation",
     "Variant",
+    "Warned",
     "WorkerCapabilities",
     "__version__",
     "bound_event",

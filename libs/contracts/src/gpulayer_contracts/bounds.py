@@ -22,6 +22,7 @@ import msgspec
 
 from gpulayer_contracts.capabilities import Heartbeat, WorkerCapabilities
 from gpulayer_contracts.events import JobEvent, JobStatus
+from gpulayer_contracts.health import NodeObservations
 from gpulayer_contracts.jobs import JOB_ID_PATTERN, PROFILE_REF_PATTERN, GpuUsage, JobRequest
 
 KIB: Final = 1024
@@ -77,6 +78,15 @@ MAX_PATH_BYTES: Final = 4096  # workload_python
 MAX_CAP_FRAMEWORKS: Final = 1024  # framework name -> version entries a node reports
 MAX_GRANT_ID_BYTES: Final = 256
 MAX_REASON_BYTES: Final = 4096  # an executor's reason for a job's end
+
+# --- Device observations (per message, gpulayer.node.<node>.observations) ---
+MIN_TEMPERATURE_C: Final = -273
+MAX_TEMPERATURE_C: Final = 1000
+MAX_POWER_W: Final = 100_000  # one device; finite, >= 0
+MAX_UTILIZATION_PCT: Final = 100
+# ECC error counts: exact as a float (metrics) and in PostgreSQL's bigint.
+MAX_ERROR_COUNT: Final = 2**53
+MAX_THROTTLE_REASONS: Final = 2**64 - 1  # NVML's bitmask is 64 bits
 
 # --- Messages placement publishes ---
 # NATS counts headers and payload together against max_payload. Room kept for the headers of a
@@ -612,11 +622,23 @@ def _capabilities_within_bounds(caps: WorkerCapabilities) -> bool:
     if len(caps.accelerators) > MAX_DEVICES_PER_NODE:
         return False
     for d in caps.accelerators:
-        if not (_in(d.index, 0, MAX_DEVICE_INDEX) and _in(d.memory_mib, 0, MAX_DEVICE_MEMORY_MIB)):
+        if not (
+            _in(d.index, 0, MAX_DEVICE_INDEX)
+            and _in(d.memory_mib, 0, MAX_DEVICE_MEMORY_MIB)
+            and _in(d.mig_parent, 0, MAX_DEVICE_INDEX)
+        ):
             return False
         short += [
             v
-            for v in (d.vendor, d.name, d.uuid, d.driver_version, d.cuda_driver_version, d.mig_mode)
+            for v in (
+                d.vendor,
+                d.name,
+                d.uuid,
+                d.driver_version,
+                d.cuda_driver_version,
+                d.mig_mode,
+                d.mig_profile,
+            )
             if v is not None
         ]
         notes += d.notes
@@ -666,6 +688,7 @@ def _capabilities(caps: WorkerCapabilities) -> Iterator[str]:
         p = f"$.accelerators[{i}]"
         yield from _opt_range(f"{p}.index", d.index, 0, MAX_DEVICE_INDEX)
         yield from _opt_range(f"{p}.memory_mib", d.memory_mib, 0, MAX_DEVICE_MEMORY_MIB)
+        yield from _opt_range(f"{p}.mig_parent", d.mig_parent, 0, MAX_DEVICE_INDEX)
         for field in (
             "vendor",
             "name",
@@ -673,6 +696,7 @@ def _capabilities(caps: WorkerCapabilities) -> Iterator[str]:
             "driver_version",
             "cuda_driver_version",
             "mig_mode",
+            "mig_profile",
         ):
             yield from _opt_text(f"{p}.{field}", getattr(d, field), MAX_SHORT_TEXT_BYTES)
         if d.compute_capability is not None:
@@ -703,6 +727,68 @@ def _capabilities(caps: WorkerCapabilities) -> Iterator[str]:
     yield from _opt_text("$.advertise_address", caps.advertise_address, MAX_SHORT_TEXT_BYTES)
     yield from _text("$.origin", caps.origin, MAX_SHORT_TEXT_BYTES)
     yield from _texts("$.notes", caps.notes, MAX_NOTES, MAX_NOTE_BYTES)
+
+
+def validate_observations(obs: NodeObservations) -> list[str]:
+    """Every hard bound an observations message breaks. Placement drops a message with errors
+    whole (the node keeps the health it had)."""
+    if _observations_within_bounds(obs):
+        return []  # the common case: thousands a second from a large fleet
+    return bound_messages(list(_observations(obs)))
+
+
+def _observations_within_bounds(obs: NodeObservations) -> bool:
+    """The fast mirror of ``_observations`` (tests/unit/test_bounds.py compares the two)."""
+    if node_id_errors(obs.node_id) or len(obs.devices) > MAX_DEVICES_PER_NODE:
+        return False
+    if len(obs.notes) > MAX_NOTES:
+        return False
+    short: list[str] = []
+    notes = list(obs.notes)
+    for d in obs.devices:
+        if not (
+            _in(d.index, 0, MAX_DEVICE_INDEX)
+            and _in(d.memory_used_mib, 0, MAX_DEVICE_MEMORY_MIB)
+            and _in(d.memory_free_mib, 0, MAX_DEVICE_MEMORY_MIB)
+            and _in(d.utilization_pct, 0, MAX_UTILIZATION_PCT)
+            and _in(d.temperature_c, MIN_TEMPERATURE_C, MAX_TEMPERATURE_C)
+            and _in(d.throttle_reasons, 0, MAX_THROTTLE_REASONS)
+            and _in(d.ecc_uncorrected_volatile, 0, MAX_ERROR_COUNT)
+            and _in(d.ecc_uncorrected_aggregate, 0, MAX_ERROR_COUNT)
+        ):
+            return False
+        p = d.power_w
+        if p is not None and not (isinstance(p, int | float) and 0 <= p <= MAX_POWER_W):
+            return False  # NaN fails both comparisons
+        if d.uuid is not None:
+            short.append(d.uuid)
+        if d.reason is not None:
+            notes.append(d.reason)
+    return _all_fit(short, MAX_SHORT_TEXT_BYTES) and _all_fit(notes, MAX_NOTE_BYTES)
+
+
+def _observations(obs: NodeObservations) -> Iterator[str]:
+    yield from node_id_errors(obs.node_id)
+    yield from _count("$.devices", obs.devices, MAX_DEVICES_PER_NODE)
+    for i, d in enumerate(obs.devices[: MAX_DEVICES_PER_NODE + 1]):
+        p = f"$.devices[{i}]"
+        yield from _opt_range(f"{p}.index", d.index, 0, MAX_DEVICE_INDEX)
+        yield from _opt_text(f"{p}.uuid", d.uuid, MAX_SHORT_TEXT_BYTES)
+        for field in ("memory_used_mib", "memory_free_mib"):
+            yield from _opt_range(f"{p}.{field}", getattr(d, field), 0, MAX_DEVICE_MEMORY_MIB)
+        yield from _opt_range(f"{p}.utilization_pct", d.utilization_pct, 0, MAX_UTILIZATION_PCT)
+        yield from _opt_range(
+            f"{p}.temperature_c", d.temperature_c, MIN_TEMPERATURE_C, MAX_TEMPERATURE_C
+        )
+        if d.power_w is not None:
+            error = _range(f"{p}.power_w", d.power_w, 0, MAX_POWER_W)
+            if error:
+                yield error
+        yield from _opt_range(f"{p}.throttle_reasons", d.throttle_reasons, 0, MAX_THROTTLE_REASONS)
+        for field in ("ecc_uncorrected_volatile", "ecc_uncorrected_aggregate"):
+            yield from _opt_range(f"{p}.{field}", getattr(d, field), 0, MAX_ERROR_COUNT)
+        yield from _opt_text(f"{p}.reason", d.reason, MAX_NOTE_BYTES)
+    yield from _texts("$.notes", obs.notes, MAX_NOTES, MAX_NOTE_BYTES)
 
 
 def validate_heartbeat(beat: Heartbeat) -> list[str]:

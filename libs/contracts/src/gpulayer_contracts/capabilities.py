@@ -26,6 +26,41 @@ class AcceleratorDevice(Wire, frozen=True):
     mig_mode: str | None = None
     execution_supported: bool = False
     notes: list[str] = []
+    # A MIG instance, offered as a device of its own: the GPU it is carved from (that GPU's
+    # ``index``), its profile (``1g.10gb``). Its ``index`` is allocatable, not CUDA's
+    # (``mig_index``), and its ``uuid`` is the ``MIG-...`` one CUDA_VISIBLE_DEVICES takes.
+    mig_parent: int | None = None
+    mig_profile: str | None = None
+
+
+# Allocatable index of MIG device ``d`` of GPU ``p``: MIG_INDEX_BASE + p * MIG_INDEX_STRIDE + d.
+# Above every real GPU index, so a node's indices stay unique (holds and allocations key on it).
+MIG_INDEX_BASE = 1000
+MIG_INDEX_STRIDE = 100
+
+
+def mig_index(parent: int, device: int) -> int:
+    """The allocatable index of MIG device ``device`` (``nvidia-smi -L``) of GPU ``parent``."""
+    return MIG_INDEX_BASE + parent * MIG_INDEX_STRIDE + device
+
+
+def grant_devices(
+    accelerators: list[AcceleratorDevice], indices: list[int]
+) -> tuple[list[int], list[str]]:
+    """For allocated ``indices``: the GPU indices whose device nodes the job opens (a MIG
+    instance's parent), and the MIG instances' UUIDs (empty when none is a MIG instance)."""
+    by_index = {d.index: d for d in accelerators}
+    parents: list[int] = []
+    instances: list[str] = []
+    for i in indices:
+        d = by_index.get(i)
+        if d is not None and d.mig_parent is not None and d.uuid is not None:
+            instances.append(d.uuid)
+            if d.mig_parent not in parents:
+                parents.append(d.mig_parent)
+        elif i not in parents:
+            parents.append(i)
+    return sorted(parents), instances
 
 
 class HostInfo(Wire, frozen=True):

@@ -12,6 +12,7 @@ import msgspec
 from gpulayer_contracts.bounds import MAX_MESSAGE_CHARS, clip_text
 from gpulayer_contracts.capabilities import Heartbeat, WorkerCapabilities
 from gpulayer_contracts.events import AnyJobEvent, CancelJob, Grant, JobStatus, LogLine
+from gpulayer_contracts.health import DoctorReport, NodeObservations
 from gpulayer_contracts.jobs import JOB_ID_PATTERN, JobRequest
 from gpulayer_contracts.schemas import wire_schema
 
@@ -27,6 +28,8 @@ status_decoder = msgspec.json.Decoder(JobStatus)
 cancel_decoder = msgspec.json.Decoder(CancelJob)
 log_line_decoder = msgspec.json.Decoder(LogLine)
 event_decoder: msgspec.json.Decoder[AnyJobEvent] = msgspec.json.Decoder(AnyJobEvent)
+observations_decoder = msgspec.json.Decoder(NodeObservations)
+doctor_decoder = msgspec.json.Decoder(DoctorReport)
 
 
 def encode(obj: Any) -> bytes:

@@ -33,6 +33,9 @@ class Grant(Wire, frozen=True):
     # job's own payload): the executor publishes the job's events and logs under it, and picks
     # the local account the job runs as by it. "anonymous" without auth.
     owner: str = "anonymous"
+    # MIG instances granted (``MIG-...`` UUIDs): then ``devices`` are their parent GPUs, whose
+    # device nodes the job must open, and CUDA_VISIBLE_DEVICES names the instances.
+    instance_uuids: list[str] = []
 
 
 ExecState = Literal["running", "succeeded", "failed", "cancelled", "lost"]
@@ -146,6 +149,15 @@ class Requeued(JobEvent, frozen=True, tag="requeued", kw_only=True):
     not_before: datetime | None = None
 
 
+class Warned(JobEvent, frozen=True, tag="warning", kw_only=True):
+    """Something the job's owner should know while it runs: a device it holds turned
+    unhealthy (``devices``), with the reason. Not a state change: the job keeps running."""
+
+    node_id: str | None = None
+    devices: list[int] = []
+    reason: str | None = None
+
+
 AnyJobEvent = (
     Accepted
     | Rejected
@@ -157,6 +169,7 @@ AnyJobEvent = (
     | Cancelled
     | Lost
     | Requeued
+    | Warned
 )
 
 TERMINAL_EVENT_TYPES = frozenset({"rejected", "succeeded", "failed", "cancelled", "lost"})

@@ -18,6 +18,7 @@ import msgspec
 
 from gpulayer_contracts.capabilities import Heartbeat, WorkerCapabilities
 from gpulayer_contracts.events import AnyJobEvent, CancelJob, Grant, JobStatus, LogLine
+from gpulayer_contracts.health import DoctorReport, NodeObservations
 from gpulayer_contracts.jobs import JobRequest
 from gpulayer_contracts.subjects import (
     JOB_WILDCARD_EVENTS,
@@ -28,6 +29,7 @@ from gpulayer_contracts.subjects import (
     NODE_WILDCARD_CONTROL,
     NODE_WILDCARD_GRANTS,
     NODE_WILDCARD_HEARTBEAT,
+    NODE_WILDCARD_OBSERVATIONS,
     NODE_WILDCARD_STATUS,
 )
 
@@ -65,8 +67,21 @@ WIRE_SCHEMAS: dict[str, WireSchema] = {
         WorkerCapabilities,
         "WorkerCapabilities",
         (NODE_WILDCARD_CAPABILITIES,),
-        "What a node can do, as its probe detected it. Also the probe's reply to a request on "
-        "gpulayer.node.<node>.doctor.",
+        "What a node can do, as its probe detected it.",
+    ),
+    "observations": WireSchema(
+        NodeObservations,
+        "NodeObservations",
+        (NODE_WILDCARD_OBSERVATIONS,),
+        "A node's live device observations and health, every few seconds.",
+    ),
+    "doctor": WireSchema(
+        DoctorReport,
+        "DoctorReport",
+        # The reply travels on the requester's inbox; the request body is empty.
+        (),
+        "The probe's reply to a request on gpulayer.node.<node>.doctor: it detected again, "
+        "what changed, and the node's health.",
     ),
     "heartbeat": WireSchema(
         Heartbeat, "Heartbeat", (NODE_WILDCARD_HEARTBEAT,), "A probe's or executor's liveness."

@@ -24,6 +24,7 @@ NODE_WILDCARD_GRANTS = f"{PREFIX}.node.*.grants"
 NODE_WILDCARD_STATUS = f"{PREFIX}.node.*.status"
 NODE_WILDCARD_CONTROL = f"{PREFIX}.node.*.control"
 NODE_WILDCARD_DOCTOR = f"{PREFIX}.node.*.doctor"
+NODE_WILDCARD_OBSERVATIONS = f"{PREFIX}.node.*.observations"
 # gpulayer.job.<owner>.<job>.events|logs: a user's credential may read only its own owner token.
 JOB_WILDCARD_EVENTS = f"{PREFIX}.job.*.*.events"
 JOB_WILDCARD_LOGS = f"{PREFIX}.job.*.*.logs"
@@ -126,6 +127,11 @@ def node_control(node_id: str) -> str:
 def node_doctor(node_id: str) -> str:
     """Request/reply: ask a node's probe to re-detect now (after a driver install)."""
     return f"{PREFIX}.node.{_token(node_id, 'node id')}.doctor"
+
+
+def node_observations(node_id: str) -> str:
+    """Core NATS: the probe's live device observations and health (``NodeObservations``)."""
+    return f"{PREFIX}.node.{_token(node_id, 'node id')}.observations"
 
 
 def job_events(job_id: str, owner: str = ANONYMOUS) -> str:

@@ -243,17 +243,23 @@ def array_env(job: JobRequest) -> dict[str, str]:
 
 
 def visibility_env(
-    accelerator: Accelerator, devices: list[int], gpu_granted: bool
+    accelerator: Accelerator,
+    devices: list[int],
+    gpu_granted: bool,
+    instances: list[str] | None = None,
 ) -> dict[str, str]:
     """Device visibility variables for a granted job.
 
     Without the sandbox grant (``gpu_granted`` false) no GPU is made visible, whatever was
     requested. These variables steer well-behaved runtimes; they are not a security boundary.
+    ``instances``: MIG instance UUIDs granted; CUDA sees them (and only them) by UUID, while
+    ``devices`` are their parent GPUs.
     """
     indices = ",".join(str(i) for i in devices) if gpu_granted else ""
     env = {"GPULAYER_DEVICES": indices, "CUDA_VISIBLE_DEVICES": ""}
     if accelerator == "cuda":
-        env["CUDA_VISIBLE_DEVICES"] = indices
+        # CUDA takes MIG instances by UUID only (an index would name the parent GPU).
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(instances) if instances and gpu_granted else indices
         # Without this, CUDA numbers devices fastest-first, not as nvidia-smi does.
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     elif accelerator == "rocm":

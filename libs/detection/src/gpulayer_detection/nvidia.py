@@ -13,8 +13,11 @@ import csv
 import re
 from collections.abc import Sequence
 
-from gpulayer_contracts.capabilities import AcceleratorDevice
+import msgspec
+
+from gpulayer_contracts.capabilities import MIG_INDEX_STRIDE, AcceleratorDevice, mig_index
 from gpulayer_detection.base import Finding, ProbeContext
+from gpulayer_detection.observe import MigInstance, parse_mig_listing, parse_mig_memory
 from gpulayer_detection.runner import RunResult
 
 QUERY_FIELDS: tuple[str, ...] = (
@@ -34,6 +37,9 @@ _INVALID_FIELD = re.compile(r'Field "(?P<field>[^"]+)" is not a valid field to q
 _CUDA_VERSION = re.compile(r"CUDA Version\s*:\s*(?P<v>\d+\.\d+(?:\.\d+)?)")
 _COMPUTE_CAP = re.compile(r"^\d+\.\d+$")
 _MEMORY = re.compile(r"^(?P<n>\d+(?:\.\d+)?)(?:\s*MiB)?$")
+_NO_HANDLE = re.compile(
+    r"Unable to determine the device handle for (?:GPU|gpu)\s*(?P<rest>[^\r\n]*)"
+)
 
 
 class NvidiaSmiParseError(ValueError):
@@ -72,6 +78,10 @@ def parse_nvidia_smi(
     NvidiaSmiParseError for anything that is not such a table (a driver error message).
     """
     lines = [line for line in stdout.splitlines() if line.strip()]
+    # A GPU whose handle the driver can't get (lost, requires reset) is named on a line of its
+    # own between the rows: it is not offered (the others still are), and the probe's
+    # observations report its state.
+    lines = [line for line in lines if not _NO_HANDLE.search(line)]
     rows = list(csv.reader(lines, skipinitialspace=True))
     columns = list(fields)
     if rows and rows[0] and _header_name(rows[0][0]) == "index":
@@ -134,7 +144,7 @@ def _device(values: dict[str, str], cuda_driver_version: str | None) -> Accelera
         # With MIG on, CUDA sees MIG instances, not the GPU: granting the whole GPU by index
         # would not give a job what the memory figure promises.
         execution = False
-        notes.append("MIG is enabled: the whole GPU can't be granted; MIG instances aren't offered")
+        notes.append("MIG is enabled: the whole GPU can't be granted; its MIG instances can")
     return AcceleratorDevice(
         accelerator="cuda",
         index=int(raw_index),
@@ -150,6 +160,39 @@ def _device(values: dict[str, str], cuda_driver_version: str | None) -> Accelera
         execution_supported=execution,
         notes=notes,
     )
+
+
+def mig_devices(
+    parent: AcceleratorDevice, instances: list[MigInstance], memory: dict[tuple[int, int], int]
+) -> list[AcceleratorDevice]:
+    """A MIG-enabled GPU's instances as devices of their own (``mig_index`` numbering), with
+    the memory plain nvidia-smi's MIG table gives each (unknown, and noted, without a row)."""
+    out = []
+    for inst in instances:
+        if inst.device >= MIG_INDEX_STRIDE:
+            continue  # no GPU has 100 MIG devices; such a line is not one nvidia-smi writes
+        mib = memory.get((parent.index, inst.device))
+        notes = (
+            []
+            if mib is not None
+            else ["memory unknown: no row for this MIG device in nvidia-smi's MIG devices table"]
+        )
+        out.append(
+            msgspec.structs.replace(
+                parent,
+                index=mig_index(parent.index, inst.device),
+                name=f"{parent.name or 'GPU'} MIG {inst.profile}",
+                uuid=inst.uuid,
+                memory_mib=mib,
+                memory_kind="dedicated" if mib is not None else None,
+                mig_mode=None,
+                mig_parent=parent.index,
+                mig_profile=inst.profile,
+                execution_supported=True,
+                notes=notes,
+            )
+        )
+    return out
 
 
 def describe_failure(result: RunResult) -> str:
@@ -193,7 +236,12 @@ class NvidiaProbe:
                     fields.remove(m["field"])
                     continue
                 break
-            if not result.ok:
+            lost = [m.group(0) for m in _NO_HANDLE.finditer(result.output)]
+            if lost and result.error is None:
+                # nvidia-smi exits non-zero for a lost GPU but still lists the others.
+                for line in lost:
+                    found.note(f"GPU not offered: nvidia-smi: {line.strip()[:300]}")
+            elif not result.ok:
                 found.note(f"no NVIDIA devices: {describe_failure(result)}")
                 found.evidence["cuda"] = f"not available: {describe_failure(result)}"
                 return found
@@ -214,13 +262,43 @@ class NvidiaProbe:
             found.note("no NVIDIA devices: nvidia-smi listed none")
             found.evidence["cuda"] = "not available: nvidia-smi listed no GPUs"
             return found
+        if any(d.mig_parent is None and _mig_on(d) for d in devices):
+            devices = await _with_mig(ctx, found, devices, header.stdout if header.ok else "")
         found.accelerators = devices
         for d in devices:
             found.notes.extend(f"{self.name}: GPU {d.index}: {n}" for n in d.notes)
         drivers = sorted({d.driver_version for d in devices if d.driver_version})
-        usable = sum(d.execution_supported for d in devices)
+        gpus = [d for d in devices if d.mig_parent is None]
+        usable = sum(d.execution_supported for d in gpus)
+        migs = len(devices) - len(gpus)
         found.host_apis["cuda"] = (
-            f"nvidia-smi lists {len(devices)} GPU(s), {usable} usable whole; "
-            f"driver {', '.join(drivers) or 'unknown'}, CUDA {cuda_version or 'unknown'}"
+            f"nvidia-smi lists {len(gpus)} GPU(s), {usable} usable whole"
+            + (f", {migs} MIG instance(s)" if migs else "")
+            + f"; driver {', '.join(drivers) or 'unknown'}, CUDA {cuda_version or 'unknown'}"
         )
         return found
+
+
+def _mig_on(d: AcceleratorDevice) -> bool:
+    return d.mig_mode is not None and d.mig_mode.lower() == "enabled"
+
+
+async def _with_mig(
+    ctx: ProbeContext, found: Finding, devices: list[AcceleratorDevice], smi: str
+) -> list[AcceleratorDevice]:
+    """``devices`` and, after each MIG-enabled GPU, its instances from ``nvidia-smi -L``."""
+    listing = await ctx.run(["nvidia-smi", "-L"], ctx.timeout)
+    if not listing.ok:
+        found.note(f"MIG instances unknown: nvidia-smi -L gave {listing.describe()}")
+        return devices
+    instances = parse_mig_listing(listing.stdout)
+    memory = parse_mig_memory(smi)
+    out: list[AcceleratorDevice] = []
+    for d in devices:
+        out.append(d)
+        if _mig_on(d):
+            mine = instances.get(d.index, [])
+            if not mine:
+                found.note(f"GPU {d.index}: MIG is enabled but nvidia-smi -L lists no instance")
+            out.extend(mig_devices(d, mine, memory))
+    return out

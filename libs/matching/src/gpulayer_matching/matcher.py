@@ -84,6 +84,12 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     slots_free: int | None = None
     # MiB of GPU memory shared jobs hold, per device index (only devices with any).
     gpu_reserved: dict[int, int] = {}
+    # Devices that get no new grants for their health (unhealthy or degraded, from the probe's
+    # observations; a sick GPU's MIG instances too), and why, per device index. Kept here, not
+    # in the capabilities: health changes far more often, and the capability verdicts cached
+    # per capabilities object stay valid.
+    sick: frozenset[int] = frozenset()
+    health: dict[int, str] = {}
 
 
 class Placement(msgspec.Struct, frozen=True, kw_only=True):
@@ -209,7 +215,7 @@ def _device_cc(text: str) -> tuple[int, int] | None:
 
 
 class _Device:
-    __slots__ = ("cc", "driver", "index", "kind", "mib")
+    __slots__ = ("cc", "driver", "index", "kind", "mib", "mig")
 
     def __init__(
         self,
@@ -218,12 +224,14 @@ class _Device:
         kind: MemoryKind | None,
         cc: tuple[int, int] | None,
         driver: str | None,
+        mig: str | None = None,
     ) -> None:
         self.index = index
         self.mib = mib
         self.kind = kind
         self.cc = cc
         self.driver = driver
+        self.mig = mig  # the MIG profile when this device is a MIG instance
 
 
 class _Cap:
@@ -291,8 +299,9 @@ class _Facts:
                 unusable.add(d.accelerator)
                 continue
             cc = _device_cc(d.compute_capability) if d.compute_capability is not None else None
+            mig = (d.mig_profile or "MIG") if d.mig_parent is not None else None
             usable.setdefault(d.accelerator, []).append(
-                _Device(d.index, d.memory_mib, d.memory_kind, cc, d.driver_version)
+                _Device(d.index, d.memory_mib, d.memory_kind, cc, d.driver_version, mig)
             )
         self.usable = {acc: tuple(devs) for acc, devs in usable.items()}
         # Each usable device's memory, for shared jobs' reservations (index -> MiB).
@@ -361,6 +370,7 @@ _R_MATRIX = 50
 _R_NO_DEVICE = 100
 _R_NOT_USABLE = 101
 _R_COUNT = 200
+_R_MIG = 210  # only MIG instances, and the job can't take one (see _Plan.mig_ok)
 _R_KIND_UNKNOWN = 300
 _R_KIND = 301
 _R_MEM_UNKNOWN = 400
@@ -380,6 +390,7 @@ _R_CORES = 30_100  # the node offers fewer cores (or less RAM) in all than the j
 _R_HOST_MEMORY = 30_101
 _R_OFFLINE = 40_000
 _R_EXECUTOR = 40_001
+_R_UNHEALTHY = 40_050  # would fit but for devices kept from new grants by their health
 _R_BUSY = 40_100
 _R_OK = 1 << 30
 
@@ -404,6 +415,7 @@ class _Plan:
         "kind",
         "launcher",
         "mem_bytes",
+        "mig_ok",
         "millicores",
         "mode_name",
         "n",
@@ -425,6 +437,10 @@ class _Plan:
         self.kind = req.gpu_memory_kind
         self.gb = req.gpu_memory_gb
         self.need_mib = None if req.gpu_memory_gb is None else need_mib(req.gpu_memory_gb)
+        # A MIG instance goes only to a job that asks for one device and says how much memory
+        # it needs: a job without a memory figure expects a whole GPU, and CUDA enumerates one
+        # MIG instance per process at most.
+        self.mig_ok = self.n == 1 and self.need_mib is not None
         self.millicores = job_millicores(job)
         self.mem_bytes = job_memory_bytes(job)
         self.cc: tuple[int, int] | None = None
@@ -557,6 +573,12 @@ def _chain(
         if acc in facts.unusable:
             return _R_NOT_USABLE, "not_usable", None, ()
         return _R_NO_DEVICE, "no_device", None, ()
+    if not plan.mig_ok and any(d.mig is not None for d in devs):
+        whole = tuple(d for d in devs if d.mig is None)
+        if len(whole) < n and len(devs) >= n:
+            profiles = sorted({d.mig for d in devs if d.mig is not None})
+            return _R_MIG, "mig", ", ".join(profiles), ()
+        devs = whole
     if len(devs) < n:
         return _R_COUNT, "count", len(devs), ()
     if plan.kind is not None:
@@ -740,6 +762,8 @@ def _place(plan: _Plan, cap: _Cap, view: NodeView) -> Placement | _Miss:
     """The devices the job gets on this node now, or why not (with the nearest miss)."""
     use = cap.use
     ex = view.exclusive
+    if view.sick:
+        ex = ex | view.sick  # no new grant on a sick device, in any mode
     sh = view.shared
     if cap.mode == _COUNT:
         n = plan.n
@@ -863,6 +887,14 @@ def _explain(plan: _Plan, nodes: Sequence[NodeView]) -> NoPlacement:
         placed = _place(plan, cap, view)
         if isinstance(placed, Placement):
             fit += 1
+        elif view.sick and isinstance(
+            _place(plan, cap, msgspec.structs.replace(view, sick=frozenset())), Placement
+        ):
+            # One node counted; every sick device's reason shown.
+            reasons = _sick_reasons(view)
+            _count(tallies, _R_UNHEALTHY, "unhealthy", view.node_id, reasons[0])
+            seen = tallies["unhealthy"].seen
+            seen.extend(r for r in reasons[1:] if r not in seen)
         else:
             rank = _R_BUSY + _BUSY_RULES.index(placed.rule)
             _count(tallies, rank, placed.rule, view.node_id, placed.value)
@@ -882,6 +914,13 @@ def _explain(plan: _Plan, nodes: Sequence[NodeView]) -> NoPlacement:
         could_run=could,
         ruled_out={rule: t.count for rule, t in ordered},
     )
+
+
+def _sick_reasons(view: NodeView) -> list[str]:
+    """``<node> GPU <i>: <health reason>`` for each sick device, in index order."""
+    return [
+        f"{view.node_id} GPU {i}: {view.health.get(i, 'unhealthy')}" for i in sorted(view.sick)
+    ][:8]
 
 
 # Occupancy rules, in the order a node is checked: its job slots, cores and RAM, then devices.
@@ -976,6 +1015,13 @@ def _seen(t: _Tally) -> str:
     return f" (seen: {', '.join(shown)}{more})"
 
 
+def _seen_all(t: _Tally) -> str:
+    """The values seen, in the order met (at most 3, then a count)."""
+    shown = t.seen[:3]
+    more = f", ... ({len(t.seen) - 3} more)" if len(t.seen) > 3 else ""
+    return f" (seen: {'; '.join(shown)}{more})" if shown else ""
+
+
 def _version_key(text: str) -> tuple[int, Version | str]:
     try:
         return 1, Version(text)
@@ -1004,6 +1050,11 @@ def _message(plan: _Plan, rule: str, t: _Tally) -> tuple[str, str]:
         return "have", f"{label} devices that can't run work (execution not supported)"
     if rule == "count":
         return "have", f"< {n} usable {label} devices (best: {t.best_node} {t.best})"
+    if rule == "mig":
+        return "have", (
+            f"only MIG instances{_seen_all(t)}, which a job gets only with gpu_count = 1 "
+            "and gpu_memory_gb set"
+        )
     if rule == "memory_kind_unknown":
         return "have", "unknown GPU memory kind"
     if rule == "memory_kind":
@@ -1054,6 +1105,10 @@ def _message(plan: _Plan, rule: str, t: _Tally) -> tuple[str, str]:
         return "are", "offline"
     if rule == "executor_down":
         return "have", "no running executor (its heartbeats stopped)"
+    if rule == "unhealthy":
+        return "have", (
+            f"GPUs kept from new grants by their health (unhealthy or degraded){_seen_all(t)}"
+        )
     if rule == "busy_exclusive":
         return "have", f"too few free devices (need {gpus}, most free: {t.best_node} {t.best})"
     if rule == "busy_shared":

@@ -116,6 +116,8 @@ def _placement() -> Permissions:
         subscribe=(
             f"{PREFIX}.api.>",
             f"{PREFIX}.node.*.heartbeat",
+            # Device observations and health (issue 17), core NATS like heartbeats.
+            f"{PREFIX}.node.*.observations",
             f"{inbox_prefix('placement', '')}.>",
             # A message left undelivered at a consumer's max_deliver (dead_letters.py).
             MAX_DELIVERIES_ADVISORY,
@@ -141,6 +143,7 @@ def _node(node_id: str) -> Permissions:
         publish=(
             f"{node}.capabilities",
             f"{node}.heartbeat",
+            f"{node}.observations",
             f"{node}.status",
             # Any job's events and logs: the executor reports the jobs granted to it, and the
             # grant's signature (not NATS) limits what it runs. See docs/security.md.

@@ -41,6 +41,19 @@ METRICS: dict[str, tuple[str, str, str]] = {
     "gpulayer.node.info": (
         "gauge", "{node}", "One series (value 1) per node: hostname, platform, GPU APIs, state",
     ),
+    "gpulayer.device.health": (
+        "gauge", "1", "Per device: 0 healthy, 1 degraded, 2 unhealthy (the probe's verdict)",
+    ),
+    "gpulayer.device.temperature": ("gauge", "Cel", "Per device: GPU temperature"),
+    "gpulayer.device.utilization": ("gauge", "%", "Per device: GPU utilization"),
+    "gpulayer.device.memory.used": ("gauge", "MiBy", "Per device: GPU memory in use"),
+    "gpulayer.device.power": ("gauge", "W", "Per device: power draw"),
+    "gpulayer.device.ecc.uncorrected": (
+        "gauge", "{error}", "Per device: uncorrected ECC errors since the driver loaded",
+    ),
+    "gpulayer.node.drift": (
+        "counter", "{change}", "Changes between detections (vanished device, driver, memory)",
+    ),
     "gpulayer.executor.job.duration": ("histogram", "s", "Job run time by outcome"),
     "gpulayer.executor.jobs": ("counter", "{job}", "Jobs ended by outcome"),
     "gpulayer.probe.detection.duration": ("histogram", "s", "Detection time per source"),

@@ -69,7 +69,9 @@ def device_env(grant: Grant) -> dict[str, str]:
     rule itself, so a placement bug (or a forged grant) can't widen what a job sees.
     """
     gpu_granted = grant.job.sandbox.devices.gpu == "compute"
-    return visibility_env(grant.accelerator, list(grant.devices), gpu_granted)
+    return visibility_env(
+        grant.accelerator, list(grant.devices), gpu_granted, list(grant.instance_uuids)
+    )
 
 
 def check_job_env(env: Mapping[str, str]) -> None:

@@ -23,6 +23,7 @@ import gpulayer_matching as matcher
 from gpulayer_contracts import CancelJob, Cancelled, encode
 from gpulayer_contracts.bounds import clip_text
 from gpulayer_contracts.codec import capabilities_decoder, job_request_decoder
+from gpulayer_contracts.health import NodeObservations
 from gpulayer_contracts.matrix import SUPPORT_MATRIX
 from gpulayer_contracts.profiles import Profiles
 from gpulayer_contracts.subjects import (
@@ -90,6 +91,20 @@ def _executor_state(fleet: Fleet, node_id: str) -> str:
     return "up" if node_id in fleet.executor_seen else "unknown"
 
 
+def _health(obs: NodeObservations | None, view: NodeView | None) -> dict[str, Any] | None:
+    """The node's health, its devices' latest observations, and which devices get no new
+    grants for their health (None before any observation arrived)."""
+    if obs is None:
+        return None
+    return {
+        "health": obs.health,
+        "observed_at": obs.observed_at.isoformat(),
+        "devices": msgspec.to_builtins(obs.devices),
+        "held_back": {str(i): why for i, why in sorted(view.health.items())} if view else {},
+        "notes": obs.notes,
+    }
+
+
 class Api:
     def __init__(
         self,
@@ -114,6 +129,8 @@ class Api:
         self.admins = admins
         self.profiles = profiles if profiles is not None else Profiles()
         self.max_payload = 1 << 20  # the server's (set from its INFO when wired)
+        # The latest device observations per node (service.py wires the observations part's).
+        self.observations: dict[str, NodeObservations] = {}
 
     async def subscribe(self) -> list[Any]:
         """One queue-group subscription per API subject; the caller unsubscribes them."""
@@ -202,6 +219,7 @@ class Api:
                     "resources": _resources(self.fleet, view) if view else None,
                     "report_rejected": self.fleet.report_errors.get(r["node_id"]),
                     "capabilities": msgspec.to_builtins(caps),
+                    "health": _health(self.observations.get(r["node_id"]), view),
                 }
             )
         return out

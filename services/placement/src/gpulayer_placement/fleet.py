@@ -12,7 +12,7 @@ from typing import overload
 
 import msgspec
 
-from gpulayer_contracts.capabilities import Heartbeat, WorkerCapabilities
+from gpulayer_contracts.capabilities import AcceleratorDevice, Heartbeat, WorkerCapabilities
 from gpulayer_matching import NodeView
 from gpulayer_matching.resources import CPU, GB, GPU_MEMORY, MEMORY, SLOTS, gpu_memory_resource
 
@@ -103,6 +103,26 @@ class Rotated(Sequence[NodeView]):
         yield from items[:start]
 
 
+def _unhealthy(bad: dict[int, tuple[str, str]], d: AcceleratorDevice) -> bool:
+    hits = [bad.get(i) for i in (d.index, d.mig_parent) if i is not None]
+    return any(h is not None and h[0] == "unhealthy" for h in hits)
+
+
+def sick_devices(
+    caps: WorkerCapabilities, bad: dict[int, tuple[str, str]]
+) -> tuple[frozenset[int], dict[int, str]]:
+    """The node's devices kept from new grants by health (a GPU and its MIG instances), and
+    ``<health>: <why>`` for each."""
+    if not bad:
+        return frozenset(), {}
+    health: dict[int, str] = {}
+    for d in caps.accelerators:
+        entry = bad.get(d.index) or (bad.get(d.mig_parent) if d.mig_parent is not None else None)
+        if entry is not None:
+            health[d.index] = f"{entry[0]}: {entry[1]}"
+    return frozenset(health), health
+
+
 class Fleet:
     def __init__(self) -> None:
         self._views: list[NodeView] = []
@@ -119,6 +139,8 @@ class Fleet:
         self.executor_seen: dict[str, float] = {}
         # Nodes whose last capabilities report was refused (kept: their last good one), why.
         self.report_errors: dict[str, str] = {}
+        # Per node, the GPUs its last observations found not healthy: index -> (health, why).
+        self._bad: dict[str, dict[int, tuple[str, str]]] = {}
         self._cursor = 0
 
     def __len__(self) -> int:
@@ -262,6 +284,7 @@ class Fleet:
             # the matcher has cached by identity.
             return False
         holds = self._holds.get(caps.node_id)
+        sick, health = sick_devices(caps, self._bad.get(caps.node_id, {}))
         self._set(
             NodeView(
                 node_id=caps.node_id,
@@ -270,10 +293,40 @@ class Fleet:
                 executor_down=old.executor_down if old is not None else False,
                 exclusive=frozenset(holds.exclusive) if holds else frozenset(),
                 shared=frozenset(holds.shared) if holds else frozenset(),
+                sick=sick,
+                health=health,
                 **self._resources(caps.node_id, caps),  # type: ignore[arg-type]
             )
         )
         return True
+
+    def set_health(self, node_id: str, bad: dict[int, tuple[str, str]]) -> tuple[bool, list[int]]:
+        """The GPUs of the node's latest observations that are not healthy (index -> (health,
+        why)). Returns whether the node's sick devices changed, and the allocatable indices that
+        became unhealthy just now (their jobs get a warning)."""
+        before = self._bad.get(node_id, {})
+        if bad == before:
+            return False, []
+        if bad:
+            self._bad[node_id] = bad
+        else:
+            self._bad.pop(node_id, None)
+        view = self.get(node_id)
+        if view is None:
+            return False, []
+        sick, health = sick_devices(view.capabilities, bad)
+        newly = [
+            d.index
+            for d in view.capabilities.accelerators
+            if _unhealthy(bad, d) and not _unhealthy(before, d)
+        ]
+        if sick == view.sick and health == view.health:
+            return False, newly
+        self._set(msgspec.structs.replace(view, sick=sick, health=health))
+        return True, newly
+
+    def bad_devices(self, node_id: str) -> dict[int, tuple[str, str]]:
+        return self._bad.get(node_id, {})
 
     def remove(self, node_id: str, why: str) -> None:
         """Take a node out of matching until it reports capabilities again (``why`` is kept in
@@ -405,7 +458,7 @@ class Fleet:
             if not v.online or v.executor_down:
                 continue
             for d in v.capabilities.accelerators:
-                if d.execution_supported and d.index not in v.exclusive:
+                if d.execution_supported and d.index not in v.exclusive and d.index not in v.sick:
                     return True
         return False
 

@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from gpulayer_contracts import Heartbeat, Lost, WorkerCapabilities, encode
+from gpulayer_contracts import CancelJob, Heartbeat, Lost, WorkerCapabilities, encode
 from gpulayer_contracts.bounds import node_id_errors, validate_capabilities, validate_heartbeat
 from gpulayer_contracts.codec import (
     InvalidInput,
@@ -29,6 +29,7 @@ from gpulayer_contracts.codec import (
     decode_message,
     heartbeat_decoder,
 )
+from gpulayer_contracts.health import drift, vanished
 from gpulayer_contracts.subjects import (
     NODE_WILDCARD_CAPABILITIES,
     NODE_WILDCARD_HEARTBEAT,
@@ -180,9 +181,51 @@ class Liveness:
                 )
         except DB_ERRORS as err:
             log.warning("storing %d capability events failed: %s", len(caps_list), err)
+        gone: list[tuple[str, dict[int, str]]] = []
+        for c in caps_list:
+            old = self.fleet.get(c.node_id)
+            if old is not None and old.capabilities is not c:
+                for change in drift(old.capabilities, c):
+                    log.warning("drift on node %s: %s", c.node_id, change)
+                    self.tel.count("gpulayer.node.drift", 1, {"node": c.node_id})
+                if lost := vanished(old.capabilities, c):
+                    gone.append((c.node_id, lost))
         changed = [self.fleet.upsert(c) for c in caps_list]
+        for node, devices in gone:
+            await self.lose_device_jobs(node, devices)
         if any(changed):
             self.wake.capacity()
+
+    async def lose_device_jobs(self, node: str, devices: dict[int, str]) -> None:
+        """Jobs holding a device that vanished from the node's detection are lost, with the
+        device named; the executor is asked to stop them (what a lost GPU left running)."""
+        reason = "; ".join(devices[i] for i in sorted(devices))
+        try:
+            async with self.pool.acquire() as conn, conn.transaction():
+                lost = await Store.fetch(conn, "lose_device_jobs", node, sorted(devices), reason)
+                if lost:
+                    await self.sync.notify(conn, [node])
+        except DB_ERRORS as err:
+            log.warning("losing the jobs on vanished devices of %s failed: %s", node, err)
+            return
+        if not lost:
+            return
+        await self.sync.reload([node])
+        for r in lost:
+            log.warning(
+                "job %s lost: %s", r["job_id"], reason, extra=job_context(r["job_id"], node)
+            )
+        events = [
+            Lost(job_id=r["job_id"], node_id=node, reason=reason, owner=r["owner"]) for r in lost
+        ]
+        cancels = [
+            self.publisher.cancel_item(
+                node, CancelJob(job_id=r["job_id"], reason=reason, grant_id=r["grant_id"] or "")
+            )
+            for r in lost
+        ]
+        await self.publisher.publish([*(self.publisher.event_item(e) for e in events), *cancels])
+        self.wake.capacity()
 
     # --- heartbeats ----------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """Gauges: nodes by state, accelerator and platform, devices by state, and one info series per
-node (read from the fleet when the exporter asks), and job counts by state (refreshed from
-PostgreSQL every few seconds). Registered only when telemetry is on."""
+node (read from the fleet when the exporter asks), per device health, temperature, utilization,
+memory in use, power and ECC errors (from the latest observations), and job counts by state
+(refreshed from PostgreSQL every few seconds). Registered only when telemetry is on."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import asyncpg
 
 from gpulayer_contracts import AcceleratorDevice
 from gpulayer_contracts.bounds import clip_text
+from gpulayer_contracts.health import NodeObservations
 from gpulayer_matching import NodeView
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.store import Store
@@ -111,11 +113,52 @@ def node_info(fleet: Fleet) -> Observations:
     return out
 
 
+_HEALTH_VALUE = {"healthy": 0, "degraded": 1, "unhealthy": 2}
+# (metric, DeviceObservation field) of the per-device gauges.
+DEVICE_GAUGES = (
+    ("gpulayer.device.temperature", "temperature_c"),
+    ("gpulayer.device.utilization", "utilization_pct"),
+    ("gpulayer.device.memory.used", "memory_used_mib"),
+    ("gpulayer.device.power", "power_w"),
+    ("gpulayer.device.ecc.uncorrected", "ecc_uncorrected_volatile"),
+)
+
+
+def device_health(latest: dict[str, NodeObservations]) -> Observations:
+    """One series per observed device: its health as a number, the reason as a label."""
+    return [
+        (
+            _HEALTH_VALUE.get(d.health, 0),
+            {"node_id": node, "device": str(d.index), "health": d.health},
+        )
+        for node, obs in latest.items()
+        for d in obs.devices
+    ]
+
+
+def device_values(latest: dict[str, NodeObservations], field: str) -> Observations:
+    """One series per observed device that reports ``field`` (a DeviceObservation field)."""
+    out: Observations = []
+    for node, obs in latest.items():
+        for d in obs.devices:
+            value = getattr(d, field)
+            if value is not None:
+                out.append((value, {"node_id": node, "device": str(d.index)}))
+    return out
+
+
 class Gauges:
-    def __init__(self, pool: asyncpg.Pool, fleet: Fleet, telemetry: Telemetry = DISABLED) -> None:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        fleet: Fleet,
+        telemetry: Telemetry = DISABLED,
+        observations: dict[str, NodeObservations] | None = None,
+    ) -> None:
         self.pool = pool
         self.fleet = fleet
         self.tel = telemetry
+        self.observations = observations if observations is not None else {}
         self._jobs: Observations = []
         self._pending: Observations = []
 
@@ -126,6 +169,9 @@ class Gauges:
         self.tel.gauge("gpulayer.node.info", lambda: node_info(self.fleet))
         self.tel.gauge("gpulayer.jobs", lambda: self._jobs)
         self.tel.gauge("gpulayer.jobs.pending", lambda: self._pending)
+        self.tel.gauge("gpulayer.device.health", lambda: device_health(self.observations))
+        for name, field in DEVICE_GAUGES:
+            self.tel.gauge(name, lambda f=field: device_values(self.observations, f))  # type: ignore[misc]
 
     async def refresh_job_gauges(self) -> None:
         """Job counts by state and waiting reason, from PostgreSQL."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpulayer_contracts import Cancelled, Grant, JobRequest
+from gpulayer_contracts.capabilities import MIG_INDEX_BASE, AcceleratorDevice, grant_devices
 from gpulayer_contracts.subjects import ANONYMOUS
 from gpulayer_contracts.validation import visibility_env
 from gpulayer_matching import NoPlacement, Placement
@@ -53,14 +54,24 @@ def make_grant(
     accelerator: Any,
     devices: list[int],
     owner: str = ANONYMOUS,
+    accelerators: list[AcceleratorDevice] | None = None,
 ) -> Grant:
-    """The grant an executor receives: the job, its devices and the visibility env for them."""
+    """The grant an executor receives: the job, its devices and the visibility env for them.
+
+    ``devices`` are the allocated indices; with the node's ``accelerators``, a MIG instance
+    among them becomes its parent GPU in ``devices`` (whose device node the job opens) and its
+    UUID in ``instance_uuids`` (what CUDA_VISIBLE_DEVICES names)."""
+    instances: list[str] = []
+    if accelerators is not None and any(i >= MIG_INDEX_BASE for i in devices):
+        devices, instances = grant_devices(accelerators, devices)
+    granted = job.sandbox.devices.gpu == "compute"
     return Grant(
         grant_id=grant_id,
         job=job,
         node_id=node_id,
         accelerator=accelerator,
         devices=devices,
-        visible_env=visibility_env(accelerator, devices, job.sandbox.devices.gpu == "compute"),
+        visible_env=visibility_env(accelerator, devices, granted, instances),
         owner=owner,
+        instance_uuids=instances,
     )

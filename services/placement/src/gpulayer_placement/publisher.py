@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
@@ -29,6 +29,7 @@ from gpulayer_contracts import (
     validate_job,
 )
 from gpulayer_contracts.bounds import MAX_EVENT_BYTES, bound_event
+from gpulayer_contracts.capabilities import AcceleratorDevice
 from gpulayer_contracts.codec import job_request_decoder
 from gpulayer_contracts.subjects import (
     ANONYMOUS,
@@ -82,6 +83,9 @@ class Publisher:
         # Jobs stored but whose accepted/rejected event failed to publish: said again first,
         # before any later event of theirs from this replica.
         self._unannounced: dict[str, JobEvent] = {}
+        # A node's devices as last reported (service.py wires the fleet's): a grant of a MIG
+        # instance names its parent GPU and the instance's UUID.
+        self.devices_of: Callable[[str], list[AcceleratorDevice] | None] = lambda _node: None
 
     def forget(self, job_id: str) -> None:
         """Drop what the publisher remembers about a job that has ended."""
@@ -206,6 +210,7 @@ class Publisher:
                 pl.placement.accelerator,
                 pl.placement.devices,
                 pl.owner,
+                self.devices_of(pl.placement.node_id),
             )
             for pl in outcome.placements
         ]
@@ -341,7 +346,13 @@ class Publisher:
         )
         owner = r.get("owner") or ANONYMOUS
         grant = make_grant(
-            job, r["node_id"], r["grant_id"], r["accelerator"], list(r["devices"]), owner
+            job,
+            r["node_id"],
+            r["grant_id"],
+            r["accelerator"],
+            list(r["devices"]),
+            owner,
+            self.devices_of(r["node_id"]),
         )
         items = [
             self.placed_item(grant),

@@ -354,3 +354,26 @@ UPDATE jobs SET preempted_for = $2, updated_at = now()
 WHERE job_id = ANY($1::text[]) AND state IN ('placed', 'running') AND preemptible
   AND priority < $3 AND preempted_for IS NULL
 RETURNING job_id, node_id, grant_id, owner, preempted_for;
+
+-- name: jobs_on_devices
+-- Placed and running jobs holding any of devices $2 on node $1 (issue 17: a warning each when
+-- one of its devices turns unhealthy).
+SELECT DISTINCT a.job_id, j.owner, j.grant_id
+FROM allocations a JOIN jobs j ON j.job_id = a.job_id
+WHERE a.node_id = $1 AND a.device_index = ANY($2::int[]) AND j.state IN ('placed', 'running');
+
+-- name: lose_device_jobs
+-- Jobs holding any of devices $2 on node $1 are lost with reason $3 (the devices vanished from
+-- the node's detection), their holds released.
+WITH hit AS (
+    SELECT DISTINCT job_id FROM allocations WHERE node_id = $1 AND device_index = ANY($2::int[])
+), lost AS (
+    UPDATE jobs j SET state = 'lost', reason = $3, updated_at = now()
+    FROM hit WHERE j.job_id = hit.job_id AND j.state IN ('placed', 'running')
+    RETURNING j.job_id, j.node_id, j.owner, j.grant_id
+), released AS (
+    DELETE FROM allocations a USING lost WHERE a.job_id = lost.job_id
+), freed AS (
+    DELETE FROM reservations r USING lost WHERE r.job_id = lost.job_id
+)
+SELECT job_id, node_id, owner, grant_id FROM lost;

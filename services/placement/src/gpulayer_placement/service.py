@@ -8,13 +8,17 @@ Parts (each in a file named for it, each taking its collaborators in its constru
   batch takes and in which order.
 - ``publisher``: events, grants and job spans, pipelined; the resend of stale grants.
 - ``status``: executor reports: job rows updated, devices released, waiting jobs reconsidered.
-- ``liveness``: capabilities and heartbeats into memory and PostgreSQL; silent nodes reaped.
+- ``liveness``: capabilities and heartbeats into memory and PostgreSQL; silent nodes reaped;
+  jobs on devices that vanished from a node's detection lost.
+- ``observations``: the probes' device health into the fleet; warnings to jobs on devices
+  that turned unhealthy.
 - ``replica_sync``: other replicas' allocation changes (PostgreSQL LISTEN), allocation reloads.
 - ``lifecycle`` (with ``dependencies``): when an attempt ends, a retry or a service's restart
   (back to waiting), or the end for good, which releases or cancels the jobs waiting for it.
 - ``api``: request/reply for the CLI. ``metrics``: gauges, when telemetry is on.
 
-Tasks: ``ingest``, ``status``, ``schedule``, ``capabilities``, ``heartbeats``, ``reaper``,
+Tasks: ``ingest``, ``status``, ``schedule``, ``capabilities``, ``heartbeats``,
+``observations``, ``reaper``,
 ``resend``, ``thorough`` (and ``job-gauges``). One that dies stops the service, so that a
 supervisor restarts it rather than leave it half alive.
 """
@@ -32,6 +36,7 @@ import asyncpg
 from nats.aio.client import Client
 
 from gpulayer_contracts.bounds import max_job_bytes
+from gpulayer_contracts.capabilities import AcceleratorDevice
 from gpulayer_placement.api import Api
 from gpulayer_placement.dead_letters import DeadLetters
 from gpulayer_placement.fleet import Fleet
@@ -40,6 +45,7 @@ from gpulayer_placement.lifecycle import Lifecycle
 from gpulayer_placement.liveness import Liveness
 from gpulayer_placement.loops import every
 from gpulayer_placement.metrics import Gauges
+from gpulayer_placement.observations import Observations
 from gpulayer_placement.policy import Policy, load_active, load_policy
 from gpulayer_placement.publisher import Publisher
 from gpulayer_placement.replica_sync import ReplicaSync
@@ -168,8 +174,23 @@ class PlacementService:
             profiles=s.profiles,
             policy=self.policy,
         )
+        self.observations = Observations(
+            nc=nc,
+            pool=pool,
+            fleet=fleet,
+            wake=wake,
+            publisher=self.publisher,
+            stop=stop,
+            telemetry=telemetry,
+        )
+        self.api.observations = self.observations.latest
+        self.publisher.devices_of = self._devices_of
         self.publisher.max_payload = self.api.max_payload = max_payload
-        self.gauges = Gauges(pool, fleet, telemetry)
+        self.gauges = Gauges(pool, fleet, telemetry, self.observations.latest)
+
+    def _devices_of(self, node_id: str) -> list[AcceleratorDevice] | None:
+        view = self.fleet.get(node_id)
+        return None if view is None else view.capabilities.accelerators
 
     def forget(self, job_id: str) -> None:
         """Drop what this replica keeps in memory about a job that has ended."""
@@ -191,6 +212,7 @@ class PlacementService:
             await load_policy(self.policy, conn)
         await self.sync.listen()
         self._subs += await self.liveness.subscribe()
+        self._subs += await self.observations.subscribe()
         jobs = await self.intake.subscribe()
         status = await self.status.subscribe()
         self._subs += [jobs, status]
@@ -203,6 +225,7 @@ class PlacementService:
         self._spawn("schedule", self.scheduler.run())
         self._spawn("capabilities", self.liveness.run_capabilities())
         self._spawn("heartbeats", self.liveness.run_heartbeats())
+        self._spawn("observations", self.observations.run())
         self._spawn("reaper", every(stop, max(s.node_timeout_s / 3, 0.2), self.liveness.reap))
         self._spawn("resend", every(stop, max(s.resend_after_s / 3, 0.5), self.publisher.resend))
         self._spawn("thorough", every(stop, s.thorough_pass_s, self.wake.request_thorough))

@@ -4,7 +4,9 @@ GPULAYER_NATS_URL, GPULAYER_NODE_ID (default: hostname), GPULAYER_WORKLOAD_PYTHO
 interpreter), GPULAYER_PROBE_REFRESH_S (60), GPULAYER_PROBE_REPUBLISH_S (600),
 GPULAYER_HEARTBEAT_S (5), GPULAYER_PROBE_TIMEOUT_S
 (10, each source), GPULAYER_PROBE_TORCH_TIMEOUT_S (60), GPULAYER_ADVERTISE_ADDRESS (default:
-detected), GPULAYER_LOG_FORMAT (text|json).
+detected), GPULAYER_PROBE_OBSERVE_S (5), GPULAYER_PROBE_RECOVER_AFTER (3
+clean observations before a device is healthy again), GPULAYER_PROBE_DEVICE_DIR (/dev),
+GPULAYER_LOG_FORMAT (text|json).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from gpulayer_runtime.nats import connect, wait_for_streams
 from gpulayer_runtime.settings import (
     NatsSettings,
     env_float,
+    env_int,
     env_str,
     nats_settings,
     node_id,
@@ -42,6 +45,9 @@ def read_settings(env: Mapping[str, str]) -> tuple[NatsSettings, str, ProbeSetti
         timeout=env_float(env, "GPULAYER_PROBE_TIMEOUT_S", 10.0),
         torch_timeout=env_float(env, "GPULAYER_PROBE_TORCH_TIMEOUT_S", 60.0),
         advertise_address=env.get("GPULAYER_ADVERTISE_ADDRESS", "").strip() or None,
+        observe_s=env_float(env, "GPULAYER_PROBE_OBSERVE_S", 5.0),
+        recover_after=env_int(env, "GPULAYER_PROBE_RECOVER_AFTER", 3),
+        dev_dir=env_str(env, "GPULAYER_PROBE_DEVICE_DIR", "/dev"),
     )
     return nats_settings(env), node_id(env), settings
 

@@ -1,9 +1,12 @@
 """The probe service: publish capabilities at start and on change, a heartbeat in between.
 
 Tasks, under one ``run``: the heartbeat (never waits on detection), the refresher (detects every
-``refresh_s``), the torch query (in the background, so the first publish never waits for
-``import torch``), and the doctor (NATS request/reply: re-detect now, torch included, and reply
-with the result). A lock orders detections and publishes.
+``refresh_s``, or at once when the observer sees other devices than detection did), the
+observer (device observations and health every ``observe_s``, ``observer.py``), the torch query
+(in the background, so the first publish never waits for ``import torch``), and the doctor
+(NATS request/reply: re-detect now, torch included, and reply with what changed and the node's
+health). A lock orders detections and publishes. Consecutive detections are compared: what
+drifted (a device vanished, a driver or a device's memory changed) is logged.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from nats.aio.msg import Msg
 from opentelemetry.trace import SpanKind
 
 from gpulayer_contracts import Heartbeat, WorkerCapabilities, __version__, encode
+from gpulayer_contracts.health import DoctorReport, drift
 from gpulayer_contracts.subjects import node_capabilities, node_doctor, node_heartbeat
 from gpulayer_detection.base import DEFAULT_CDI_DIRS, Finding
 from gpulayer_detection.frameworks import query_torch
@@ -34,6 +38,7 @@ from gpulayer_detection.registry import (
     torch_unknown,
 )
 from gpulayer_detection.runner import Runner, run_command
+from gpulayer_probe.observer import Observer
 from gpulayer_runtime.telemetry import DISABLED, Telemetry, inject
 
 log = logging.getLogger(__name__)
@@ -78,6 +83,11 @@ class ProbeSettings:
     torch_timeout: float = 60.0
     cdi_dirs: Sequence[str] = DEFAULT_CDI_DIRS
     advertise_address: str | None = None
+    # Device observations: how often, and how many clean ones in a row make a device healthy
+    # again (hysteresis). 0 turns observations off.
+    observe_s: float = 5.0
+    recover_after: int = 3
+    dev_dir: str = "/dev"  # where GPU device files (nvidia<N>) are looked for
 
 
 class ProbeService:
@@ -105,6 +115,20 @@ class ProbeService:
         self.current: WorkerCapabilities | None = None
         self.detections = 0  # completed refresh cycles, for tests and metrics
         self._detected = asyncio.Condition()
+        self._kick = asyncio.Event()  # detect now (the observer saw other devices)
+        self._previous: WorkerCapabilities | None = None  # the detection before the last
+        self.changes: list[str] = []  # drift found by the last detection
+        self.observer = Observer(
+            nc,
+            node_id,
+            run=run,
+            timeout=settings.timeout,
+            interval_s=settings.observe_s,
+            recover_after=settings.recover_after,
+            dev_dir=settings.dev_dir,
+            capabilities=lambda: self.current,
+            redetect=self._kick.set,
+        )
 
     async def run(self, stop: asyncio.Event) -> None:
         sub = await self._nc.subscribe(node_doctor(self._node), cb=self._on_doctor)
@@ -112,6 +136,8 @@ class ProbeService:
             asyncio.create_task(self._heartbeat(stop), name="probe-heartbeat"),
             asyncio.create_task(self._refresher(stop), name="probe-refresher"),
         ]
+        if self._s.observe_s > 0:
+            tasks.append(asyncio.create_task(self.observer.run(stop), name="probe-observer"))
         try:
             await stop.wait()
         finally:
@@ -161,6 +187,16 @@ class ProbeService:
         caps = build_capabilities(self._node, findings)
         self.current = caps
         return caps
+
+    def _compare(self, caps: WorkerCapabilities) -> list[str]:
+        """Drift between the previous detection and ``caps``, logged; ``caps`` becomes the
+        previous one."""
+        changes = drift(self._previous, caps) if self._previous is not None else []
+        for change in changes:
+            log.warning("drift on node %s: %s", self._node, change)
+        self._previous = caps
+        self.changes = changes
+        return changes
 
     async def _query_torch(self) -> None:
         key = self._torch_cache_key()
@@ -225,21 +261,34 @@ class ProbeService:
         while not stop.is_set():
             async with self._lock:
                 try:
-                    await self._publish_if_changed(await self.detect())
+                    caps = await self.detect()
+                    self._compare(caps)
+                    await self._publish_if_changed(caps)
                 except Exception:
                     log.exception("detection failed; trying again at the next refresh")
             self._start_torch_if_needed()
             async with self._detected:
                 self.detections += 1
                 self._detected.notify_all()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self._s.refresh_s)
+            await self._sleep(stop, self._s.refresh_s)
+
+    async def _sleep(self, stop: asyncio.Event, seconds: float) -> None:
+        """Until ``seconds`` pass, ``stop`` is set or a re-detection is asked for."""
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._kick.wait())]
+        try:
+            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+            self._kick.clear()
 
     async def _on_doctor(self, msg: Msg) -> None:
-        """Re-detect now, torch included, publish if changed, and reply with the result."""
+        """Re-detect now, torch included, publish if changed, and reply with a DoctorReport:
+        what changed since the detection before, the node's health and its devices'."""
         try:
             async with self._lock:
                 caps = await self.detect()
+                changes = self._compare(caps)
             if "torch" in self._frameworks():
                 key = self._torch_cache_key()
                 finding = await query_torch(self._s.python, self._run, self._s.torch_timeout)
@@ -248,7 +297,16 @@ class ProbeService:
             async with self._lock:
                 caps = self._build()
                 await self._publish_if_changed(caps)
-            await msg.respond(encode(caps))
+            obs = await self.observer.observe_once()
+            report = DoctorReport(
+                node_id=self._node,
+                capabilities=caps,
+                changes=changes,
+                health=obs.health,
+                devices=obs.devices,
+                notes=obs.notes,
+            )
+            await msg.respond(encode(report))
         except Exception:
             log.exception("doctor request failed")
 

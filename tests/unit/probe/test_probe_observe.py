@@ -1,0 +1,270 @@
+"""Observations, health and MIG instances from recorded nvidia-smi output (no subprocess).
+
+Sources of the recordings: tests/fixtures/README.md (which are verbatim public captures, which
+are rebuilt in nvidia-smi's format, which are synthetic).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from gpulayer_contracts.capabilities import grant_devices, mig_index
+from gpulayer_contracts.health import DeviceObservation
+from gpulayer_contracts.validation import visibility_env
+from gpulayer_detection.base import ProbeContext
+from gpulayer_detection.health import Tracker, classify
+from gpulayer_detection.nvidia import NvidiaProbe, parse_nvidia_smi
+from gpulayer_detection.observe import (
+    OBSERVE_FIELDS,
+    gpu_device_files,
+    observe,
+    parse_mig_listing,
+    parse_mig_memory,
+    parse_observations,
+)
+from gpulayer_detection.runner import Runner, RunResult
+
+RECORDINGS = Path(__file__).resolve().parents[2] / "fixtures" / "nvidia-smi"
+
+
+def text(scenario: str, name: str) -> str:
+    return (RECORDINGS / scenario / name).read_text()
+
+
+def runner(scenario: str) -> Runner:
+    """Answers like tests/fixtures/nvidia-smi/fake-nvidia-smi, from memory."""
+    folder = RECORDINGS / scenario
+
+    async def run(argv: Sequence[str], timeout: float) -> RunResult:
+        joined = " ".join(argv)
+        if argv[1:] == ["-L"]:
+            name = "list"
+        elif "--query-gpu=index,pci.bus_id" in joined:
+            name = "observe"
+        elif "--query-gpu=" in joined:
+            name = "query"
+        else:
+            name = "smi"
+        if not (folder / f"{name}.txt").exists():
+            return RunResult(tuple(argv), 99, "", f"no recording {name}.txt")
+        rc = folder / f"{name}.rc"
+        code = int(rc.read_text()) if rc.exists() else 0
+        return RunResult(tuple(argv), code, (folder / f"{name}.txt").read_text())
+
+    return run
+
+
+def test_every_observation_field_is_read() -> None:
+    # Values of the real H200 capture's plain nvidia-smi, in the query's CSV.
+    (d,) = parse_observations(text("h200-1x", "observe.txt")).devices
+    assert d == DeviceObservation(
+        index=0,
+        uuid="GPU-eb696b50-658e-e81a-d4c1-c87b51f46e54",
+        memory_used_mib=0,
+        memory_free_mib=143156,
+        utilization_pct=0,
+        temperature_c=37,
+        power_w=91.35,
+        throttle_reasons=0,
+        ecc_uncorrected_volatile=0,
+        ecc_uncorrected_aggregate=0,
+        retired_pages_pending=None,  # [N/A]: Hopper remaps rows instead
+        remapped_rows_pending=False,
+    )
+    assert classify(d) == ("healthy", None)
+
+
+def test_unknown_values_are_none() -> None:
+    a, b = parse_observations(text("unknown-values", "observe.txt")).devices
+    assert a.ecc_uncorrected_volatile is None
+    assert a.remapped_rows_pending is None
+    assert a.throttle_reasons == 1  # GPU idle: not a slowdown
+    assert b.uuid is None
+    assert b.utilization_pct is None
+    assert b.temperature_c is None
+    assert b.power_w is None
+    assert b.throttle_reasons is None
+    assert classify(a)[0] == classify(b)[0] == "healthy"
+
+
+def test_uncorrected_ecc_pending_repairs_and_thermal_slowdown() -> None:
+    ecc, hot, retired = parse_observations(text("ecc-uncorrected", "observe.txt")).devices
+    assert (ecc.ecc_uncorrected_volatile, ecc.ecc_uncorrected_aggregate) == (2, 7)
+    assert classify(ecc) == ("unhealthy", "2 uncorrected ECC errors since the driver loaded")
+    assert hot.throttle_reasons == 0x60
+    assert classify(hot) == (
+        "degraded",
+        "clocks slowed: software thermal slowdown, hardware thermal slowdown",
+    )
+    # Lifetime (aggregate) errors alone never make a device unhealthy: only pending repairs.
+    assert retired.ecc_uncorrected_aggregate == 3
+    assert retired.retired_pages_pending is True
+    assert classify(retired) == (
+        "degraded",
+        "retired pages pending (applied at the next GPU reset)",
+    )
+
+
+def test_gpu_is_lost_names_the_device_by_its_bus_id() -> None:
+    first = parse_observations(text("h100-dgx-8x", "observe.txt"))
+    assert len(first.devices) == 8
+    # Without an earlier pass the lost GPU's index is unknown: a note, the others stand.
+    alone = parse_observations(text("gpu-lost", "observe.txt"))
+    assert [d.index for d in alone.devices] == [0, 2]
+    assert any("GPU is lost" in n and "index is unknown" in n for n in alone.notes)
+    # With the bus ids of an earlier pass (0000:02:00.0 was index 1) it is device 1, lost.
+    seen = parse_observations(text("gpu-lost", "observe.txt"), buses={"00000000:02:00.0": 1})
+    lost = seen.devices[1]
+    assert (lost.index, lost.state) == (1, "lost")
+    assert classify(lost)[0] == "unhealthy"
+    assert "GPU is lost" in (classify(lost)[1] or "")
+
+
+def test_requires_reset() -> None:
+    reset, ok = parse_observations(text("requires-reset", "observe.txt")).devices
+    assert reset.state == "reset_required"
+    assert classify(reset) == ("unhealthy", "nvidia-smi: GPU requires reset")
+    assert ok.state == "ok"
+
+
+def test_detection_skips_a_lost_gpu_and_keeps_the_others() -> None:
+    devices = parse_nvidia_smi(text("gpu-lost", "query.txt"))
+    assert [d.index for d in devices] == [0, 2]
+
+
+async def test_probe_offers_the_answering_gpus_when_one_is_lost() -> None:
+    ctx = ProbeContext(run=runner("gpu-lost"), timeout=5, system="linux", machine="x86_64")
+    found = await NvidiaProbe().probe(ctx)
+    assert [d.index for d in found.accelerators] == [0, 2]
+    assert any("GPU is lost" in n for n in found.notes)
+
+
+async def test_observe_runs_the_query_and_keeps_going_on_a_lost_gpu() -> None:
+    seen, result = await observe(runner("gpu-lost"), 5, {"00000000:02:00.0": 1})
+    assert result.returncode == 15
+    assert [(d.index, d.state) for d in seen.devices] == [(0, "ok"), (1, "lost"), (2, "ok")]
+    assert result.argv[1] == f"--query-gpu={','.join(OBSERVE_FIELDS)}"
+
+
+def test_hysteresis_recovers_after_clean_observations_only() -> None:
+    sick = DeviceObservation(index=3, ecc_uncorrected_volatile=1)
+    clean = DeviceObservation(index=3, ecc_uncorrected_volatile=0)
+    t = Tracker(recover_after=3)
+    assert t.update([sick])[0].health == "unhealthy"
+    assert t.update([clean])[0].health == "unhealthy"  # 1 clean
+    assert t.update([clean])[0].health == "unhealthy"  # 2 clean
+    assert t.update([sick])[0].health == "unhealthy"  # worse again: the count starts over
+    assert [t.update([clean])[0].health for _ in range(3)] == ["unhealthy", "unhealthy", "healthy"]
+    # Worse takes effect at once.
+    assert t.update([sick])[0].health == "unhealthy"
+
+
+def test_mig_listing_a100_seven_1g10gb() -> None:
+    # Verbatim `nvidia-smi -L` from DataDog/datadog-agent#33120.
+    listing = parse_mig_listing(text("a100-sxm4-80gb-mig7-1g10gb", "list.txt"))
+    (instances,) = listing.values()
+    assert [(i.parent, i.device, i.profile) for i in instances] == [
+        (0, n, "1g.10gb") for n in range(7)
+    ]
+    assert instances[0].uuid == "MIG-feb88891-0321-5fef-9c87-d4af3b54259e"
+
+
+def test_mig_listings_with_mixed_gpus_and_profiles() -> None:
+    # telegraf#5812: GPU 0 in MIG with 4x 1g.20gb, GPUs 1-3 whole.
+    mixed = parse_mig_listing(text("mig-listings", "a100-80gb-4x1g20gb-and-3-whole.txt"))
+    assert list(mixed) == [0]
+    assert [i.profile for i in mixed[0]] == ["1g.20gb"] * 4
+    # nvidia-container-toolkit#203: 2x 3g.40gb on an A100 80GB PCIe.
+    big = parse_mig_listing(text("mig-listings", "a100-80gb-pcie-2x3g40gb.txt"))
+    assert [(i.device, i.profile) for i in big[0]] == [(0, "3g.40gb"), (1, "3g.40gb")]
+
+
+def test_mig_memory_from_the_mig_devices_table() -> None:
+    # Rows as nvitop#8 shows them (A100-SXM4-80GB, 19968 MiB instances).
+    memory = parse_mig_memory(text("a100-sxm4-80gb-mig-2g20gb", "smi.txt"))
+    assert memory == {(1, 0): 19968, (1, 1): 19968, (1, 2): 19968}
+    assert parse_mig_memory(text("h200-1x", "smi.txt")) == {}
+
+
+async def test_mig_instances_are_devices_of_their_own() -> None:
+    ctx = ProbeContext(
+        run=runner("a100-sxm4-80gb-mig-2g20gb"), timeout=5, system="linux", machine="x86_64"
+    )
+    found = await NvidiaProbe().probe(ctx)
+    whole, parent, *instances = found.accelerators
+    assert (whole.index, whole.execution_supported) == (0, True)
+    assert (parent.index, parent.execution_supported) == (1, False)  # never granted whole
+    assert [(d.index, d.mig_parent, d.mig_profile, d.memory_mib) for d in instances] == [
+        (mig_index(1, n), 1, "2g.20gb", 19968) for n in range(3)
+    ]
+    assert all(d.execution_supported and d.uuid and d.uuid.startswith("MIG-") for d in instances)
+    assert "3 MIG instance(s)" in found.host_apis["cuda"]
+    # A grant of instance 1 opens GPU 1's device node and shows CUDA the instance by UUID.
+    devices, uuids = grant_devices(found.accelerators, [mig_index(1, 1)])
+    assert devices == [1]
+    assert uuids == [instances[1].uuid]
+    env = visibility_env("cuda", devices, True, uuids)
+    assert env["CUDA_VISIBLE_DEVICES"] == instances[1].uuid
+    assert env["GPULAYER_DEVICES"] == "1"
+    assert visibility_env("cuda", devices, False, uuids)["CUDA_VISIBLE_DEVICES"] == ""
+
+
+async def test_mig_instances_without_a_memory_row_have_unknown_memory() -> None:
+    # The 1g.10gb recording has no "MIG devices" table: memory unknown, and said.
+    ctx = ProbeContext(
+        run=runner("a100-sxm4-80gb-mig7-1g10gb"), timeout=5, system="linux", machine="x86_64"
+    )
+    found = await NvidiaProbe().probe(ctx)
+    parent, *instances = found.accelerators
+    assert len(instances) == 7
+    assert parent.execution_supported is False
+    assert all(d.memory_mib is None for d in instances)
+    assert all("memory unknown" in d.notes[0] for d in instances)
+
+
+async def test_mig_listing_missing_is_a_note() -> None:
+    ctx = ProbeContext(
+        run=runner("a100-sxm4-80gb-mig"), timeout=5, system="linux", machine="x86_64"
+    )
+    found = await NvidiaProbe().probe(ctx)
+    assert len(found.accelerators) == 2
+    assert any("MIG instances unknown" in n for n in found.notes)
+
+
+@pytest.mark.parametrize("names", [["nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm"], []])
+def test_gpu_device_files(tmp_path: Path, names: list[str]) -> None:
+    for n in names:
+        (tmp_path / n).touch()
+    assert gpu_device_files(str(tmp_path)) == [n for n in names if n[6:].isdigit()]
+    assert gpu_device_files(str(tmp_path / "missing")) == []
+
+
+def test_observation_bounds_refuse_nan_and_huge_values() -> None:
+    from datetime import UTC, datetime
+
+    from gpulayer_contracts.bounds import validate_observations
+    from gpulayer_contracts.health import NodeObservations
+
+    good = NodeObservations(node_id="n", observed_at=datetime.now(UTC), devices=[])
+    assert validate_observations(good) == []
+    bad = msgspec.structs.replace(
+        good,
+        devices=[
+            DeviceObservation(
+                index=0,
+                power_w=float("nan"),
+                temperature_c=10**9,
+                ecc_uncorrected_volatile=-1,
+                reason="x\x00",
+            )
+        ],
+    )
+    errors = validate_observations(bad)
+    assert any("power_w" in e for e in errors)
+    assert any("temperature_c" in e for e in errors)
+    assert any("ecc_uncorrected_volatile" in e for e in errors)
+    assert any("NUL" in e for e in errors)
