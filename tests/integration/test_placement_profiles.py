@@ -19,6 +19,7 @@ from gpulayer_cli.client import api
 from gpulayer_contracts import (
     AcceleratorDevice,
     HostInfo,
+    Pending,
     WorkerCapabilities,
     __version__,
     encode,
@@ -99,7 +100,15 @@ async def test_a_job_by_profile_goes_only_to_nodes_meeting_it(
     for node in (caps("old-driver", "535.129.03"), caps("mac", None, platform="darwin-arm64")):
         await js.publish(node_capabilities(node.node_id), encode(node))
     await submit(nc, {"job_id": "by-profile", "profile": TORCH})
-    await events.wait_for("by-profile", "pending")
+    # The job may arrive before placement has both nodes (then it waits on "no nodes in the
+    # fleet" first): wait for the pending event that weighs both.
+    async with asyncio.timeout(10):
+        while not any(
+            isinstance(e, Pending) and len(e.reasons) == 2
+            for e in events.by_job.get("by-profile", [])
+        ):
+            events.changed.clear()
+            await events.changed.wait()
     accepted = events.by_job["by-profile"][0]
     assert accepted.profile == TORCH  # type: ignore[attr-defined]
     why = await api(nc, API_EXPLAIN, {"job_id": "by-profile"})
