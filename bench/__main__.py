@@ -27,6 +27,7 @@ from bench.figures import (
     Sizes,
     full_loop,
     naive_postgres,
+    observations_under_load,
     output_flood,
     placement_memory,
     placement_throughput,
@@ -453,6 +454,53 @@ async def policy_group(run: Run) -> None:
     await _guard(run, names, work)
 
 
+async def observations_group(run: Run) -> None:
+    """Placement on the 10k fleet while every node publishes observations every 5 s (issue
+    17): observations applied/s against published/s, and placement's throughput meanwhile,
+    next to the same run with no observations (alternating)."""
+    sz = run.sizes
+    n = sz.large_nodes
+    shape = FleetShape.of(n)
+    names = [
+        ("observations_applied_per_s", "msgs/s"),
+        ("placement_10k_with_observations", "jobs/s"),
+    ]
+
+    async def work() -> None:
+        with_obs: list[float] = []
+        without: list[float] = []
+        for round_ in range(2):
+            async with run.scenario(f"obs{round_}") as s:
+                nodes = fleet(f"o{round_}", n)
+                await load_fleet(s, nodes, timeout=max(30.0, n / 200))
+                tp = await placement_throughput(s, f"o{round_}plain", sz.jobs, shape)
+                without.append(tp.rate)
+                load = await observations_under_load(s, nodes, f"o{round_}obs", sz.jobs, shape)
+                with_obs.append(load.placement.rate)
+            print(
+                f"# observations round {round_}: published {load.published} in "
+                f"{load.seconds:.1f}s, applied {load.applied}, dropped {load.dropped}; "
+                f"placement {load.placement.rate:.0f} jobs/s with, {tp.rate:.0f} without",
+                flush=True,
+            )
+        on, off = statistics.median(with_obs), statistics.median(without)
+        run.add(
+            Figure("observations_published_per_s", load.published / load.seconds, "msgs/s"),
+            Figure(
+                "observations_applied_per_s",
+                load.applied / load.seconds,
+                "msgs/s",
+                note=f"{load.applied}/{load.published} applied, {load.dropped} dropped",
+            ),
+            Figure("observations_applied_share", load.applied / max(load.published, 1), "x"),
+            Figure("placement_10k_with_observations", on, "jobs/s", note=f"runs {with_obs}"),
+            Figure("placement_10k_without_observations", off, "jobs/s", note=f"runs {without}"),
+            Figure("observations_placement_with_over_without", on / off, "x"),
+        )
+
+    await _guard(run, names, work)
+
+
 async def output_group(run: Run) -> None:
     """A job printing 200 MB through the executor's pipes against the same job with its output
     to /dev/null (bench/figures.py ``output_flood``)."""
@@ -482,6 +530,7 @@ def judge_all(run: Run) -> None:
     goal("executor_output_flood_over_devnull", "<=", GOAL_FLOOD_RATIO)
     goal("auth_signing_on_over_off", ">=", GOAL_SIGNING_RATIO, ">= 0.9 x (auth and signing off)")
     goal("requests_with_over_without", ">=", 0.9, ">= 0.9 x (no host requests bind)")
+    goal("observations_applied_share", ">=", 0.95, ">= 0.95 (placement keeps up)")
     goal("policy_with_over_without", ">=", 0.8, ">= 0.8 x (no priorities or quotas)")
     p1k = run.get("placement_1k_nodes")
     p10k = run.get("placement_10k_nodes")
@@ -552,6 +601,7 @@ async def amain(args: argparse.Namespace) -> list[Figure]:
             ("output", lambda: output_group(run)),
             ("signing", lambda: signing_group(run)),
             ("requests", lambda: requests_group(run)),
+            ("observations", lambda: observations_group(run)),
             ("policy", lambda: policy_group(run)),
         ]
         for name, group in groups:
@@ -583,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--only",
         help=(
-            "comma-separated groups: probe,limits,placement1k,replicas,latency,placement10k,requests,"
+            "comma-separated groups: probe,limits,placement1k,replicas,latency,placement10k,requests,observations,"
             "loop,output,signing,policy,telemetry"
         ),
     )

@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -55,9 +56,10 @@ from bench.harness import (
     wait_for_count,
 )
 from bench.report import Figure, unavailable
-from gpulayer_contracts import JobRequest, encode
+from gpulayer_contracts import JobRequest, WorkerCapabilities, encode
 from gpulayer_contracts.codec import event_decoder
 from gpulayer_contracts.events import Running, is_terminal
+from gpulayer_contracts.health import DeviceObservation, NodeObservations
 from gpulayer_contracts.subjects import (
     JOB_WILDCARD_EVENTS,
     JOBS_SUBMIT,
@@ -65,6 +67,7 @@ from gpulayer_contracts.subjects import (
     NODE_WILDCARD_GRANTS,
     STREAMS,
     jobs_submit,
+    node_observations,
 )
 from gpulayer_runtime.nats import connect, stream_config
 from gpulayer_runtime.servers import EmbeddedNats
@@ -827,3 +830,94 @@ async def output_flood(root: Path, rounds: int = 3) -> list[Figure]:
     finally:
         executor.stop()
         server.stop()
+
+
+# --- observations (issue 17) ------------------------------------------------------------------
+
+
+@dataclass
+class ObservationLoad:
+    published: int
+    seconds: float
+    applied: int
+    dropped: int
+    placement: Throughput
+
+
+_APPLIED = re.compile(r"observations: (\d+) applied, (\d+) dropped")
+
+
+def _observation_payloads(nodes: Sequence[WorkerCapabilities]) -> list[tuple[str, bytes]]:
+    """One ``NodeObservations`` per node, as a probe sends it: every device healthy, its memory,
+    load, temperature and power read (encoded once; re-sent every period)."""
+    out = []
+    now = datetime.now(UTC)
+    for caps in nodes:
+        devices = [
+            DeviceObservation(
+                index=d.index,
+                uuid=d.uuid,
+                memory_used_mib=512,
+                memory_free_mib=(d.memory_mib or 1024) - 512,
+                utilization_pct=37,
+                temperature_c=54,
+                power_w=212.5,
+                throttle_reasons=0,
+                ecc_uncorrected_volatile=0,
+                ecc_uncorrected_aggregate=0,
+            )
+            for d in caps.accelerators
+        ]
+        obs = NodeObservations(node_id=caps.node_id, observed_at=now, devices=devices)
+        out.append((node_observations(caps.node_id), encode(obs)))
+    return out
+
+
+async def observations_under_load(
+    s: Scenario,
+    nodes: Sequence[WorkerCapabilities],
+    prefix: str,
+    jobs: int,
+    shape: FleetShape,
+    period_s: float = 5.0,
+) -> ObservationLoad:
+    """Every node's observations every ``period_s`` (core NATS, as probes send them) while a
+    placement throughput run goes on; then what placement says it applied (its log lines)."""
+    payloads = _observation_payloads(nodes)
+    stop = asyncio.Event()
+    published = 0
+
+    async def feed() -> None:
+        nonlocal published
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            for i, (subject, data) in enumerate(payloads):
+                await s.nc.publish(subject, data)
+                if i % 2000 == 1999:
+                    await asyncio.sleep(0)  # let the grant watcher run between chunks
+            await s.nc.flush()
+            published += len(payloads)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), max(0.0, period_s - (time.perf_counter() - t0)))
+
+    t_start = time.perf_counter()
+    feeder = asyncio.create_task(feed())
+    try:
+        await asyncio.sleep(period_s)  # one round in before the jobs come
+        tp = await placement_throughput(s, prefix, jobs, shape)
+        await asyncio.sleep(period_s)  # and one after
+    finally:
+        stop.set()
+        await feeder
+    seconds = time.perf_counter() - t_start
+    # Placement logs what it applied every 10 s (when any came): wait for the line that covers
+    # the end, then sum them.
+    await asyncio.sleep(11.0)
+    await s.nc.publish(*payloads[0])  # a message wakes its loop to write the last line
+    await s.nc.flush()
+    await asyncio.sleep(0.5)
+    applied = dropped = 0
+    for m in _APPLIED.finditer(s.placement.log.read_text(errors="replace")):
+        applied += int(m[1])
+        dropped += int(m[2])
+    return ObservationLoad(published, seconds, applied, dropped, tp)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import asyncpg
 import msgspec
@@ -35,6 +36,8 @@ log = logging.getLogger("gpulayer_placement.service")
 # waiting means this replica is behind, and older messages are worth less than new ones.
 MAX_QUEUED = 50_000
 BATCH = 5_000
+# Seconds between the log lines saying how many observations came in (one when any did).
+SUMMARY_S = 10.0
 
 
 class Observations:
@@ -61,6 +64,8 @@ class Observations:
         self.latest: dict[str, NodeObservations] = {}
         self.ingested = 0  # messages applied (for the bench and tests)
         self.dropped = 0  # messages refused (bounds, decoding) or dropped (queue full)
+        self._summary_at = time.monotonic()
+        self._summary = (0, 0)
 
     async def subscribe(self) -> list[object]:
         return [await self.nc.subscribe(NODE_WILDCARD_OBSERVATIONS, cb=self._on_message)]
@@ -74,6 +79,7 @@ class Observations:
     async def run(self) -> None:
         """Batches of the latest message per node, applied in order of arrival."""
         while not self.stop.is_set():
+            self._summarize()
             first = await self._queue.get()
             batch = {first.subject: first}
             while not self._queue.empty() and len(batch) < BATCH:
@@ -84,6 +90,22 @@ class Observations:
             except Exception:
                 # A bug met by one batch: logged, and the next messages are still read.
                 log.exception("applying %d observation messages failed", len(batch))
+
+    def _summarize(self) -> None:
+        """At most one log line every SUMMARY_S with what came in since the last: an
+        operator (and ``make bench``) sees whether placement keeps up with the fleet's probes."""
+        now = time.monotonic()
+        if now - self._summary_at < SUMMARY_S:
+            return
+        applied, dropped = self.ingested - self._summary[0], self.dropped - self._summary[1]
+        if applied or dropped:
+            log.info(
+                "observations: %d applied, %d dropped in the last %.1fs",
+                applied,
+                dropped,
+                now - self._summary_at,
+            )
+        self._summary_at, self._summary = now, (self.ingested, self.dropped)
 
     def read(self, msg: Msg) -> NodeObservations | None:
         """The message's observations, named by the subject's node; None (counted) when it
