@@ -315,7 +315,12 @@ async def test_a_dependency_chain_of_three_runs_in_order(cluster: Cluster) -> No
     try:
         ga = await cluster.grant()
     except TimeoutError:
-        raise AssertionError([dict(await cluster.row(j)) for j in "abc"]) from None
+        svc = cluster.svc
+        views = [(v.node_id, v.online, v.executor_down) for v in svc.fleet.views()]
+        rows = [(j, (r := await cluster.row(j))["state"], r["reason"]) for j in "abc"]
+        raise AssertionError(
+            f"fleet {views}; wake epoch {svc.wake.epoch} passing {svc.wake.passing}; {rows}"
+        ) from None
     assert ga.job.job_id == "a"
     await cluster.no_grant()
     row = await cluster.row("b")
