@@ -13,6 +13,7 @@ from tests.unit.placement.placement_fakes import FakeConn, FakeJetStream, FakePo
 
 from gpulayer_contracts import Heartbeat, encode
 from gpulayer_placement.fleet import Fleet
+from gpulayer_placement.lifecycle import Lifecycle
 from gpulayer_placement.liveness import Liveness
 from gpulayer_placement.publisher import Publisher
 from gpulayer_placement.replica_sync import ReplicaSync
@@ -107,3 +108,42 @@ async def test_a_probe_heartbeat_brings_an_offline_node_back() -> None:
     assert view is not None
     assert view.online
     assert wake.capacity_changed
+
+
+async def test_a_job_lost_with_its_vanished_device_releases_its_dependents() -> None:
+    """A job lost because its device vanished is an end like any other: the jobs waiting for it
+    (``after``) are cancelled naming it, in the same transaction, and their events go out."""
+    lost = [
+        {
+            "job_id": "trainer",
+            "node_id": "g",
+            "owner": "alice",
+            "grant_id": "trainer-1",
+            "state": "lost",
+            "reason": "cuda device 0 (GPU) vanished from node g",
+            "lifecycle": None,
+            "has_dependents": True,
+        }
+    ]
+    dependent = {"job_id": "eval", "owner": "alice", "reason": "dependency trainer ended lost"}
+    conn = FakeConn({"lose_device_jobs": lost, "load_holds": [], "cancel_dependents": [dependent]})
+    original = conn.fetch
+
+    async def once(sql: str, *args: Any) -> list[dict[str, Any]]:
+        rows = await original(sql, *args)
+        if conn.calls[-1][0] == "cancel_dependents":
+            conn.rows.pop("cancel_dependents", None)  # one level of dependents
+        return rows
+
+    conn.fetch = once  # type: ignore[method-assign]
+    liveness, fleet, wake, js = build(conn)
+    # As the service wires it: lifecycle announces through the publisher.
+    liveness.lifecycle = Lifecycle(publisher=liveness.publisher, wake=wake)
+    fleet.upsert(gpu_node("g", 1))
+    await liveness.lose_device_jobs("g", {0: "cuda device 0 (GPU) vanished from node g"})
+    names = conn.names()
+    assert names[0] == "lose_device_jobs"
+    assert ("cancel_dependents", (["trainer"], ["lost"])) in conn.calls
+    sent = [subject for subject, _, _ in js.sent]
+    assert "gpulayer.job.alice.eval.events" in sent
+    assert "gpulayer.job.alice.trainer.events" in sent

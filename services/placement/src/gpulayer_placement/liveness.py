@@ -205,11 +205,14 @@ class Liveness:
                 lost = await Store.fetch(conn, "lose_device_jobs", node, sorted(devices), reason)
                 if lost:
                     await self.sync.notify(conn, [node])
+                # Retries, restarts and dependents, as for jobs lost with their node.
+                settled = await self.lifecycle.settle(conn, lost)
         except DB_ERRORS as err:
             log.warning("losing the jobs on vanished devices of %s failed: %s", node, err)
             return
         if not lost:
             return
+        await self.lifecycle.announce(settled)
         await self.sync.reload([node])
         for r in lost:
             log.warning(

@@ -370,10 +370,19 @@ WITH hit AS (
 ), lost AS (
     UPDATE jobs j SET state = 'lost', reason = $3, updated_at = now()
     FROM hit WHERE j.job_id = hit.job_id AND j.state IN ('placed', 'running')
-    RETURNING j.job_id, j.node_id, j.owner, j.grant_id
+    RETURNING j.job_id, j.node_id, j.owner, j.grant_id, j.state, j.reason,
+       -- lifecycle, as in lose_node_jobs: a retry or a restart, or the dependents released.
+       CASE WHEN j.kind = 'service' OR coalesce(j.request->>'retries', '0') <> '0'
+            THEN jsonb_build_object(
+                'kind', j.kind, 'retries', j.request->'retries',
+                'retry_on_failure', j.request->'retry_on_failure',
+                'restart', j.request->'restart', 'requeues', j.requeues,
+                'stop_requested', j.stop_requested)::text
+       END AS lifecycle,
+       EXISTS (SELECT 1 FROM job_dependencies d WHERE d.after_id = j.job_id) AS has_dependents
 ), released AS (
     DELETE FROM allocations a USING lost WHERE a.job_id = lost.job_id
 ), freed AS (
     DELETE FROM reservations r USING lost WHERE r.job_id = lost.job_id
 )
-SELECT job_id, node_id, owner, grant_id FROM lost;
+SELECT job_id, node_id, owner, grant_id, state, reason, lifecycle, has_dependents FROM lost;
