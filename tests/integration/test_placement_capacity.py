@@ -5,6 +5,7 @@ PostgreSQL itself refuses a placement past a node's capacity whatever a replica 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 from collections.abc import AsyncIterator
@@ -388,3 +389,60 @@ async def test_any_sequence_of_reserves_and_releases_keeps_usage_exact_and_withi
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_release_takes_its_locks_in_the_order_a_placement_does(database_url: str) -> None:
+    """A placement locks the node's resources (reservations), then its owner's usage (quota
+    holds); a release must too, or the two deadlock and PostgreSQL fails one of them. Here the
+    placement holds the node's row and waits for the release to have started: the release must
+    then wait for the node's row without holding the owner's usage, so the placement's quota
+    hold goes through and both commit."""
+    setup, placing, releasing = [await asyncpg.connect(database_url) for _ in range(3)]
+    try:
+        await migrate(setup)
+        for job, state in (("done", "placed"), ("next", "pending")):
+            await setup.execute(
+                "INSERT INTO jobs (job_id, request, state, owner) VALUES ($1, '{}', $2, 'o')",
+                job,
+                state,
+            )
+        await setup.execute(
+            "INSERT INTO reservations (job_id, node_id, resource, amount) "
+            "VALUES ('done', 'n', 'cpu', 1000)"
+        )
+        await setup.execute(
+            "INSERT INTO owner_holds (job_id, owner, millicores) VALUES ('done', 'o', 1000)"
+        )
+        tx = placing.transaction()
+        await tx.start()
+        await placing.execute(
+            "INSERT INTO reservations (job_id, node_id, resource, amount) "
+            "VALUES ('next', 'n', 'cpu', 1000)"
+        )  # holds node_resources (n, cpu) until commit
+        release = asyncio.create_task(
+            releasing.execute("DELETE FROM reservations WHERE job_id = 'done'")
+        )
+        # Wait until the release is blocked on a lock (it has taken whatever it takes first).
+        # PostgreSQL says so only when asked: polled, there is no event to await.
+        pid = releasing.get_server_pid()
+        waiting = "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1"
+        async with asyncio.timeout(10):
+            for _ in itertools.count():
+                if await setup.fetchval(waiting, pid):
+                    break
+                await asyncio.sleep(0.01)
+        await placing.execute(
+            "INSERT INTO owner_holds (job_id, owner, millicores) VALUES ('next', 'o', 1000)"
+        )  # needs owner_usage (o, ...): deadlocks if the release holds it
+        await tx.commit()
+        await asyncio.wait_for(release, 10)
+        rows = await setup.fetch("SELECT resource, used FROM owner_usage WHERE owner = 'o'")
+        used = {r["resource"]: r["used"] for r in rows}
+        assert used == {"cores": 1000, "jobs": 1}
+        node = await setup.fetchval(
+            "SELECT used FROM node_resources WHERE node_id = 'n' AND resource = 'cpu'"
+        )
+        assert node == 1000
+    finally:
+        for conn in (setup, placing, releasing):
+            await conn.close()
