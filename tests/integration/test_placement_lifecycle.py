@@ -90,7 +90,22 @@ class Cluster:
         )
 
     async def grant(self, timeout: float = 10.0) -> Grant:
-        return await asyncio.wait_for(self.grants.get(), timeout)
+        try:
+            return await asyncio.wait_for(self.grants.get(), timeout)
+        except TimeoutError:
+            raise AssertionError(f"no grant within {timeout:g}s: {await self.state()}") from None
+
+    async def state(self) -> str:
+        """Where things stand, for a failure message: the fleet, the scheduler's wake, the jobs."""
+        svc = self.svc
+        views = [(v.node_id, v.online, v.executor_down) for v in svc.fleet.views()]
+        wake = svc.wake
+        rows = await self.db("SELECT job_id, state, reason, blocked FROM jobs ORDER BY job_id")
+        jobs = [(r["job_id"], r["state"], r["reason"], r["blocked"]) for r in rows]
+        return (
+            f"fleet {views}; wake epoch {wake.epoch} passing {wake.passing} capacity "
+            f"{wake.capacity_changed} new {wake.new_jobs}; jobs {jobs}"
+        )
 
     async def no_grant(self, within: float = 0.5) -> None:
         try:
@@ -312,15 +327,7 @@ async def test_a_dependency_chain_of_three_runs_in_order(cluster: Cluster) -> No
     assert rejected.reasons == [
         "$.after[0]: no job 'nobody' (a dependency must be submitted first)"
     ]
-    try:
-        ga = await cluster.grant()
-    except TimeoutError:
-        svc = cluster.svc
-        views = [(v.node_id, v.online, v.executor_down) for v in svc.fleet.views()]
-        rows = [(j, (r := await cluster.row(j))["state"], r["reason"]) for j in "abc"]
-        raise AssertionError(
-            f"fleet {views}; wake epoch {svc.wake.epoch} passing {svc.wake.passing}; {rows}"
-        ) from None
+    ga = await cluster.grant()
     assert ga.job.job_id == "a"
     await cluster.no_grant()
     row = await cluster.row("b")

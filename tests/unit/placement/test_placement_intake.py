@@ -120,3 +120,32 @@ async def test_a_known_job_is_acked_and_not_announced_again() -> None:
     assert js.sent == []
     assert msg.acked
     assert wake.new_jobs == []
+
+
+async def test_a_dependency_a_pass_skipped_while_intake_held_it_is_looked_at_again() -> None:
+    """Checking a job's dependencies locks them (FOR SHARE) for the intake transaction; a pass
+    that runs meanwhile skips them (SKIP LOCKED). When capacity changed during the transaction,
+    intake asks for another pass once it committed, even if it placed nothing itself: else the
+    dependency, waiting for a node that had just joined, waited for the next periodic pass."""
+    wake_ref: list[Wake] = []
+
+    class Conn(FakeConn):
+        async def fetch(self, sql: str, *args: Any) -> list[dict[str, Any]]:
+            rows = await super().fetch(sql, *args)
+            if self.calls[-1][0] == "dependency_states":
+                wake_ref[0].capacity()  # a node joins while the rows are locked
+                wake_ref[0].take()  # and the scheduler's pass (skipping them) runs at once
+            return rows
+
+    conn = Conn(
+        {
+            "dependency_states": [{"job_id": "a", "state": "pending", "owner": "anonymous"}],
+            "insert_jobs": [{"job_id": "b"}],
+        }
+    )
+    intake, wake, _ = build(conn)
+    wake_ref.append(wake)
+    wake.passing = True  # no inline placement: the scheduler is busy
+    await intake.ingest([submit(b'{"job_id": "b", "command": ["true"], "after": ["a"]}')])
+    assert "dependency_states" in conn.names()
+    assert wake.capacity_changed  # asked again after the commit

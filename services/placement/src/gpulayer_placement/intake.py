@@ -77,12 +77,15 @@ class Batch:
 @dataclass
 class Stored:
     """What the insert found: ids that were new, the accepted ones among them, and what was
-    placed inline (``epoch``: the wake's capacity count when that placement began)."""
+    placed inline. ``epoch``: the wake's capacity count when the transaction began; ``locked``:
+    it locked waiting rows other than its own (the dependencies it checked, FOR SHARE), which a
+    pass running beside it skipped (SKIP LOCKED)."""
 
     new: set[str] = field(default_factory=set)
     fresh: list[str] = field(default_factory=list)
     outcome: Outcome | None = None
     epoch: int = 0
+    locked: bool = False
 
 
 class Intake:
@@ -157,9 +160,12 @@ class Intake:
             await self.dead.send(msg, reason, why, job_id)
         if stored.fresh and outcome is None:
             self.wake.jobs(stored.fresh)
-        elif outcome is not None and outcome.waiting and self.wake.epoch != stored.epoch:
-            # Capacity changed while these rows were locked by this transaction: a pass then
-            # skipped them (SKIP LOCKED). Look again now that they are committed.
+        if self.wake.epoch != stored.epoch and (
+            stored.locked or (outcome is not None and outcome.waiting)
+        ):
+            # Capacity changed while this transaction held waiting rows (its own new ones, or
+            # the dependencies it checked): a pass then skipped them (SKIP LOCKED). Look again
+            # now that they are free.
             self.wake.capacity()
 
     def read(self, msgs: list[Msg]) -> Batch:
@@ -298,7 +304,9 @@ class Intake:
         stored = Stored()
         try:
             async with self.pool.acquire() as conn, conn.transaction():
+                stored.epoch = self.wake.epoch
                 # Dependencies first: unknown, foreign or failed ones and cycles reject the job.
+                stored.locked = any(job.after for job in b.accepted.values())
                 checked = await dependencies.check(conn, b.accepted, b.owners)
                 _reject_for_dependencies(b, checked)
                 ids, bodies, states, parents = zip(*b.rows.values(), strict=True)
@@ -312,7 +320,6 @@ class Intake:
                 stored.fresh = [j for j in b.accepted if j in stored.new]
                 self.scheduler.remember({j: b.accepted[j] for j in stored.fresh}, b.submitted)
                 if stored.fresh and self.wake.idle():
-                    stored.epoch = self.wake.epoch
                     stored.outcome = await self.scheduler.place_inline(conn, stored.fresh)
         except BaseException:
             if stored.outcome is not None:  # placed in memory, but nothing was committed
