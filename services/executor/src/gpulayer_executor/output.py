@@ -16,7 +16,7 @@ import fcntl
 import logging
 import os
 import time
-from typing import Literal
+from typing import Literal, Protocol
 
 from nats.aio.client import Client
 from nats.js import JetStreamContext
@@ -24,7 +24,7 @@ from nats.js.api import PubAck
 
 from gpulayer_contracts.codec import encode
 from gpulayer_contracts.events import LogLine
-from gpulayer_contracts.subjects import job_logs, valid_owner
+from gpulayer_contracts.subjects import MSG_ID_HEADER, job_logs, valid_owner
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,19 @@ class LineSplitter:
         return [line]
 
 
+class LineSink(Protocol):
+    """Where a ``PipeReader`` puts a job's lines: ``LogSink`` (NATS) in the executor, the
+    shim's file sink (``shim.FileSink``) in a job's shim."""
+
+    job_id: str
+
+    def room(self) -> int: ...
+
+    def drop(self, lines: int) -> None: ...
+
+    def offer(self, stream: Stream, line: str) -> None: ...
+
+
 class LogSink:
     """Publishes a job's lines to its LOGS subject; never blocks the reader, never grows
     beyond ``max_backlog_bytes`` of waiting lines."""
@@ -129,7 +142,13 @@ class LogSink:
         self.max_bytes_per_s = max_bytes_per_s
         self._tokens = float(max_bytes_per_s)
         self._refilled = time.monotonic()
-        self._queue: collections.deque[tuple[Stream, str]] = collections.deque()
+        self._queue: collections.deque[tuple[Stream, str, int]] = collections.deque()
+        # Lines read back from a shim's output file carry the file offset after them (``mark``,
+        # else -1): published with ``Nats-Msg-Id: <msg_prefix><mark>`` so that a line sent again
+        # after an executor restart is dropped by JetStream, and ``acked_mark`` says how far the
+        # stream has confirmed them.
+        self.msg_prefix = ""
+        self.acked_mark = -1
         self._backlog = 0
         self._dropped = 0
         self.dropped_total = 0
@@ -148,7 +167,7 @@ class LogSink:
         self._tokens = min(float(rate), self._tokens + (now - self._refilled) * rate)
         self._refilled = now
 
-    def _put(self, stream: Stream, line: str, *, marker: bool = False) -> bool:
+    def _put(self, stream: Stream, line: str, *, marker: bool = False, mark: int = -1) -> bool:
         size = len(line) + 64
         if self._backlog + size > self.max_backlog_bytes:
             return False
@@ -158,8 +177,16 @@ class LogSink:
                 if self._tokens < size:
                     return False
             self._tokens -= size
-        self._queue.append((stream, line))
+        self._queue.append((stream, line, mark))
         self._backlog += size
+        return True
+
+    def offer_marked(self, stream: Stream, line: str, mark: int) -> bool:
+        """Queue a line read back from a shim's file (already bounded by the shim), when the
+        backlog and rate have room for it now; False: not taken, offer it again later."""
+        if not self._put(stream, line, mark=mark):
+            return False
+        self._wake.set()
         return True
 
     def room(self) -> int:
@@ -195,7 +222,7 @@ class LogSink:
         # stores one connection's messages in order, so that ack vouches for the lines before
         # it. A flood costs microseconds per line instead of an ack round trip each, and a quiet
         # job's every line is still acked.
-        in_flight: collections.deque[tuple[asyncio.Future[PubAck], int]] = collections.deque()
+        in_flight: collections.deque[tuple[asyncio.Future[PubAck], int, int]] = collections.deque()
         unacked = 0
         sent = 0
         while True:
@@ -211,17 +238,18 @@ class LogSink:
                     return
                 self._wake.clear()
                 await self._wake.wait()
-            stream, line = self._queue.popleft()
+            stream, line, mark = self._queue.popleft()
             self._backlog -= len(line) + 64
             payload = encode(LogLine(job_id=self.job_id, stream=stream, line=line))
+            headers = {MSG_ID_HEADER: f"{self.msg_prefix}{mark}"} if mark >= 0 else None
             unacked += 1
             try:
                 if unacked >= self.SYNC_EVERY or not self._queue:
-                    fut = await self._js.publish_async(self.subject, payload)
-                    in_flight.append((fut, unacked))
+                    fut = await self._js.publish_async(self.subject, payload, headers=headers)
+                    in_flight.append((fut, unacked, mark))
                     unacked = 0
                 else:
-                    await self._nc.publish(self.subject, payload)
+                    await self._nc.publish(self.subject, payload, headers=headers)
             except Exception as err:
                 self.failed += unacked
                 unacked = 0
@@ -235,13 +263,14 @@ class LogSink:
                 await asyncio.sleep(0)
 
     async def _settle(
-        self, in_flight: collections.deque[tuple[asyncio.Future[PubAck], int]], n: int
+        self, in_flight: collections.deque[tuple[asyncio.Future[PubAck], int, int]], n: int
     ) -> None:
         for _ in range(n):
-            fut, lines = in_flight.popleft()
+            fut, lines, mark = in_flight.popleft()
             try:
                 await asyncio.wait_for(fut, 5.0)
                 self.published += lines
+                self.acked_mark = max(self.acked_mark, mark)
             except Exception:
                 self.failed += lines
 
@@ -275,7 +304,7 @@ class PipeReader:
     CHUNK = 1 << 20
     READS_PER_WAKE = 8
 
-    def __init__(self, fd: int, stream: Stream, sink: LogSink, max_line_bytes: int) -> None:
+    def __init__(self, fd: int, stream: Stream, sink: LineSink, max_line_bytes: int) -> None:
         self.fd = fd
         self.stream: Stream = stream
         self.sink = sink
