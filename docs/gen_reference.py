@@ -248,8 +248,81 @@ def render() -> str:
     out += ["## Log lines", ""]
     for name, definition in _ordered_defs(msgspec.json.schema(LogLine)):
         out += _section(name, definition)
+    out += PROFILES_AND_CONFORM.splitlines()
     out += _schemas_section()
     return "\n".join(out).rstrip("\n") + "\n"
+
+
+# Hand-written: how a job names a runtime profile, and how a workload is checked per node class.
+PROFILES_AND_CONFORM = """\
+## Runtime profiles
+
+A runtime profile is a named, versioned bundle of requirements, so that a tested environment is
+named once: a job says `profile = "torch-2.5-cu124@1"` instead of spelling out its Python,
+framework, accelerator, compute capability, driver and OS. Profiles live in placement's profiles
+file (TOML, `GPULAYER_PROFILES`, [operations](operations.md#configuration)); the repository ships
+`examples/profiles.toml`, which `gpulayer dev up` uses:
+
+```toml
+[profiles."torch-2.5-cu124@1"]
+description = "PyTorch 2.5 built for CUDA 12.4"
+python = ">=3.10,<3.13"
+frameworks = {torch = "==2.5.*"}
+framework_capabilities = ["torch.cuda"]
+accelerator = "cuda"
+min_cuda_compute_capability = 7.0
+driver = ">=550"
+os = "linux"
+```
+
+A profile may set `python`, `frameworks`, `framework_capabilities`, `accelerator`,
+`min_cuda_compute_capability`, `driver` and `os`, with the meaning they have in a job's
+`requirements`, and a `description`. Its key is `name@version`, the version a whole number; a
+published version is never changed: a new one is added (`@2`), so a job keeps meaning what it
+meant.
+
+- **At submit** placement adds the profile's requirements to the job's own. A field set by both
+  must be equal (`7`, `7.0` and `"7.0"` are one compute capability); a field both set
+  differently is a rejection naming both: `$.requirements.python: the job's '>=3.13' conflicts
+  with profile torch-2.5-cu124@1's '>=3.10,<3.13'`. `framework_capabilities` are added together;
+  `frameworks` are merged by name.
+- An unknown profile or version is rejected naming the known ones: `$.profile: unknown version
+  'torch-2.5-cu124@7'; known versions: torch-2.5-cu124@1, torch-2.5-cu124@2`.
+- The job's record holds it expanded, with `profile` and `profile_fields` (which requirements
+  the profile supplied); `accepted`, `rejected` and `placed` name the profile. A profile is a
+  compatibility aid, not a guarantee: every node is still matched against the expanded
+  requirements, and explanations name the profile for what it supplied: `1 has NVIDIA driver not
+  matching >=550 (seen: 535.129.03) (profile torch-2.5-cu124@1)`.
+- `gpulayer profiles` lists placement's profiles and, per profile, how many nodes satisfy it now
+  (online, whatever they hold) and why the others don't, in the words of `gpulayer explain`.
+- `gpulayer check` and `gpulayer conform` expand a job's profile from `--profiles FILE` or
+  `GPULAYER_PROFILES`.
+
+## Checking a workload on this node: gpulayer conform
+
+`gpulayer conform JOBFILE [--golden DIR] [--update] [--json]` decides like `gpulayer check`
+whether this machine would get the job. Where it would, it runs the job here by the executor's
+rules (argv without a shell, the executor's minimal base environment, the job's `env`, the
+visibility variables for the devices it would get, `GPULAYER_JOB_ID`, `GPULAYER_GRANT_ID`, its
+`timeout_s`, a fresh working folder as cwd and HOME) and compares its stdout with the golden for
+this machine's **node class**. The class is the GPU APIs the host and its containers provide,
+sorted: `host-cuda+vulkan_containers-cuda`, `host-none_containers-none`. Goldens live in `DIR`
+(default: the job file's name with `.golden` for its suffix, beside it), one file per class
+(`<class>.txt`), and `default.txt` for every class without its own.
+
+| outcome | exit |
+|---|---|
+| `passed`: the output equals the golden | 0 |
+| `skipped: <reason>`: this machine would not get the job (the reason as `explain` words it) | 0 |
+| `updated`: `--update` wrote the golden for this class | 0 |
+| `mismatch`: the output differs (a unified diff follows) | 1 |
+| `failed`: the job exited non-zero, was killed, timed out or wrote over 4 MiB | 1 |
+| invalid job file, a profile that doesn't expand, no golden for this class and no `default.txt` | 2 |
+
+`examples/conform/` has a CPU workload (one `default.txt`) and a runner-style workload whose
+output differs per class (`host-cuda_containers-none.txt`, `host-vulkan_containers-none.txt`, and
+`default.txt`).
+"""
 
 
 def _schemas_section() -> list[str]:

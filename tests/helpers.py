@@ -35,6 +35,8 @@ from gpulayer_runtime.signing import (
 )
 
 BIN = Path(sys.executable).parent
+# The runtime profiles file the repository ships (examples/profiles.toml).
+PROFILES_FILE = Path(__file__).resolve().parents[1] / "examples" / "profiles.toml"
 
 # Set by tests/conftest.py while auth is on: the store minting role credentials, and the admin
 # credential the tests (and the processes they start) act as.
@@ -103,6 +105,8 @@ def service_env(
         # folders, which a job user can't reach: as root, jobs run as root here. Jobs running
         # unprivileged are tested in tests/integration/test_executor_unprivileged.py.
         GPULAYER_EXECUTOR_ALLOW_ROOT_JOBS="1",
+        # The runtime profiles the repository ships, as `gpulayer dev up` gives placement.
+        GPULAYER_PROFILES=str(PROFILES_FILE),
     )
     env.update(signing_env(workdir.parent / "keys"))
     env.update(extra)

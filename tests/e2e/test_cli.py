@@ -144,6 +144,38 @@ async def test_a_job_id_names_one_job(stack: dict[str, str], tmp_path: Path) -> 
     assert out.strip() == "first"
 
 
+async def test_a_job_by_profile_and_gpulayer_profiles(
+    stack: dict[str, str], tmp_path: Path
+) -> None:
+    """The stack's placement has the shipped profiles (examples/profiles.toml): a job naming
+    one runs with the profile named in its events and record, submitting it again is the same
+    job (the record holds it expanded), and ``gpulayer profiles`` counts this one-node fleet."""
+    example = str(FIXTURES.parent.parent / "examples" / "cpu-profile.toml")
+    code, out, err = await gpulayer("submit", example, "--wait", env=stack)
+    assert code == 0, out + err
+    assert "accepted (profile python-linux@1)" in out
+    assert "(profile python-linux@1)" in out.split("placed on", 1)[1].splitlines()[0]
+    code, out, err = await gpulayer("submit", example, env=stack)
+    assert code == 0, out + err
+    assert "cpu-profile was already submitted" in err
+    code, out, _ = await gpulayer("job", "cpu-profile", env=stack)
+    assert code == 0
+    assert "profile python-linux@1" in out.splitlines()[0]
+    code, out, err = await gpulayer("profiles", "--json", env=stack)
+    assert code == 0, out + err
+    entries = {e["profile"]: e for e in json.loads(out)}
+    assert set(entries) == {"python-linux@1", "torch-2.5-cu124@1", "torch-2.5-cu124@2"}
+    linux = entries["python-linux@1"]
+    assert (linux["satisfy"], linux["nodes"], linux["reasons"]) == (1, 1, [])
+    torch = entries["torch-2.5-cu124@1"]
+    if torch["satisfy"] == 0:  # this machine has no CUDA GPU with torch 2.5 (the usual case)
+        assert all(r.endswith("(profile torch-2.5-cu124@1)") for r in torch["reasons"]), torch
+    code, out, _ = await gpulayer("profiles", env=stack)
+    assert code == 0
+    assert "python-linux@1" in out
+    assert "1/1" in out
+
+
 async def test_ctrl_c_stops_following_not_the_job(stack: dict[str, str], tmp_path: Path) -> None:
     job = write_job(tmp_path / "long.json", {"job_id": "cli-long", "command": ["sleep", "60"]})
     proc = await asyncio.create_subprocess_exec(

@@ -105,6 +105,8 @@ async def test_dev_up_once_runs_the_examples(tmp_path: Path) -> None:
     assert proc.returncode == 0, text
     assert re.search(r"cpu-hello-\d+ succeeded", text), text
     assert "ok cpu-hello.toml: expected succeeded, got succeeded" in text
+    # A job by profile: dev up gave placement examples/profiles.toml.
+    assert "ok cpu-profile.toml: expected succeeded, got succeeded" in text
     assert (tmp_path / ".gpulayer" / "postgres" / "pgdata" / "PG_VERSION").exists()
     # The examples ran with signed grants: dev up made placement's key, readable by its owner.
     seed = tmp_path / ".gpulayer" / "keys" / "placement.seed"
@@ -230,3 +232,31 @@ async def test_a_bad_setting_is_one_line_and_exit_2(service: str, tmp_path: Path
     assert proc.returncode == 2, text
     assert "Traceback" not in text, text
     assert re.search(r"GPULAYER_(HEARTBEAT|NODE_TIMEOUT)_S", text), text
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ('[profiles."x@1"]\npython = "3.10+"', "profiles.\"x@1\".python: '3.10+' is not a PEP 440"),
+        ("[profiles", "not valid TOML"),
+        (None, "cannot read the profiles file"),
+    ],
+)
+async def test_placement_refuses_to_start_with_a_bad_profiles_file(
+    content: str | None, expected: str, tmp_path: Path
+) -> None:
+    profiles = tmp_path / "profiles.toml"
+    if content is not None:
+        profiles.write_text(content)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULAYER_")}
+    env["GPULAYER_PROFILES"] = str(profiles)
+    proc = await asyncio.create_subprocess_exec(
+        bin_path("gpulayer-placement"), env=env, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT, cwd=tmp_path,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    text = out.decode()
+    assert proc.returncode == 2, text
+    assert "Traceback" not in text, text
+    assert f"configuration: GPULAYER_PROFILES: {profiles}" in text, text
+    assert expected in text, text

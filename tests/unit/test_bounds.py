@@ -259,6 +259,24 @@ OUTSIDE_INSIDE: list[tuple[str, JobRequest, str, JobRequest]] = [
         req(python=">=3." + "1" * (b.MAX_SHORT_TEXT_BYTES - 4)),
     ),
     (
+        "driver specifier",
+        req(driver=">=5." + "1" * (b.MAX_SHORT_TEXT_BYTES - 3)),
+        "$.requirements.driver: 257 bytes, over the limit of 256 bytes",
+        req(driver=">=5." + "1" * (b.MAX_SHORT_TEXT_BYTES - 4)),
+    ),
+    (
+        "profile_fields count",
+        make_job(profile_fields=["python"] * (b.MAX_LIST_ITEMS + 1)),
+        "$.profile_fields: 65 entries, over the limit of 64",
+        make_job(profile_fields=["python"] * b.MAX_LIST_ITEMS),
+    ),
+    (
+        "profile built in Python",
+        make_job(profile="p" * 65 + "@1"),
+        "... is not name@version",
+        make_job(profile="p" * 64 + "@1"),
+    ),
+    (
         "apis_any count in a variant",
         make_job(
             variants={
@@ -318,6 +336,7 @@ FULL: dict[str, Any] = {
         "frameworks": {"torch": ">=2"},
         "framework_capabilities": ["torch.cuda"],
         "python": ">=3.10",
+        "driver": ">=550",
     },
     "gpu": {"use": "shared", "apis_any": ["cuda"]},
     "variants": {"linux": {"gpu": {"use": "shared", "apis_any": ["vulkan"]}}},
@@ -338,6 +357,7 @@ NUL_SITES = [
     ("requirements.frameworks", "torch"),
     ("requirements.framework_capabilities", 0),
     ("requirements", "python"),
+    ("requirements", "driver"),
     ("gpu.apis_any", 0),
     ("variants.linux.gpu.apis_any", 0),
     ("distributed", "backend"),
@@ -984,6 +1004,11 @@ def _near(limit: int) -> st.SearchStrategy[str]:
     gb=st.one_of(st.none(), _numbers),
     timeout=st.one_of(st.none(), _numbers),
     python=st.one_of(st.none(), _near(b.MAX_SHORT_TEXT_BYTES)),
+    driver=st.one_of(st.none(), _near(b.MAX_SHORT_TEXT_BYTES)),
+    profile=st.one_of(
+        st.none(), st.sampled_from(["p@1", "p" * 64 + "@1", "p" * 65 + "@1", "p@1\n", "p\x00@1"])
+    ),
+    profile_fields=st.lists(_near(b.MAX_SHORT_TEXT_BYTES), max_size=3),
     cores=_numbers,
     memory=_numbers,
 )
@@ -997,6 +1022,9 @@ def test_the_fast_check_agrees_with_the_detailed_one(
     gb: float | None,
     timeout: float | None,
     python: str | None,
+    driver: str | None,
+    profile: str | None,
+    profile_fields: list[str],
     cores: float,
     memory: float,
 ) -> None:
@@ -1006,7 +1034,10 @@ def test_the_fast_check_agrees_with_the_detailed_one(
         env=env,
         timeout_s=timeout,
         gpu=GpuUsage(use="shared", apis_any=apis),
+        profile=profile,
+        profile_fields=profile_fields,
         requirements=Requirements(
+            driver=driver,
             gpu_count=count,
             gpu_memory_gb=gb,
             frameworks=frameworks,

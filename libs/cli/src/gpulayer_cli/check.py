@@ -13,28 +13,54 @@ import sys
 import msgspec
 from rich.console import Console
 
-from gpulayer_contracts import InvalidInput, load_job_file, validate_job
+from gpulayer_contracts import (
+    InvalidInput,
+    JobRequest,
+    WorkerCapabilities,
+    load_job_file,
+    validate_job,
+)
+from gpulayer_contracts.profiles import expand_profile, load_profiles
 from gpulayer_detection import detect_capabilities
 from gpulayer_matching import NodeView, Placement, explain, match
 from gpulayer_runtime.settings import node_id
 
 
-def run_check(file: str, *, python: str | None, as_json: bool, console: Console) -> int:
+def load_checked_job(file: str, profiles: str | None, command: str) -> JobRequest | None:
+    """The job in ``file``, its profile expanded from the ``profiles`` file, valid; None (each
+    problem printed as ``gpulayer <command>: <file>: ...``) when it is not."""
     try:
         job = load_job_file(file)
     except (InvalidInput, OSError) as err:
-        print(f"gpulayer check: {file}: {err}", file=sys.stderr)
-        return 2
-    result = validate_job(job)
-    if result.errors:
-        for e in result.errors:
-            print(f"gpulayer check: {file}: {e}", file=sys.stderr)
-        return 2
-    caps = asyncio.run(detect_capabilities(node_id(), python=python))
-    # Idle, as placement would see it with nothing running: every core and all the RAM the
-    # probe found (an executor's reserve for the system, if it has one, is not known here).
+        print(f"gpulayer {command}: {file}: {err}", file=sys.stderr)
+        return None
+    errors: list[str] = []
+    if job.profile is not None:
+        if not profiles:
+            print(
+                f"gpulayer {command}: {file}: names profile {job.profile}, but no profiles file "
+                "was given (--profiles or GPULAYER_PROFILES)",
+                file=sys.stderr,
+            )
+            return None
+        try:
+            known = load_profiles(profiles)
+        except InvalidInput as err:
+            print(f"gpulayer {command}: {err}", file=sys.stderr)
+            return None
+        job, errors = expand_profile(job, known)
+    errors += validate_job(job).errors
+    for e in errors:
+        print(f"gpulayer {command}: {file}: {e}", file=sys.stderr)
+    return None if errors else job
+
+
+def local_view(caps: WorkerCapabilities) -> NodeView:
+    """This machine as placement would see it idle, with nothing running: every core and all
+    the RAM the probe found (an executor's reserve for the system, if it has one, is not known
+    here)."""
     cores = caps.host.cpu_cores * 1000 if caps.host.cpu_cores is not None else None
-    view = NodeView(
+    return NodeView(
         node_id=caps.node_id,
         capabilities=caps,
         online=True,
@@ -43,6 +69,21 @@ def run_check(file: str, *, python: str | None, as_json: bool, console: Console)
         memory_total=caps.host.memory_bytes,
         memory_free=caps.host.memory_bytes,
     )
+
+
+def run_check(
+    file: str,
+    *,
+    python: str | None,
+    as_json: bool,
+    console: Console,
+    profiles: str | None = None,
+) -> int:
+    job = load_checked_job(file, profiles, "check")
+    if job is None:
+        return 2
+    caps = asyncio.run(detect_capabilities(node_id(), python=python))
+    view = local_view(caps)
     decision = match(job, [view])
     if isinstance(decision, Placement):
         if as_json:

@@ -52,6 +52,10 @@ from gpulayer_runtime.signing import (
 DEV_ADMIN = "admin"
 
 SERVICES = ("gpulayer-placement", "gpulayer-executor", "gpulayer-probe")
+# Files in the examples folder that are no job: the outcomes expected, and the runtime profiles
+# placement is given (GPULAYER_PROFILES, unless the environment names another file).
+EXPECTATIONS, PROFILES = "expectations.toml", "profiles.toml"
+NOT_JOBS = (EXPECTATIONS, PROFILES)
 
 
 @dataclass
@@ -80,10 +84,10 @@ def load_examples(folder: Path, run_tag: str) -> list[Example]:
     Each run gets fresh job ids (``<id>-<run_tag>``): a job id is the dedupe key, so re-running
     the examples against the same stack would otherwise be one job.
     """
-    expectations = tomllib.loads((folder / "expectations.toml").read_text())["expect"]
+    expectations = tomllib.loads((folder / EXPECTATIONS).read_text())["expect"]
     examples = []
     for path in sorted(folder.iterdir()):
-        if path.suffix not in (".toml", ".json") or path.name == "expectations.toml":
+        if path.suffix not in (".toml", ".json") or path.name in NOT_JOBS:
             continue
         job = load_job_file(path)
         expect = expectations.get(path.name)
@@ -262,6 +266,8 @@ def run_dev(
     env = dict(os.environ)
     if not auth:
         env["GPULAYER_AUTH"] = "off"
+    if (examples_dir / PROFILES).is_file():
+        env.setdefault("GPULAYER_PROFILES", str((examples_dir / PROFILES).resolve()))
     run_tag = time.strftime("%H%M%S")
     try:
         examples = load_examples(examples_dir, run_tag) if examples_dir.exists() else []

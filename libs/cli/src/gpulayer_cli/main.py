@@ -261,8 +261,11 @@ async def _known_job(nc: Any, job_id: str) -> dict[str, Any] | None:
 
 
 def _same_request(stored: object, job: JobRequest) -> bool:
+    from gpulayer_contracts.profiles import same_submission
+
     try:
-        return msgspec.convert(stored, JobRequest) == job
+        # Placement stores a job with its profile expanded: compared as submitted.
+        return same_submission(msgspec.convert(stored, JobRequest), job)
     except msgspec.ValidationError:
         return False  # a rejected submission's body: not this job
 
@@ -325,9 +328,12 @@ def cmd_job(args: argparse.Namespace) -> int:
             if record.get("node_id")
             else "(never placed)"
         )
+        request = record.get("request")
+        profile = request.get("profile") if isinstance(request, dict) else None
         console.print(
             f"[bold]{record['job_id']}[/bold] {record['state']} {where}, "
             f"submitted {str(record['submitted_at'])[:19]} by {record.get('owner', 'anonymous')}"
+            + (f", profile {profile}" if isinstance(profile, str) else "")
         )
         for event in events:
             print_event(console, event)
@@ -420,7 +426,52 @@ def cmd_dlq(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from gpulayer_cli.check import run_check
 
-    return int(run_check(args.file, python=args.python, as_json=args.json, console=_console()))
+    return int(
+        run_check(
+            args.file,
+            python=args.python,
+            as_json=args.json,
+            console=_console(),
+            profiles=_profiles_file(args),
+        )
+    )
+
+
+def _profiles_file(args: argparse.Namespace) -> str | None:
+    """The profiles file a job file's ``profile`` is expanded from: --profiles, else the
+    GPULAYER_PROFILES placement reads."""
+    return str(args.profiles or os.environ.get("GPULAYER_PROFILES") or "") or None
+
+
+def cmd_conform(args: argparse.Namespace) -> int:
+    from gpulayer_cli.conform import run_conform
+
+    return int(
+        run_conform(
+            args.file,
+            golden=args.golden,
+            update=args.update,
+            python=args.python,
+            profiles=_profiles_file(args),
+            as_json=args.json,
+            console=_console(),
+            environ=os.environ,
+        )
+    )
+
+
+def _render_profiles(console: Console, data: Any) -> None:
+    from gpulayer_cli.render import profiles_table
+
+    if not data:
+        console.print("no runtime profiles (placement's GPULAYER_PROFILES is unset)")
+        return
+    console.print(profiles_table(data))
+    for entry in data:
+        if entry["reasons"]:
+            console.print(f"[bold]{entry['profile']}[/]: {entry['satisfy']}/{entry['nodes']}")
+            for reason in entry["reasons"]:
+                console.print(f"  - {reason}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -471,7 +522,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_submit)
 
-    from gpulayer_contracts.subjects import API_CANCEL, API_EXPLAIN, API_JOBS, API_NODES
+    from gpulayer_contracts.subjects import (
+        API_CANCEL,
+        API_EXPLAIN,
+        API_JOBS,
+        API_NODES,
+        API_PROFILES,
+    )
 
     n = sub.add_parser("nodes", help="the fleet: platforms, accelerators, APIs, state")
     n.add_argument("--json", action="store_true")
@@ -525,7 +582,37 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("file")
     ck.add_argument("--python", default=None, help="workload interpreter to probe")
     ck.add_argument("--json", action="store_true")
+    ck.add_argument(
+        "--profiles",
+        default=None,
+        help="profiles file for a job naming a profile (GPULAYER_PROFILES)",
+    )
     ck.set_defaults(fn=cmd_check)
+
+    cf = sub.add_parser(
+        "conform",
+        help="run a job here and compare its output with the golden for this node class "
+        "(0 passed or skipped, 1 mismatch or failure, 2 invalid input)",
+    )
+    cf.add_argument("file")
+    cf.add_argument(
+        "--golden", default=None, help="folder of goldens (default: <job file stem>.golden)"
+    )
+    cf.add_argument("--update", action="store_true", help="write this node class's golden")
+    cf.add_argument("--python", default=None, help="workload interpreter to probe")
+    cf.add_argument(
+        "--profiles",
+        default=None,
+        help="profiles file for a job naming a profile (GPULAYER_PROFILES)",
+    )
+    cf.add_argument("--json", action="store_true")
+    cf.set_defaults(fn=cmd_conform)
+
+    pr = sub.add_parser(
+        "profiles", help="runtime profiles, and how many nodes satisfy each now (and why not)"
+    )
+    pr.add_argument("--json", action="store_true")
+    pr.set_defaults(fn=_api_command(API_PROFILES, lambda a: {}, _render_profiles))
     return p
 
 

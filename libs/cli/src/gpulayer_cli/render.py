@@ -41,16 +41,16 @@ def event_tag(event: JobEvent) -> str:
 
 def describe_event(event: JobEvent) -> str:
     match event:
-        case Accepted(warnings=warnings):
-            return "accepted" + "".join(f"\n    warning: {w}" for w in warnings)
-        case Rejected(reasons=reasons):
-            return "rejected" + "".join(f"\n    {r}" for r in reasons)
+        case Accepted(warnings=warnings, profile=profile):
+            return f"accepted{_profile(profile)}" + "".join(f"\n    warning: {w}" for w in warnings)
+        case Rejected(reasons=reasons, profile=profile):
+            return f"rejected{_profile(profile)}" + "".join(f"\n    {r}" for r in reasons)
         case Pending(summary=summary, reasons=reasons, unsatisfiable=unsat):
             head = "pending (unsatisfiable)" if unsat else "pending"
             return f"{head}: {summary}"
-        case Placed(node_id=node, accelerator=acc, devices=devices):
+        case Placed(node_id=node, accelerator=acc, devices=devices, profile=profile):
             on = f" devices {','.join(map(str, devices))}" if devices else ""
-            return f"placed on {node} ({acc}{on})"
+            return f"placed on {node} ({acc}{on}){_profile(profile)}"
         case Running(node_id=node, pid=pid):
             return f"running on {node} (pid {pid})"
         case Succeeded(node_id=node, exit_code=code):
@@ -63,6 +63,10 @@ def describe_event(event: JobEvent) -> str:
         case Lost(node_id=node, reason=reason):
             return f"lost on {node}: {reason}"
     return event_tag(event)
+
+
+def _profile(ref: str | None) -> str:
+    return f" (profile {ref})" if ref else ""
 
 
 def print_event(console: Console, event: JobEvent) -> None:
@@ -227,3 +231,29 @@ def matrix_table(matrix: dict[str, dict[str, str]]) -> Table:
     for acc, modes in matrix.items():
         t.add_row(acc, modes["independent"], modes["distributed"])
     return t
+
+
+def profiles_table(profiles: list[dict[str, Any]]) -> Table:
+    """``gpulayer profiles``: each profile, its requirements, and the nodes satisfying it now."""
+    t = Table(title="runtime profiles")
+    _id_column(t, "profile", [p["profile"] for p in profiles])
+    t.add_column("satisfy", no_wrap=True)
+    t.add_column("requirements")
+    t.add_column("description")
+    for p in profiles:
+        reqs = ", ".join(f"{k} {_requirement(v)}" for k, v in p["requirements"].items())
+        t.add_row(
+            p["profile"],
+            f"{p['satisfy']}/{p['nodes']}",
+            _shorten(reqs, 200),
+            _shorten(p.get("description") or "", 120),
+        )
+    return t
+
+
+def _requirement(value: Any) -> str:
+    if isinstance(value, dict):
+        return " ".join(f"{k}{v}" for k, v in value.items())
+    if isinstance(value, list):
+        return " ".join(map(str, value))
+    return str(value)

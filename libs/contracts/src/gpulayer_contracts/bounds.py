@@ -22,7 +22,7 @@ import msgspec
 
 from gpulayer_contracts.capabilities import Heartbeat, WorkerCapabilities
 from gpulayer_contracts.events import JobEvent, JobStatus
-from gpulayer_contracts.jobs import JOB_ID_PATTERN, GpuUsage, JobRequest
+from gpulayer_contracts.jobs import JOB_ID_PATTERN, PROFILE_REF_PATTERN, GpuUsage, JobRequest
 
 KIB: Final = 1024
 
@@ -87,6 +87,7 @@ MAX_ERRORS: Final = 20  # errors listed for one rejected job; the rest are count
 _ENV_NAME = re.compile(ENV_NAME_PATTERN)
 _JOB_ID = re.compile(JOB_ID_PATTERN)
 _IDENT = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_PROFILE_REF = re.compile(PROFILE_REF_PATTERN.removeprefix("^").removesuffix("$"))
 
 
 def clip_text(text: str, max_chars: int = MAX_MESSAGE_CHARS) -> str:
@@ -269,8 +270,13 @@ def _numbers_and_short_texts_fit(job: JobRequest) -> bool:
     short = MAX_SHORT_TEXT_BYTES
     texts: list[str] = [*req.frameworks, *req.frameworks.values(), *req.framework_capabilities]
     lists: list[Sized] = [req.frameworks, req.framework_capabilities]
-    if req.python is not None:
-        texts.append(req.python)
+    texts += [v for v in (req.python, req.driver, req.os) if v is not None]
+    texts += job.profile_fields
+    lists.append(job.profile_fields)
+    if job.profile is not None and not (
+        isinstance(job.profile, str) and _PROFILE_REF.fullmatch(job.profile)
+    ):
+        return False
     gpus = [job.gpu or GpuUsage(), *(v.gpu for v in job.variants.values())]
     for gpu in gpus:
         texts += gpu.apis_any
@@ -358,8 +364,8 @@ def _job_bounds(job: JobRequest) -> Iterator[str]:
         MAX_LIST_ITEMS,
         MAX_SHORT_TEXT_BYTES,
     )
-    if req.python is not None:
-        yield from _text(f"{p}.python", req.python, MAX_SHORT_TEXT_BYTES)
+    for field in ("python", "driver", "os"):
+        yield from _opt_text(f"{p}.{field}", getattr(req, field), MAX_SHORT_TEXT_BYTES)
 
     sections: list[tuple[str, GpuUsage]] = [("$.gpu", job.gpu or GpuUsage())]
     sections += [(f"$.variants.{k}.gpu", v.gpu) for k, v in job.variants.items()]
@@ -381,6 +387,13 @@ def _job_bounds(job: JobRequest) -> Iterator[str]:
                 yield from _text(f"{p}.{field}", value, MAX_SHORT_TEXT_BYTES)
     if job.requires_core is not None:
         yield from _text("$.requires_core", job.requires_core, MAX_SHORT_TEXT_BYTES)
+    if job.profile is not None and not (
+        isinstance(job.profile, str) and _PROFILE_REF.fullmatch(job.profile)
+    ):
+        # msgspec checks the pattern with re.search, where "$" also matches before a final
+        # newline; a Python-built job skips it altogether.
+        yield f"$.profile: {_show(job.profile)} is not name@version ({PROFILE_REF_PATTERN})"
+    yield from _texts("$.profile_fields", job.profile_fields, MAX_LIST_ITEMS, MAX_SHORT_TEXT_BYTES)
 
 
 def bound_messages(messages: list[str], most: int = MAX_ERRORS) -> list[str]:

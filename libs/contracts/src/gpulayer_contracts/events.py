@@ -83,10 +83,13 @@ class JobEvent(Wire, frozen=True, tag_field="type"):
 
 class Accepted(JobEvent, frozen=True, tag="accepted", kw_only=True):
     warnings: list[str] = []
+    # The runtime profile the job named (name@version), its requirements expanded into the job.
+    profile: str | None = None
 
 
 class Rejected(JobEvent, frozen=True, tag="rejected", kw_only=True):
     reasons: list[str] = []
+    profile: str | None = None
 
 
 class Pending(JobEvent, frozen=True, tag="pending", kw_only=True):
@@ -101,6 +104,7 @@ class Placed(JobEvent, frozen=True, tag="placed", kw_only=True):
     node_id: str
     accelerator: Accelerator
     devices: list[int] = []
+    profile: str | None = None
 
 
 class Running(JobEvent, frozen=True, tag="running", kw_only=True):

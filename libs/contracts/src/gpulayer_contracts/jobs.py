@@ -22,6 +22,17 @@ PlatformFamily = Literal["linux", "darwin", "windows"]
 JOB_ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
 JobId = Annotated[str, msgspec.Meta(pattern=JOB_ID_PATTERN, description="Client-chosen job id")]
 
+# A runtime profile and its version, ``name@version`` (``torch-2.5-cu124@1``): a name of up to
+# 64 characters, then the version, a whole number. Profiles live in placement's profiles file.
+PROFILE_REF_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}@[1-9][0-9]{0,5}$"
+ProfileRef = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=PROFILE_REF_PATTERN,
+        description="A runtime profile, name@version (e.g. torch-2.5-cu124@1)",
+    ),
+]
+
 
 # The constraint sits on the number, the description on the optional field around it (msgspec
 # allows no numeric constraint on an optional type, and drops a description inside a union).
@@ -69,6 +80,16 @@ class Requirements(Input, frozen=True):
     ] = []
     python: Annotated[
         str | None, _doc("PEP 440 specifier on the workload interpreter's version")
+    ] = None
+    driver: Annotated[
+        str | None,
+        _doc(
+            'PEP 440 specifier on the NVIDIA driver version of each device, e.g. ">=550"; '
+            "asking for one means asking for CUDA"
+        ),
+    ] = None
+    os: Annotated[
+        PlatformFamily | None, _doc("The node's operating system: linux, darwin or windows")
     ] = None
     cpu_cores: Annotated[
         Positive,
@@ -158,3 +179,17 @@ class JobRequest(Input, frozen=True):
     sandbox: Sandbox = Sandbox()
     distributed: Distributed | None = None
     requires_core: Annotated[str | None, _doc("PEP 440 specifier on gpulayer's own version")] = None
+    profile: Annotated[
+        ProfileRef | None,
+        _doc(
+            "A runtime profile, name@version: placement adds its requirements to the job's own "
+            "at submit (a field both set differently is an error)"
+        ),
+    ] = None
+    profile_fields: Annotated[
+        list[str],
+        _doc(
+            "Set by placement when it expands profile: the requirements the profile supplied "
+            "(explanations name the profile for them); a submitter's value is replaced"
+        ),
+    ] = []

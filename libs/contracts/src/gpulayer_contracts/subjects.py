@@ -35,9 +35,10 @@ API_JOB = f"{PREFIX}.api.job"
 API_EXPLAIN = f"{PREFIX}.api.explain"
 API_CANCEL = f"{PREFIX}.api.cancel"
 API_MATRIX = f"{PREFIX}.api.matrix"
+API_PROFILES = f"{PREFIX}.api.profiles"
 # Placement answers ``gpulayer.api.<verb>`` (caller anonymous) and ``gpulayer.api.<verb>.<caller>``
 # (only the caller's credential may publish there, so the token names who asks).
-API_VERBS = (API_NODES, API_JOBS, API_JOB, API_EXPLAIN, API_CANCEL, API_MATRIX)
+API_VERBS = (API_NODES, API_JOBS, API_JOB, API_EXPLAIN, API_CANCEL, API_MATRIX, API_PROFILES)
 
 # Header names. Nats-Msg-Id is JetStream's own dedupe header.
 MSG_ID_HEADER = "Nats-Msg-Id"

@@ -116,7 +116,7 @@ def validate_job(job: JobRequest, core_version: str = __version__) -> Validation
                 errors.append(f"$.requirements.{field}: a cpu job uses no GPU memory")
     per_device = [
         f
-        for f in ("gpu_memory_gb", "gpu_memory_kind", "min_cuda_compute_capability")
+        for f in ("gpu_memory_gb", "gpu_memory_kind", "min_cuda_compute_capability", "driver")
         if getattr(req, f) is not None
     ]
     if per_device and requested_gpu_count(job) == 0 and req.accelerator != "cpu":
@@ -136,6 +136,14 @@ def validate_job(job: JobRequest, core_version: str = __version__) -> Validation
         if req.accelerator not in (None, "cuda"):
             errors.append(
                 "$.requirements.min_cuda_compute_capability: only meaningful for cuda jobs, "
+                f"this job asks for {req.accelerator}"
+            )
+
+    if req.driver is not None:
+        _check_specifier("$.requirements.driver", req.driver, errors)
+        if req.accelerator not in (None, "cuda"):
+            errors.append(
+                "$.requirements.driver: the NVIDIA driver is only meaningful for cuda jobs, "
                 f"this job asks for {req.accelerator}"
             )
 

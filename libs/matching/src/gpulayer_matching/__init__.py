@@ -10,5 +10,15 @@ from gpulayer_matching.matcher import (
     match,
     would_fit_when_idle,
 )
+from gpulayer_matching.profiles import profile_fit, profile_job
 
-__all__ = ["NoPlacement", "NodeView", "Placement", "explain", "match", "would_fit_when_idle"]
+__all__ = [
+    "NoPlacement",
+    "NodeView",
+    "Placement",
+    "explain",
+    "match",
+    "profile_fit",
+    "profile_job",
+    "would_fit_when_idle",
+]

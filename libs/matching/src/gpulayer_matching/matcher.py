@@ -209,15 +209,21 @@ def _device_cc(text: str) -> tuple[int, int] | None:
 
 
 class _Device:
-    __slots__ = ("cc", "index", "kind", "mib")
+    __slots__ = ("cc", "driver", "index", "kind", "mib")
 
     def __init__(
-        self, index: int, mib: int | None, kind: MemoryKind | None, cc: tuple[int, int] | None
+        self,
+        index: int,
+        mib: int | None,
+        kind: MemoryKind | None,
+        cc: tuple[int, int] | None,
+        driver: str | None,
     ) -> None:
         self.index = index
         self.mib = mib
         self.kind = kind
         self.cc = cc
+        self.driver = driver
 
 
 class _Cap:
@@ -286,7 +292,7 @@ class _Facts:
                 continue
             cc = _device_cc(d.compute_capability) if d.compute_capability is not None else None
             usable.setdefault(d.accelerator, []).append(
-                _Device(d.index, d.memory_mib, d.memory_kind, cc)
+                _Device(d.index, d.memory_mib, d.memory_kind, cc, d.driver_version)
             )
         self.usable = {acc: tuple(devs) for acc, devs in usable.items()}
         # Each usable device's memory, for shared jobs' reservations (index -> MiB).
@@ -349,6 +355,8 @@ _CPU = 3  # no count, use none: no devices
 
 # Rule ranks: a node is counted under the first rule it fails, in this order; the reasons are
 # listed in it. Capability rules come first, then offline, then occupancy.
+_R_OS_UNKNOWN = 40
+_R_OS = 41
 _R_MATRIX = 50
 _R_NO_DEVICE = 100
 _R_NOT_USABLE = 101
@@ -359,6 +367,8 @@ _R_MEM_UNKNOWN = 400
 _R_MEM = 401
 _R_CC_UNKNOWN = 500
 _R_CC = 501
+_R_DRIVER_UNKNOWN = 550
+_R_DRIVER = 551
 _R_APIS = 600
 _R_PY_UNKNOWN = 700
 _R_PY = 701
@@ -382,8 +392,10 @@ class _Plan:
         "cc",
         "cpu_ok",
         "device_rules",
+        "driver",
         "failure",
         "frameworks",
+        "from_profile",
         "fwcaps",
         "gb",
         "gpus",
@@ -396,6 +408,8 @@ class _Plan:
         "mode_name",
         "n",
         "need_mib",
+        "os",
+        "profile",
         "python",
     )
 
@@ -418,7 +432,17 @@ class _Plan:
             self.cc = parse_compute_capability(req.min_cuda_compute_capability)
         except ValueError as err:
             self.failure = f"requirements.min_cuda_compute_capability: {err}"
-        self.device_rules = self.kind is not None or self.gb is not None or self.cc is not None
+        self.driver = req.driver
+        self.os = req.os
+        # Which requirements the job's profile supplied: explanations name it for them.
+        self.profile = job.profile
+        self.from_profile = frozenset(job.profile_fields)
+        self.device_rules = (
+            self.kind is not None
+            or self.gb is not None
+            or self.cc is not None
+            or self.driver is not None
+        )
         self.python = req.python
         self.frameworks = [(canonicalize_name(k), k, v) for k, v in sorted(req.frameworks.items())]
         self.fwcaps = tuple(req.framework_capabilities)
@@ -428,8 +452,10 @@ class _Plan:
         self.cpu_ok = matrix.is_schedulable("cpu", self.mode_name)
 
         if self.acc is None:
-            # A compute capability is a CUDA notion: asking for one means asking for CUDA.
-            pool: tuple[Accelerator, ...] = ("cuda",) if self.cc is not None else GPU_ORDER
+            # A compute capability and the NVIDIA driver are CUDA notions: asking for one means
+            # asking for CUDA.
+            cuda = self.cc is not None or self.driver is not None
+            pool: tuple[Accelerator, ...] = ("cuda",) if cuda else GPU_ORDER
         elif self.acc == "cpu":
             pool = ()
         else:
@@ -447,6 +473,8 @@ class _Plan:
             self.kind,
             self.need_mib,
             self.cc,
+            self.driver,
+            self.os,
             self.python,
             tuple(self.frameworks),
             self.fwcaps,
@@ -486,8 +514,9 @@ class _Plan:
             )
         if self.acc == "cpu" and (self.n > 0 or self.device_rules):
             return "a cpu job cannot ask for GPU devices or GPU memory"
-        if self.python is not None and _specifier(self.python) is None:
-            return f"requirements.python: {self.python!r} is not a PEP 440 version specifier"
+        for field, spec in (("python", self.python), ("driver", self.driver)):
+            if spec is not None and _specifier(spec) is None:
+                return f"requirements.{field}: {spec!r} is not a PEP 440 version specifier"
         for _, name, spec in self.frameworks:
             if _specifier(spec) is None:
                 return (
@@ -557,6 +586,20 @@ def _chain(
                 return _R_CC_UNKNOWN, "cc_unknown", None, ()
             return _R_CC, "cc", cc_miss, ()
         devs = tuple(passing)
+    if plan.driver is not None:
+        spec = plan.driver
+        verdicts = [None if d.driver is None else _satisfies(spec, d.driver) for d in devs]
+        passing = [d for d, ok in zip(devs, verdicts, strict=True) if ok]
+        if len(passing) < n:
+            if len(passing) + verdicts.count(None) >= n:
+                return _R_DRIVER_UNKNOWN, "driver_unknown", None, ()
+            short = [
+                d.driver
+                for d, ok in zip(devs, verdicts, strict=True)
+                if ok is False and d.driver is not None
+            ]
+            return _R_DRIVER, "driver", max(short, key=_version_key), ()
+        devs = tuple(passing)
     return _R_OK, "", None, tuple(d.index for d in devs)
 
 
@@ -582,6 +625,10 @@ def _capability(plan: _Plan, facts: _Facts) -> _Cap:
 def _evaluate(plan: _Plan, facts: _Facts) -> _Cap:
     gpu = plan.gpu_for(facts.family)
     use = gpu.use
+    if plan.os is not None and facts.family != plan.os:
+        if facts.family is None:
+            return _Cap(ok=False, use=use, rank=_R_OS_UNKNOWN, rule="os_unknown")
+        return _Cap(ok=False, use=use, rank=_R_OS, rule="os", value=facts.family)
     n = plan.n
     mode = _COUNT if n >= 1 else (_POOL if use != "none" else _CPU)
     pools: list[tuple[Accelerator, tuple[int, ...], frozenset[int]]] = []
@@ -876,7 +923,34 @@ _VERBS = {"have": "has", "are": "is", "lack": "lacks", "can't": "can't"}
 
 def _reason(plan: _Plan, rule: str, t: _Tally) -> str:
     verb, rest = _message(plan, rule, t)
-    return f"{t.count} {verb if t.count != 1 else _VERBS[verb]} {rest}"
+    text = f"{t.count} {verb if t.count != 1 else _VERBS[verb]} {rest}"
+    if plan.profile is not None and _rule_field(rule) in plan.from_profile:
+        text += f" (profile {plan.profile})"
+    return text
+
+
+_RULE_FIELDS = {
+    "os": "os",
+    "os_unknown": "os",
+    "no_device": "accelerator",
+    "not_usable": "accelerator",
+    "cc": "min_cuda_compute_capability",
+    "cc_unknown": "min_cuda_compute_capability",
+    "driver": "driver",
+    "driver_unknown": "driver",
+    "python": "python",
+    "python_unknown": "python",
+}
+
+
+def _rule_field(rule: str) -> str | None:
+    """The requirement a rule checks, as ``JobRequest.profile_fields`` names it."""
+    kind, _, name = rule.partition(":")
+    if kind in ("framework", "framework_unknown"):
+        return f"frameworks.{name}"
+    if kind == "framework_capability":
+        return f"framework_capabilities.{name}"
+    return _RULE_FIELDS.get(rule)
 
 
 def _fmt_gb(gb: float) -> str:
@@ -914,6 +988,10 @@ def _message(plan: _Plan, rule: str, t: _Tally) -> tuple[str, str]:
     n = plan.n
     label = plan.acc if plan.acc is not None and plan.acc != "cpu" else "GPU"
     gpus = f"{n} {label} devices" if n > 1 else f"a {label} device"
+    if rule == "os_unknown":
+        return "have", "unknown operating system"
+    if rule == "os":
+        return "have", f"an operating system other than {plan.os}{_seen(t)}"
     if rule == "matrix":
         return "can't", f"take {plan.mode_name} cpu work (support matrix)"
     if rule == "no_device":
@@ -950,6 +1028,10 @@ def _message(plan: _Plan, rule: str, t: _Tally) -> tuple[str, str]:
         want = f"{plan.cc[0]}.{plan.cc[1]}"
         got = f"{t.best[0]}.{t.best[1]}"
         return "have", f"compute capability < {want} (best: {t.best_node} {got})"
+    if rule == "driver_unknown":
+        return "have", "unknown NVIDIA driver version"
+    if rule == "driver":
+        return "have", f"NVIDIA driver not matching {plan.driver}{_seen(t)}"
     if rule == "python_unknown":
         return "have", "unknown Python version"
     if rule == "python":

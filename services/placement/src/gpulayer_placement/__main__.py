@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import os
 import signal
 from contextlib import AsyncExitStack
 
+from gpulayer_contracts import InvalidInput
+from gpulayer_contracts.profiles import Profiles, load_profiles
 from gpulayer_runtime.nats import connect, ensure_streams
 from gpulayer_runtime.settings import (
     ConfigError,
@@ -39,10 +42,21 @@ async def _amain() -> None:
         resend_after_s=env_float(env, "GPULAYER_GRANT_RESEND_S", 30.0),
         batch_size=env_int(env, "GPULAYER_PLACEMENT_BATCH", 256),
         admins=_admins(env_str(env, "GPULAYER_ADMINS", "admin")),
+        profiles=_profiles(env_str(env, "GPULAYER_PROFILES", "")),
     )
     signer = signer_from_env(env)
     log.info(
-        "settings: nats=%s database=%s stream_replicas=%d %s", nats, _redact(db), replicas, settings
+        "settings: nats=%s database=%s stream_replicas=%d %s",
+        nats,
+        _redact(db),
+        replicas,
+        dataclasses.replace(settings, profiles=Profiles(source=settings.profiles.source)),
+    )
+    log.info(
+        "runtime profiles: %s",
+        f"{len(settings.profiles.by_ref)} from {settings.profiles.source}"
+        if settings.profiles.source
+        else "none (GPULAYER_PROFILES unset): jobs naming a profile are rejected",
     )
     if signer is None:
         log.warning("grant signing is OFF: executors that require signatures refuse every grant")
@@ -82,6 +96,17 @@ def _admins(raw: str) -> frozenset[str]:
         if any(c in name for c in ".*> \t"):
             raise ConfigError(f"GPULAYER_ADMINS: {name!r} is not a valid identity name")
     return names
+
+
+def _profiles(path: str) -> Profiles:
+    """The profiles file, read once: a change takes effect when placement restarts. A file that
+    can't be read or checked stops placement at start, naming what is wrong."""
+    if not path:
+        return Profiles()
+    try:
+        return load_profiles(path)
+    except InvalidInput as err:
+        raise ConfigError(f"GPULAYER_PROFILES: {err}") from None
 
 
 def _redact(url: str) -> str:

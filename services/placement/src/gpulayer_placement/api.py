@@ -24,6 +24,7 @@ from gpulayer_contracts import CancelJob, Cancelled, encode
 from gpulayer_contracts.bounds import clip_text
 from gpulayer_contracts.codec import capabilities_decoder, job_request_decoder
 from gpulayer_contracts.matrix import SUPPORT_MATRIX
+from gpulayer_contracts.profiles import Profiles
 from gpulayer_contracts.subjects import (
     ANONYMOUS,
     API_CANCEL,
@@ -32,6 +33,7 @@ from gpulayer_contracts.subjects import (
     API_JOBS,
     API_MATRIX,
     API_NODES,
+    API_PROFILES,
     api_caller,
 )
 from gpulayer_matching import NodeView
@@ -87,6 +89,7 @@ class Api:
         publisher: Publisher,
         forget: Callable[[str], None],
         admins: frozenset[str] = frozenset({"admin"}),
+        profiles: Profiles | None = None,
     ) -> None:
         self.nc = nc
         self.js = js
@@ -95,6 +98,7 @@ class Api:
         self.publisher = publisher
         self.forget = forget
         self.admins = admins
+        self.profiles = profiles if profiles is not None else Profiles()
         self.max_payload = 1 << 20  # the server's (set from its INFO when wired)
 
     async def subscribe(self) -> list[Any]:
@@ -106,6 +110,7 @@ class Api:
             API_EXPLAIN: self.explain,
             API_CANCEL: self.cancel,
             API_MATRIX: self.matrix,
+            API_PROFILES: self.profile_fit,
         }
         return [
             await self.nc.subscribe(subject, queue=QUEUE, cb=self._wrap(handler))
@@ -260,6 +265,11 @@ class Api:
 
     async def matrix(self, data: bytes, caller: str = ANONYMOUS) -> Any:
         return SUPPORT_MATRIX
+
+    async def profile_fit(self, data: bytes, caller: str = ANONYMOUS) -> Any:
+        """The runtime profiles this replica expands jobs with, and per profile how many nodes
+        of its fleet satisfy it now and why the others don't."""
+        return matcher.profile_fit(self.profiles, self.fleet.views())
 
 
 def _resources(fleet: Fleet, view: NodeView) -> dict[str, Any]:

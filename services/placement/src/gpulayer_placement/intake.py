@@ -21,6 +21,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from gpulayer_contracts import Accepted, JobEvent, JobRequest, Rejected, encode, validate_job
 from gpulayer_contracts.bounds import bound_messages, clip_text, job_size_error
 from gpulayer_contracts.codec import InvalidInput, best_effort_job_id, decode_job_json
+from gpulayer_contracts.profiles import expand_profile
 from gpulayer_contracts.subjects import ANONYMOUS, JOBS_SUBMIT_ALL, owner_from_submit
 from gpulayer_placement.dead_letters import MAX_DELIVER, DeadLetters
 from gpulayer_placement.loops import consume
@@ -54,6 +55,8 @@ class Batch:
     dead: list[tuple[Msg, str, str, str | None]] = field(default_factory=list)
     # From the submit subject, which only the owner's credential may publish on.
     owners: dict[str, str] = field(default_factory=dict)
+    # The runtime profile each job named (its events name it too).
+    profiles: dict[str, str | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -173,8 +176,14 @@ class Intake:
             return  # the same id twice in one batch is one job
         b.origin[job.job_id] = msg
         b.owners[job.job_id] = _owner(msg)
-        result = validate_job(job)
-        errors = result.errors
+        b.profiles[job.job_id] = job.profile
+        # The profile's requirements join the job's own here, once: what is stored, matched and
+        # granted is the expanded job, so a later change of the profiles file can't change it.
+        expanded, errors = expand_profile(job, self.settings.profiles)
+        result = validate_job(expanded)
+        errors = bound_messages([*errors, *result.errors])
+        if not errors:
+            job = expanded
         try:
             encoded = encode(job)
         except UnicodeEncodeError:  # a lone surrogate: validate_job names it
@@ -317,9 +326,23 @@ class Intake:
                 )
             owner = b.owners.get(job_id, ANONYMOUS)
             if job_id in b.rejections:
-                events.append(Rejected(job_id=job_id, reasons=b.rejections[job_id], owner=owner))
+                events.append(
+                    Rejected(
+                        job_id=job_id,
+                        reasons=b.rejections[job_id],
+                        owner=owner,
+                        profile=b.profiles.get(job_id),
+                    )
+                )
             else:
-                events.append(Accepted(job_id=job_id, warnings=b.warnings[job_id], owner=owner))
+                events.append(
+                    Accepted(
+                        job_id=job_id,
+                        warnings=b.warnings[job_id],
+                        owner=owner,
+                        profile=b.profiles.get(job_id),
+                    )
+                )
         return events
 
     async def _announce_again(self, job_ids: list[str]) -> set[str]:

@@ -187,6 +187,7 @@ class Publisher:
             accelerator=grant.accelerator,
             devices=grant.devices,
             owner=grant.owner,
+            profile=grant.job.profile,
         )
         return Publisher.event_item(placed, msg_id=f"{grant.grant_id}:placed")
 
@@ -361,7 +362,9 @@ class Publisher:
             # Placed where it was ingested, so its "accepted" went out (or not) with this
             # grant; only a copy this young is sure to be dropped if it was stored before.
             warnings = validate_job(job).warnings
-            accepted = Accepted(job_id=job.job_id, warnings=warnings, owner=owner)
+            accepted = Accepted(
+                job_id=job.job_id, warnings=warnings, owner=owner, profile=job.profile
+            )
             items.insert(0, self.event_item(accepted))
         return items
 

@@ -147,6 +147,7 @@ class PlacementService:
             publisher=self.publisher,
             forget=self.forget,
             admins=s.admins,
+            profiles=s.profiles,
         )
         self.publisher.max_payload = self.api.max_payload = max_payload
         self.gauges = Gauges(pool, fleet, telemetry)

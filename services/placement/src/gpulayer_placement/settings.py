@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from gpulayer_contracts.profiles import Profiles
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -17,3 +19,5 @@ class Settings:
     # (``GPULAYER_ADMINS``). Their caller token is trustworthy: only the credential of that
     # name may publish on gpulayer.api.<verb>.<name>.
     admins: frozenset[str] = frozenset({"admin"})
+    # Runtime profiles jobs may name (``GPULAYER_PROFILES``, read once at start): none by default.
+    profiles: Profiles = field(default_factory=Profiles)
