@@ -31,7 +31,7 @@ from gpulayer_executor import procs
 from gpulayer_executor.cgroups import Hierarchy, JobCgroup, LimitError
 from gpulayer_executor.env import RunAs
 from gpulayer_executor.limits import JobLimits, oom_reason
-from gpulayer_executor.output import LineSink, PipeReader
+from gpulayer_executor.lines import LineSink, PipeReader
 from gpulayer_executor.state import Outcome, ProcessInfo
 
 log = logging.getLogger(__name__)

@@ -156,7 +156,7 @@ class Executor:
         await self.runner.shutdown(self.config.drain_s, STOPPED)
         await self.writer.drain()
         if self.fork_server is not None:
-            await asyncio.to_thread(self.fork_server.close)
+            await self.fork_server.close()
         self.store.close()
         log.info("executor for node %s stopped", self.node_id)
 

@@ -9,7 +9,8 @@ bounds, and writes what the executor needs into the job's run folder
 - ``shim.json``: the shim's pid, start time and boot id (to recognise it after a restart);
 - ``started.json``: the job's ``ProcessInfo`` once its process exists;
 - ``output``: the job's lines, one record each (``o``/``e`` for stdout/stderr, the text, a
-  newline), cut, rate-limited and capped as the executor's own log sink does;
+  newline), cut, rate-limited and capped as the executor's own log sink does, written once per
+  turn of the shim's loop (not once per line);
 - ``exit.json``: the job's ``Outcome``, written to a temporary file and renamed, so it is
   either whole or absent; written once, when the job is over and its processes are gone.
 
@@ -17,39 +18,28 @@ While the executor lives, the shim also pokes a pipe the executor reads (``s`` s
 ``o`` output, ``e`` ended) so the executor needs no polling. A stop (cancel) is a
 ``stop.json`` the executor writes and a SIGTERM to the shim.
 
-Shims are forked from a **fork server** (``python -m gpulayer_executor.shim``), a process the
-executor starts once and talks to over a socket pair: a fork of this small, already imported
-process costs about a millisecond, where starting a new interpreter per job would cost tens.
-The fork server exits when the executor closes the socket (or dies); the shims it forked are in
-sessions of their own and go on.
+Shims are forked from a fork server (``shim_server``); a shim runs the job with a small
+synchronous loop (``shim_job``). This module holds what the shim and the executor share: the
+spec, the run folder's files and their formats.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
 import os
-import signal
-import socket
 import struct
-import sys
 import time
 from pathlib import Path
-from typing import NoReturn
 
 import msgspec
 
-from gpulayer_executor import procs
 from gpulayer_executor.cgroups import Hierarchy
 from gpulayer_executor.env import RunAs
 from gpulayer_executor.limits import JobLimits
-from gpulayer_executor.output import Stream
-from gpulayer_executor.runner import SpawnError, StopRequest, run_process
-from gpulayer_executor.state import Outcome, ProcessInfo
+from gpulayer_executor.lines import Stream
+from gpulayer_executor.runner import StopRequest
 
-log = logging.getLogger(__name__)
-
+# A fork server request's length prefix, and its reply (the shim's pid; 0: refused).
+FRAME = struct.Struct("!I")
 SHIM_FILE = "shim.json"
 STARTED_FILE = "started.json"
 OUTPUT_FILE = "output"
@@ -82,7 +72,8 @@ def hierarchy_spec(h: Hierarchy) -> HierarchySpec:
     )
 
 
-def _hierarchy(spec: HierarchySpec | None) -> Hierarchy | None:
+def hierarchy_of(spec: HierarchySpec | None) -> Hierarchy | None:
+    """The ``Hierarchy`` a spec describes (in the shim)."""
     if spec is None:
         return None
     return Hierarchy(
@@ -140,7 +131,11 @@ def record(stream: Stream, line: str) -> bytes:
 class FileSink:
     """The shim's end of a job's output: lines appended to the output file, with the bounds of
     ``output.LogSink`` (a one-second token bucket of ``max_bytes_per_s``, 64 bytes counted per
-    line, drops counted in a marker line) and a cap on the file's size."""
+    line, drops counted in a marker line) and a cap on the file's size. Lines are buffered until
+    ``flush`` (the shim's loop calls it once per turn, or when ``FLUSH_BYTES`` are waiting): one
+    write and one poke per turn, whatever the number of lines."""
+
+    FLUSH_BYTES = 1 << 16
 
     def __init__(
         self,
@@ -161,7 +156,6 @@ class FileSink:
         self._refilled = time.monotonic()
         self._buf = bytearray()
         self._dropped = 0
-        self._flush_soon = False
 
     def _refill(self) -> None:
         now = time.monotonic()
@@ -188,9 +182,8 @@ class FileSink:
                     return False
             self._tokens -= size
         self._buf += data
-        if not self._flush_soon:
-            self._flush_soon = True
-            asyncio.get_running_loop().call_soon(self.flush)
+        if len(self._buf) >= self.FLUSH_BYTES:
+            self.flush()
         return True
 
     def offer(self, stream: Stream, line: str) -> None:
@@ -204,7 +197,7 @@ class FileSink:
             self._dropped += 1
 
     def flush(self) -> None:
-        self._flush_soon = False
+        """Write what is buffered and poke the executor (nothing when nothing is)."""
         if self._buf:
             os.write(self._fd, self._buf)
             self._size += len(self._buf)
@@ -239,140 +232,13 @@ class Notifier:
             self.fd = None
 
 
-def read_stop(run: Path) -> StopRequest:
-    """Why the shim is asked to stop: the executor's ``stop.json``; without one (someone else
-    sent SIGTERM), the job is stopped as ``lost``."""
+def read_stop(run: Path) -> StopRequest | None:
+    """Why the shim is asked to stop: the executor's ``stop.json`` in the job's run folder. None
+    without one: the SIGTERM was not the executor's stop of this job (a late stop of the job
+    the shim ran before, or someone else's signal) and is ignored."""
     try:
         return msgspec.json.decode((run / STOP_FILE).read_bytes(), type=StopRequest)
-    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
-        return StopRequest(state="lost", reason="the job's shim was stopped")
-
-
-async def _shim(spec: ShimSpec, notify: Notifier) -> None:
-    run = Path(spec.run_dir)
-    me = ShimInfo(
-        pid=os.getpid(), start_ticks=procs.start_ticks(os.getpid()), boot_id=procs.boot_id()
-    )
-    write_atomic(run / SHIM_FILE, msgspec.json.encode(me))
-    loop = asyncio.get_running_loop()
-    stop: asyncio.Future[StopRequest] = loop.create_future()
-
-    def on_term() -> None:
-        if not stop.done():
-            stop.set_result(read_stop(run))
-
-    loop.add_signal_handler(signal.SIGTERM, on_term)
-    sink = FileSink(
-        run / OUTPUT_FILE,
-        spec.job_id,
-        notify,
-        max_bytes_per_s=spec.max_bytes_per_s,
-        max_file_bytes=spec.max_file_bytes,
-    )
-
-    async def on_started(info: ProcessInfo) -> None:
-        write_atomic(run / STARTED_FILE, msgspec.json.encode(info))
-        notify(b"s")
-
-    try:
-        outcome = await run_process(
-            spec.argv,
-            env=spec.env,
-            cwd=Path(spec.cwd),
-            run_as=spec.run_as,
-            timeout_s=spec.timeout_s,
-            kill_grace_s=spec.kill_grace_s,
-            stop=stop,
-            sink=sink,
-            max_line_bytes=spec.max_line_bytes,
-            on_started=on_started,
-            hierarchy=_hierarchy(spec.hierarchy),
-            limits=spec.limits,
-        )
-    except SpawnError as err:
-        outcome = Outcome(state="failed", reason=f"spawn: {err}")
-    sink.close()
-    write_atomic(run / EXIT_FILE, msgspec.json.encode(outcome))
-    notify(b"e")
-
-
-def run_shim(spec: ShimSpec, notify_fd: int) -> NoReturn:
-    """The forked shim: a session of its own, its log in the run folder; never returns."""
-    code = 0
-    try:
-        os.setsid()
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the fork server ignores it; we wait
-        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-        logging.basicConfig(
-            filename=str(Path(spec.run_dir) / "shim.log"),
-            level=logging.INFO,
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-            force=True,
-        )
-        devnull = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):  # the executor's terminal or log pipe may go away before we do
-            os.dup2(devnull, fd)
-        asyncio.run(_shim(spec, Notifier(notify_fd)))
-    except BaseException:
-        code = 1
-        with contextlib.suppress(BaseException):
-            log.exception("shim of grant %s failed", spec.grant_id)
-    finally:
-        os._exit(code)
-
-
-_LEN = struct.Struct("!I")
-_spec_decoder = msgspec.json.Decoder(ShimSpec)
-
-
-def _recv_request(sock: socket.socket) -> tuple[bytes, list[int]] | None:
-    data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 1)
-    if not data:
+    except FileNotFoundError:
         return None
-    (size,) = _LEN.unpack_from(data)
-    body = bytearray(data[_LEN.size :])
-    while len(body) < size:
-        more = sock.recv(size - len(body))
-        if not more:
-            return None
-        body += more
-    return bytes(body), list(fds)
-
-
-def serve(sock: socket.socket) -> None:
-    """The fork server's loop: a request is a length-prefixed ``ShimSpec`` with the notify
-    pipe's write end attached; the reply is the forked shim's pid (0: the spec was bad)."""
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # shims are reaped by the kernel
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the executor stops us by closing the socket
-    while True:
-        request = _recv_request(sock)
-        if request is None:
-            return
-        body, fds = request
-        try:
-            spec = _spec_decoder.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as err:
-            print(f"gpulayer shim fork server: bad request: {err}", file=sys.stderr)
-            for fd in fds:
-                os.close(fd)
-            sock.sendall(_LEN.pack(0))
-            continue
-        pid = os.fork()
-        if pid == 0:
-            sock.close()
-            run_shim(spec, fds[0])
-        for fd in fds:
-            os.close(fd)
-        sock.sendall(_LEN.pack(pid))
-
-
-def main() -> None:
-    """``python -m gpulayer_executor.shim``: serve on the socket given as stdin."""
-    sock = socket.socket(fileno=os.dup(0))
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    serve(sock)
-
-
-if __name__ == "__main__":
-    main()
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return StopRequest(state="cancelled", reason="stopped (unreadable stop request)")

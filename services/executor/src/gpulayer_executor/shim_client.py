@@ -3,8 +3,10 @@ a job's run folder (its output file into the job's log sink, its exit status), a
 shims a previous run of the executor left running, to re-attach to them.
 
 Following is driven by the shim's pokes on a pipe while the executor that started the shim
-lives; a re-attached job (its pipe went with the previous executor) is looked at every
-``POLL_S`` instead.
+lives (``s``: read ``started.json``; ``o``: read the output; ``e``: read ``exit.json``); a
+re-attached job (its pipe went with the previous executor) is looked at every ``POLL_S``
+instead. Requests to the fork server are written from the event loop and their replies read by
+it, in order: no thread per job.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -31,8 +33,8 @@ from gpulayer_executor.limits import JobLimits
 from gpulayer_executor.output import LogSink, Stream
 from gpulayer_executor.runner import MARKER, SpawnError, StopRequest
 from gpulayer_executor.shim import (
-    _LEN,
     EXIT_FILE,
+    FRAME,
     OFFSET_FILE,
     OUTPUT_FILE,
     SHIM_FILE,
@@ -53,6 +55,8 @@ T = TypeVar("T")
 POLL_S = 0.2
 # Output read per look, at most.
 READ_CHUNK = 1 << 18
+# The shim's pokes: started.json written, output written, exit.json written.
+_S, _O, _E = b"soe"
 
 
 class Detached(Exception):
@@ -60,67 +64,122 @@ class Detached(Exception):
 
 
 class ForkServer:
-    """The process shims are forked from (``python -m gpulayer_executor.shim``), started once;
-    requests go one at a time over a socket pair, from a thread (a fork takes ~1 ms)."""
+    """The process shims are forked from (``python -m gpulayer_executor.shim_server``), started
+    once. Requests are written from the event loop (one at a time: a request may need more than
+    one write) and answered in order, each with the forked shim's pid."""
 
     def __init__(self) -> None:
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
-        self._lock = threading.Lock()
+        self._replies: deque[asyncio.Future[int]] = deque()
+        self._reply_buf = bytearray()
+        self._send_lock = asyncio.Lock()
 
     def start(self) -> None:
+        """Start the server (from the event loop's thread: its replies are read there)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         with theirs:
             # Its own session: a Ctrl-C or a signal to the executor's group is not for it.
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "gpulayer_executor.shim"],
+                [sys.executable, "-m", "gpulayer_executor.shim_server"],
                 stdin=theirs.fileno(),
                 start_new_session=True,
                 close_fds=True,
             )
+        ours.setblocking(False)
         self._sock = ours
+        asyncio.get_running_loop().add_reader(ours.fileno(), self._readable)
 
-    def _fork(self, body: bytes, notify_w: int) -> int:
-        with self._lock:
-            if self._sock is None or (self._proc is not None and self._proc.poll() is not None):
-                log.warning("shim fork server is gone; starting another")
-                self.close()
-                self.start()
-            assert self._sock is not None
-            socket.send_fds(self._sock, [_LEN.pack(len(body)) + body], [notify_w])
-            reply = b""
-            while len(reply) < _LEN.size:
-                more = self._sock.recv(_LEN.size - len(reply))
-                if not more:
-                    raise OSError("the shim fork server closed its socket")
-                reply += more
-        (pid,) = _LEN.unpack(reply)
-        return int(pid)
+    def _readable(self) -> None:
+        assert self._sock is not None
+        try:
+            data = self._sock.recv(1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._gone(OSError("the shim fork server closed its socket"))
+            return
+        self._reply_buf += data
+        while len(self._reply_buf) >= FRAME.size and self._replies:
+            (pid,) = FRAME.unpack_from(self._reply_buf)
+            del self._reply_buf[: FRAME.size]
+            fut = self._replies.popleft()
+            if not fut.done():
+                fut.set_result(int(pid))
+
+    def _gone(self, err: OSError) -> None:
+        """The server died or was closed: every request waiting for its reply fails."""
+        if self._sock is not None:
+            asyncio.get_running_loop().remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+        self._reply_buf.clear()
+        while self._replies:
+            fut = self._replies.popleft()
+            if not fut.done():
+                fut.set_exception(err)
+
+    async def _send(self, data: bytes, fd: int) -> None:
+        assert self._sock is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sent = socket.send_fds(self._sock, [data], [fd])
+                break
+            except BlockingIOError:
+                writable: asyncio.Future[None] = loop.create_future()
+                loop.add_writer(self._sock.fileno(), writable.set_result, None)
+                try:
+                    await writable
+                finally:
+                    loop.remove_writer(self._sock.fileno())
+        if sent < len(data):
+            await loop.sock_sendall(self._sock, data[sent:])
 
     async def fork(self, spec: ShimSpec) -> tuple[int, int]:
         """A shim for ``spec``: its pid and the read end of its notify pipe."""
+        body = msgspec.json.encode(spec)
         read_end, write_end = os.pipe()
         try:
-            pid = await asyncio.to_thread(self._fork, msgspec.json.encode(spec), write_end)
+            async with self._send_lock:
+                if self._sock is None or (self._proc is not None and self._proc.poll() is not None):
+                    log.warning("shim fork server is gone; starting another")
+                    self._gone(OSError("the shim fork server is gone"))
+                    self._reap()
+                    self.start()
+                reply: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+                self._replies.append(reply)
+                try:
+                    await self._send(FRAME.pack(len(body)) + body, write_end)
+                except OSError as err:
+                    self._gone(err)
+                    raise
+            os.close(write_end)
+            write_end = -1
+            pid = await reply
         except BaseException:
             os.close(read_end)
             raise
         finally:
-            os.close(write_end)
+            if write_end >= 0:
+                os.close(write_end)
         if pid <= 0:
             os.close(read_end)
             raise OSError("the shim fork server refused the request")
         return pid, read_end
 
-    def close(self) -> None:
-        """Close the socket: the server exits (its shims go on)."""
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+    def _reap(self) -> None:
         if self._proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._proc.wait(5)
             self._proc = None
+
+    async def close(self) -> None:
+        """Close the socket: the server exits (its shims go on)."""
+        self._gone(OSError("the executor is stopping"))
+        await asyncio.to_thread(self._reap)
 
 
 def _read_struct(path: Path, kind: type[T]) -> T | None:
@@ -161,11 +220,17 @@ class Follower:
         self.sink = sink
         sink.msg_prefix = f"{grant_id}:log:"
         self._notify_fd = notify_fd
+        # Without a pipe from the shim (re-attached), every look reads every file.
         self._eof = notify_fd is None
-        self._wake = asyncio.Event()
+        self._pokes = set(b"soe")  # what to look at next: everything, the first time
+        self._waiter: asyncio.Future[None] | None = None
         self._offset = _read_offset(run)
         self._recorded = self._offset
         self._out_fd: int | None = None
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def _readable(self) -> None:
         assert self._notify_fd is not None
@@ -177,14 +242,30 @@ class Follower:
             data = b""
         if not data:
             self._close_notify()
-        self._wake.set()
+        self._pokes.update(data)
+        self._wake()
 
     def _close_notify(self) -> None:
         if self._notify_fd is not None:
             asyncio.get_running_loop().remove_reader(self._notify_fd)
             os.close(self._notify_fd)
             self._notify_fd = None
+            self._pokes.update(b"soe")  # the shim is gone or ending: look at everything
         self._eof = True
+
+    async def _sleep(self, timeout: float | None) -> None:
+        """Until a poke, a stop or ``timeout``; at once when a poke came meanwhile."""
+        if self._pokes:
+            return
+        loop = asyncio.get_running_loop()
+        self._waiter = loop.create_future()
+        timer = loop.call_later(timeout, self._wake) if timeout is not None else None
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
 
     def _pump(self) -> bool:
         """Offer the output written since the last look; True when all of it was taken."""
@@ -227,39 +308,41 @@ class Follower:
         if self._notify_fd is not None:
             os.set_blocking(self._notify_fd, False)
             loop.add_reader(self._notify_fd, self._readable)
+        stop.add_done_callback(lambda _: self._wake())
         stop_sent = False
+        drained = True
         try:
             while True:
+                pokes, self._pokes = self._pokes, set()
+                if self._eof:  # no pokes: every look is a look at everything
+                    pokes.update(b"soe")
                 if stop.done() and not stop_sent:
                     request = stop.result()
                     if request.state == "lost":
                         await self._detach()
                     self._send_stop(request, shim_pid)
                     stop_sent = True
-                if on_started is not None:
+                if on_started is not None and _S in pokes:
                     info = _read_struct(self.run / STARTED_FILE, ProcessInfo)
                     if info is not None:
                         await on_started(info)
                         on_started = None
-                drained = self._pump()
-                self._record_offset()
-                outcome = _read_struct(self.run / EXIT_FILE, Outcome)
-                if outcome is not None:
-                    await self._drain()
-                    return outcome
-                if self._eof and not shim_alive(self.run):
-                    # Gone without saying how the job ended (killed, or never started).
+                if _O in pokes or not drained:
+                    drained = self._pump()
+                    self._record_offset()
+                if _E in pokes:
                     outcome = _read_struct(self.run / EXIT_FILE, Outcome)
                     if outcome is not None:
-                        continue
-                    return Outcome(state="lost", reason="the job's shim died")
-                self._wake.clear()
-                waits: list[asyncio.Future[object]] = [asyncio.ensure_future(self._wake.wait())]
-                if not stop_sent:
-                    waits.append(stop)  # type: ignore[arg-type]
-                timeout = 0.02 if not drained else (POLL_S if self._eof else None)
-                await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-                waits[0].cancel()
+                        await self._drain()
+                        return outcome
+                    if self._eof and not shim_alive(self.run):
+                        # Gone without saying how the job ended (killed, or never started);
+                        # exit.json may have come just before it went.
+                        outcome = _read_struct(self.run / EXIT_FILE, Outcome)
+                        if outcome is not None:
+                            continue
+                        return Outcome(state="lost", reason="the job's shim died")
+                await self._sleep(0.02 if not drained else (POLL_S if self._eof else None))
         finally:
             self._close_notify()
             if self._out_fd is not None:
