@@ -1,12 +1,12 @@
-"""A three-server NATS cluster with R3 streams: one server killed for good under load, and no
-job is lost or run twice; the services reconnect to the other two without a restart."""
+"""A three-server NATS cluster with R3 streams (and auth, as the other tests: each service with
+its own role's credential): one server killed for good under load, and no job is lost or run
+twice; the services reconnect to the other two without a restart."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -23,15 +23,6 @@ pytestmark = pytest.mark.e2e
 SERVICES = ("gpulayer-placement", "gpulayer-executor", "gpulayer-probe")
 TERMINAL = {"succeeded", "failed", "cancelled", "lost", "rejected"}
 JOBS = 150
-
-
-@pytest.fixture
-async def cluster(tmp_path: Path) -> AsyncIterator[EmbeddedNatsCluster]:
-    nodes = EmbeddedNatsCluster(tmp_path / "cluster").start()
-    try:
-        yield nodes
-    finally:
-        nodes.stop()
 
 
 async def declare_streams(js: JetStreamContext) -> None:
@@ -83,16 +74,16 @@ async def events_by_job(js: JetStreamContext, jobs: set[str]) -> dict[str, list[
 
 
 async def test_one_server_of_three_killed_for_good_under_load(
-    cluster: EmbeddedNatsCluster, database_url: str, tmp_path: Path
+    nats_cluster: EmbeddedNatsCluster, nats_creds: str | None, database_url: str, tmp_path: Path
 ) -> None:
-    nc: Client = await connect(cluster.url, "test-cluster")
+    cluster = nats_cluster
+    nc: Client = await connect(cluster.url, "test-cluster", creds=nats_creds)
     try:
         js = nc.jetstream()
         await declare_streams(js)
         env = service_env(
             cluster.url, database_url, tmp_path / "work", "cl-node", GPULAYER_STREAM_REPLICAS="3"
         )
-        env.pop("GPULAYER_NATS_CREDS", None)  # this cluster runs without auth
         async with Services() as services:
             for name in SERVICES:
                 await services.start(name, env, tmp_path / f"{name}.log")
