@@ -6,6 +6,7 @@ while it was down is reported with its real outcome; a timeout counts from the j
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -173,3 +174,24 @@ async def test_a_timeout_counts_from_the_jobs_start_across_a_restart(
     ran = (events[-1].at - events[0].at).total_seconds()
     # Counted afresh after the restart, it would have run for the restart's time plus 4 s.
     assert 4.0 <= ran < 4.0 + 0.5 + 3.0, ran
+
+
+async def test_a_job_whose_shim_is_killed_is_lost_and_killed(
+    js: JetStreamContext, shim_executor: ExecutorProcess
+) -> None:
+    """Only a shim that is gone makes a job lost; what is left of the job is killed then, so
+    that it never runs on unsupervised on GPUs given to other jobs."""
+    ex = shim_executor
+    grant = make_grant(printer(100_000, 0.05))
+    await ex.start(js)
+    await publish_grant(js, grant)
+    await wait_for_line(js, grant, "2")
+    pid = int(await wait_for_file(job_dir(ex.workdir, grant) / "pid"))
+    shim = msgspec.json.decode((ex.workdir / "run" / grant.grant_id / "shim.json").read_bytes())
+    os.kill(shim["pid"], signal.SIGKILL)
+    events = await events_of(js, grant.job.job_id, is_terminal)
+    assert [e.__struct_config__.tag for e in events] == ["running", "lost"]
+    assert reason(events[-1]) == "the job's shim died"
+    assert not pid_alive(pid)  # killed before the loss was reported
+    assert ex.proc is not None
+    assert ex.proc.returncode is None  # the executor itself goes on

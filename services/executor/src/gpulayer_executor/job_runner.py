@@ -348,7 +348,7 @@ class JobRunner:
         sink = self._sink(job.rec.grant)
         on_started = self._on_started(job) if job.rec.phase == "starting" else None
         try:
-            follower = Follower(run, job.rec.grant_id, sink, None)
+            follower = Follower(run, job.rec.grant_id, sink, None, self.hierarchy)
             return await follower.follow(job.stop, on_started, None)
         except Detached:
             return None

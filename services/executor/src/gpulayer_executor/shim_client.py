@@ -215,8 +215,17 @@ class Follower:
     ``Nats-Msg-Id`` = ``<grant>:log:<offset>``, from the offset acked before), ``started.json``
     into ``on_started``, a stop into ``stop.json`` and a SIGTERM to the shim."""
 
-    def __init__(self, run: Path, grant_id: str, sink: LogSink, notify_fd: int | None) -> None:
+    def __init__(
+        self,
+        run: Path,
+        grant_id: str,
+        sink: LogSink,
+        notify_fd: int | None,
+        hierarchy: Hierarchy | None = None,
+    ) -> None:
         self.run = run
+        self.grant_id = grant_id
+        self.hierarchy = hierarchy
         self.sink = sink
         sink.msg_prefix = f"{grant_id}:log:"
         self._notify_fd = notify_fd
@@ -341,6 +350,7 @@ class Follower:
                         outcome = _read_struct(self.run / EXIT_FILE, Outcome)
                         if outcome is not None:
                             continue
+                        await self._kill_orphans()
                         return Outcome(state="lost", reason="the job's shim died")
                 await self._sleep(0.02 if not drained else (POLL_S if self._eof else None))
         finally:
@@ -348,6 +358,23 @@ class Follower:
             if self._out_fd is not None:
                 os.close(self._out_fd)
                 self._out_fd = None
+
+    async def _kill_orphans(self) -> None:
+        """The shim died without saying how the job ended: what is left of the job must not run
+        on unsupervised once it is reported lost (its GPUs go to other jobs)."""
+        info = _read_struct(self.run / STARTED_FILE, ProcessInfo)
+        if info is not None and procs.owns_group(info.pgid, info.start_ticks, info.boot_id):
+            log.warning("grant %s: its shim died; killing group %s", self.grant_id, info.pgid)
+            procs.signal_group(info.pgid, signal.SIGKILL)
+        cgroup = self.hierarchy.leftover(self.grant_id) if self.hierarchy is not None else None
+        if cgroup is None:
+            return
+        for _ in range(50):  # SIGKILLed processes go when the kernel next runs them
+            cgroup.signal_all(signal.SIGKILL)
+            if not cgroup.members():
+                break
+            await asyncio.sleep(0.02)
+        cgroup.remove()
 
     def _send_stop(self, request: StopRequest, shim_pid: int | None) -> None:
         write_atomic(self.run / STOP_FILE, msgspec.json.encode(request))
@@ -429,4 +456,5 @@ class ShimLauncher:
             pid, notify = await self.server.fork(spec)
         except OSError as err:
             raise SpawnError(f"could not start the job's shim: {err}") from err
-        return await Follower(run, grant_id, sink, notify).follow(stop, on_started, pid)
+        follower = Follower(run, grant_id, sink, notify, hierarchy)
+        return await follower.follow(stop, on_started, pid)
