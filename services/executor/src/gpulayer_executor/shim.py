@@ -187,6 +187,11 @@ class FileSink:
         return True
 
     def offer(self, stream: Stream, line: str) -> None:
+        """Append the line, or count it as dropped. The count is said in a marker line just
+        before the next line that fits, so a flood costs one marker, not one per line."""
+        if not self._fits(len(line)):
+            self._dropped += 1
+            return
         if self._dropped:
             marker = f"[gpulayer: {self._dropped} lines dropped, output too fast]"
             if not self._append("stderr", marker, marker=True):
@@ -195,6 +200,11 @@ class FileSink:
             self._dropped = 0
         if not self._append(stream, line, marker=False):
             self._dropped += 1
+
+    def _fits(self, length: int) -> bool:
+        if self._tokens < length + 64:
+            self._refill()
+        return self._tokens >= length + 64
 
     def flush(self) -> None:
         """Write what is buffered and poke the executor (nothing when nothing is)."""

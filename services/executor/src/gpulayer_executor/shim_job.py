@@ -17,13 +17,14 @@ import selectors
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
 import msgspec
 
 from gpulayer_executor import procs
-from gpulayer_executor.cgroups import JobCgroup, LimitError
+from gpulayer_executor.cgroups import Hierarchy, JobCgroup, LimitError
 from gpulayer_executor.limits import JobLimits
 from gpulayer_executor.lines import CHUNK, LineSplitter, Stream, consume, offer, widen_pipe
 from gpulayer_executor.runner import (
@@ -44,6 +45,7 @@ from gpulayer_executor.shim import (
     SHIM_FILE,
     STARTED_FILE,
     FileSink,
+    HierarchySpec,
     Notifier,
     ShimInfo,
     ShimSpec,
@@ -59,8 +61,11 @@ log = logging.getLogger(__name__)
 READS_PER_TURN = 8
 
 
-def run_job(spec: ShimSpec, notify: Notifier, signals: Signals) -> None:
-    """Run the job of ``spec`` to its end; its outcome in ``exit.json``, then a poke."""
+def run_job(
+    spec: ShimSpec, notify: Notifier, signals: Signals, ended: Callable[[], None] | None = None
+) -> None:
+    """Run the job of ``spec`` to its end; its outcome in ``exit.json``, then ``ended`` (the
+    shim says it is free), then a poke."""
     run = Path(spec.run_dir)
     me = ShimInfo(
         pid=os.getpid(), start_ticks=procs.start_ticks(os.getpid()), boot_id=procs.boot_id()
@@ -82,6 +87,8 @@ def run_job(spec: ShimSpec, notify: Notifier, signals: Signals) -> None:
         outcome = Outcome(state="failed", reason=f"spawn: {err}")
     sink.close()
     write_atomic(run / EXIT_FILE, msgspec.json.encode(outcome))
+    if ended is not None:
+        ended()
     notify(b"e")
 
 
@@ -304,7 +311,7 @@ def _supervise(
 ) -> Outcome:
     marker = spec.env.get(MARKER)
     limits = spec.limits or JobLimits()
-    hierarchy = hierarchy_of(spec.hierarchy)
+    hierarchy = _hierarchy(spec.hierarchy)
     cgroup = hierarchy.create(marker) if hierarchy is not None and marker else None
     pid, out_fd, err_fd = _spawn(spec, cgroup, limits)
     group = _Group(pid, cgroup, marker)
@@ -342,6 +349,20 @@ def _supervise(
         watch.close()
         if cgroup is not None:
             cgroup.remove()
+
+
+# The executor's hierarchy, rebuilt once per shim (not per job: it keeps files open).
+_hierarchies: list[tuple[HierarchySpec, Hierarchy | None]] = []
+
+
+def _hierarchy(spec: HierarchySpec | None) -> Hierarchy | None:
+    if spec is None:
+        return None
+    for known, hierarchy in _hierarchies:
+        if known == spec:
+            return hierarchy
+    _hierarchies.append((spec, hierarchy_of(spec)))
+    return _hierarchies[-1][1]
 
 
 def _spawn(spec: ShimSpec, cgroup: JobCgroup | None, limits: JobLimits) -> tuple[int, int, int]:

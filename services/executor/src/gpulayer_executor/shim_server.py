@@ -93,16 +93,27 @@ def _shim_loop(spec: ShimSpec, notify_fd: int, ctl: socket.socket) -> int:
         _LOG.close()
         _LOG.baseFilename = str(Path(spec.run_dir) / "shim.log")
         notify = Notifier(notify_fd)
+        jobs += 1
+        idle = jobs < MAX_JOBS
+
+        def ended() -> None:
+            # Said before the executor hears of the end: its next request then finds this
+            # shim idle (the request waits in the socket until this job is wound up).
+            nonlocal idle
+            if idle:
+                try:
+                    ctl.sendall(IDLE)
+                except OSError:
+                    idle = False
+
         try:
-            run_job(spec, notify, signals)
+            run_job(spec, notify, signals, ended)
         finally:
             if notify.fd is not None:
                 os.close(notify.fd)
-        jobs += 1
-        if jobs >= MAX_JOBS:
+        if not idle:
             return 0
         try:
-            ctl.sendall(IDLE)
             request = _recv_request(ctl)
         except OSError:
             return 0
@@ -221,14 +232,17 @@ class _Server:
 
     def serve(self) -> None:
         while True:
-            for key, _ in self.sel.select(self._expire()):
-                if key.fileobj is not self.sock:
-                    self._from_shim(key.fd)
-                    continue
-                request = _recv_request(self.sock)
-                if request is None:
-                    return
-                self.sock.sendall(FRAME.pack(self._request(*request)))
+            ready = [key.fileobj for key, _ in self.sel.select(self._expire())]
+            # The shims' news first: an idle shim takes the request that came with it.
+            for obj in ready:
+                if obj is not self.sock and isinstance(obj, socket.socket):
+                    self._from_shim(obj.fileno())
+            if self.sock not in ready:
+                continue
+            request = _recv_request(self.sock)
+            if request is None:
+                return
+            self.sock.sendall(FRAME.pack(self._request(*request)))
 
     def close(self) -> None:
         for fd in list(self.shims):
@@ -240,6 +254,9 @@ def serve(sock: socket.socket) -> None:
     """The fork server's loop, until the executor closes ``sock``."""
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # shims are reaped by the kernel
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the executor stops us by closing the socket
+    # Also what a shim has until its handler is in place: a stop sent that early is not lost
+    # (each job begins with a look for its stop request), and never kills a shim.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _LOG.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(handlers=[_LOG], level=logging.INFO, force=True)
     # Everything imported so far is shared with every shim: frozen, a shim's collections skip
