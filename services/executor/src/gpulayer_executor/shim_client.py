@@ -147,7 +147,7 @@ class ForkServer:
                 if self._sock is None or (self._proc is not None and self._proc.poll() is not None):
                     log.warning("shim fork server is gone; starting another")
                     self._gone(OSError("the shim fork server is gone"))
-                    self._reap()
+                    self._proc = None  # it exits on its own (its socket is closed)
                     self.start()
                 reply: asyncio.Future[int] = asyncio.get_running_loop().create_future()
                 self._replies.append(reply)
@@ -231,7 +231,10 @@ class Follower:
         self._notify_fd = notify_fd
         # Without a pipe from the shim (re-attached), every look reads every file.
         self._eof = notify_fd is None
-        self._pokes = set(b"soe")  # what to look at next: everything, the first time
+        # What to look at next: everything, the first time, for a job re-attached to; a job
+        # just started has nothing to look at before its shim's first poke.
+        self._pokes = set(b"soe") if self._eof else set()
+        self._output_seen = self._eof
         self._waiter: asyncio.Future[None] | None = None
         self._offset = _read_offset(run)
         self._recorded = self._offset
@@ -252,6 +255,8 @@ class Follower:
         if not data:
             self._close_notify()
         self._pokes.update(data)
+        if _O in self._pokes:
+            self._output_seen = True
         self._wake()
 
     def _close_notify(self) -> None:
@@ -260,7 +265,7 @@ class Follower:
             os.close(self._notify_fd)
             self._notify_fd = None
             self._pokes.update(b"soe")  # the shim is gone or ending: look at everything
-        self._eof = True
+        self._eof = self._output_seen = True
 
     async def _sleep(self, timeout: float | None) -> None:
         """Until a poke, a stop or ``timeout``; at once when a poke came meanwhile."""
@@ -387,7 +392,10 @@ class Follower:
                 os.kill(pid, signal.SIGTERM)
 
     async def _drain(self) -> None:
-        """Every line of the file into the sink (it was all written before ``exit.json``)."""
+        """Every line of the file into the sink (it was all written before ``exit.json``): none
+        when the shim, still talking to us, never said it wrote any."""
+        if not self._output_seen:
+            return
         # The sink frees room as it publishes; no event says so, so look again shortly.
         while True:
             if self._pump():

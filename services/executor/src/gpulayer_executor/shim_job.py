@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import selectors
@@ -67,10 +68,7 @@ def run_job(
     """Run the job of ``spec`` to its end; its outcome in ``exit.json``, then ``ended`` (the
     shim says it is free), then a poke."""
     run = Path(spec.run_dir)
-    me = ShimInfo(
-        pid=os.getpid(), start_ticks=procs.start_ticks(os.getpid()), boot_id=procs.boot_id()
-    )
-    write_atomic(run / SHIM_FILE, msgspec.json.encode(me))
+    write_atomic(run / SHIM_FILE, _me(os.getpid()))
     # A SIGTERM may have come before this job (a late stop of the shim's previous job, or
     # this job's own stop, sent as soon as it was asked): look for a stop request once.
     signals.look = True
@@ -90,6 +88,13 @@ def run_job(
     if ended is not None:
         ended()
     notify(b"e")
+
+
+@functools.cache
+def _me(pid: int) -> bytes:
+    """``shim.json``: the same for every job of this shim (keyed by pid: a fork is another)."""
+    info = ShimInfo(pid=pid, start_ticks=procs.start_ticks(pid), boot_id=procs.boot_id())
+    return msgspec.json.encode(info)
 
 
 class _Reader:

@@ -162,6 +162,8 @@ class _Server:
         ctl.close()
 
     def _from_shim(self, fd: int) -> None:
+        if fd not in self.shims:  # let go earlier in this turn
+            return
         _, ctl = self.shims[fd]
         try:
             data = ctl.recv(64)
