@@ -2,7 +2,8 @@
 wrote, the counts the fault run prints and asserts on.
 
 A run's marker is one file ``<job>.<pid>`` holding ``<job folder>|<devices>|<start>`` and, when
-the run ended by itself or by SIGTERM, a second line ``<end>`` (Unix seconds). The job folder
+the run ended by itself or by SIGTERM, a line ``<end>`` (Unix seconds) after it (the last
+non-empty one: a trap interrupted by a second SIGTERM may have written an empty line first). The job folder
 names the node (each executor has its own work folder); the devices are what the job saw in
 ``GPULAYER_DEVICES``.
 """
@@ -55,7 +56,8 @@ def parse_marker(name: str, text: str, node_of: dict[str, str]) -> Run:
     lines = text.splitlines()
     folder, devices, start = lines[0].split("|")
     node = next((n for prefix, n in node_of.items() if folder.startswith(prefix)), folder)
-    end = float(lines[1]) if len(lines) > 1 and lines[1].strip() else math.inf
+    ends = [line for line in lines[1:] if line.strip()]
+    end = float(ends[-1]) if ends else math.inf
     return Run(job_id, node, tuple(d for d in devices.split(",") if d), float(start), end)
 
 

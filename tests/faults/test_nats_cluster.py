@@ -9,6 +9,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import nats.errors
+import nats.js.errors
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
@@ -62,7 +64,13 @@ async def events_by_job(js: JetStreamContext, jobs: set[str]) -> dict[str, list[
         if all(TERMINAL & set(types) for types in seen.values()):
             done.set()
 
-    sub = await js.subscribe(JOB_WILDCARD_EVENTS, cb=cb, ordered_consumer=True)
+    async with asyncio.timeout(60):  # JetStream may answer slowly just after losing a server
+        while True:
+            try:
+                sub = await js.subscribe(JOB_WILDCARD_EVENTS, cb=cb, ordered_consumer=True)
+                break
+            except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError):
+                await asyncio.sleep(0.5)
     try:
         await asyncio.wait_for(done.wait(), 120)
         # Anything stored after the terminal events (a duplicate) would arrive next: look a

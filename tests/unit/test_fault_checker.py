@@ -18,6 +18,8 @@ def run(job: str, node: str = "a", devices: tuple[str, ...] = ("0",), start: flo
 def test_marker_lines_give_the_run() -> None:
     r = parse_marker("fr-1.4242", "/w/b/jobs/x|3|10.5\n12.25\n", NODE_OF)
     assert r == Run("fr-1", "b", ("3",), 10.5, 12.25)
+    twice = parse_marker("fr-3.9", "/w/a/jobs/z|0|1\n\n4.5\n", NODE_OF)
+    assert twice.end == 4.5
     killed = parse_marker("fr-2.7", "/w/a/jobs/y|0,1|3\n", NODE_OF)
     assert killed.end == math.inf
     assert killed.devices == ("0", "1")
