@@ -14,7 +14,7 @@ endif
 VENV := .venv
 STAMP := $(VENV)/.synced
 
-.PHONY: run test test-unit lint fmt bench sync clean
+.PHONY: run test test-unit lint fmt bench sync clean faults
 
 $(STAMP): uv.lock pyproject.toml $(wildcard libs/*/pyproject.toml services/*/pyproject.toml)
 	$(UV_INSTALL)
@@ -28,6 +28,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+# The fault run alone, its counts shown (it is also part of `make test`): NATS, placement, an
+# executor killed with -9 and PostgreSQL restarted under steady submits (tests/faults).
+faults: $(STAMP)
+	$(VENV)/bin/pytest -q -s tests/faults/test_fault_run.py $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(VENV)/bin/pytest -q tests/unit

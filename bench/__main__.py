@@ -222,6 +222,7 @@ async def loop_group(run: Run) -> None:
     ]
 
     async def work() -> None:
+        await _shim_ab(run)
         async with run.scenario("loop") as s:
             limit = 120.0 if sz.full else 40.0
             fl = await full_loop(s, sz.loop_jobs, sz.loop_paced, limit)
@@ -238,6 +239,34 @@ async def loop_group(run: Run) -> None:
             )
 
     await _guard(run, names, work)
+
+
+# Rounds of the shim A/B: each is two full loops (about 20 s).
+SHIM_ROUNDS = 3
+
+
+async def _shim_ab(run: Run) -> None:
+    """The full loop's burst rate with each job under a shim (the default) and without
+    (``GPULAYER_EXECUTOR_SHIM=off``), alternating on/off so drift hits both alike; medians and
+    their ratio (goal: at least 0.8)."""
+    sz = run.sizes
+    limit = 120.0 if sz.full else 40.0
+    rates: dict[str, list[float]] = {"on": [], "off": []}
+    for round_ in range(SHIM_ROUNDS):
+        for variant in ("on", "off"):
+            async with run.scenario(f"shim{round_}{variant}") as s:
+                env = {"GPULAYER_EXECUTOR_SHIM": variant}
+                fl = await full_loop(s, sz.loop_jobs, sz.loop_paced, limit, env)
+                if fl.failed or fl.completed < fl.submitted:
+                    raise BenchError(f"shim {variant}: {fl.completed}/{fl.submitted} finished")
+                rates[variant].append(fl.rate)
+    on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
+    print(f"# full loop runs, jobs/s: shim on {rates['on']}, shim off {rates['off']}", flush=True)
+    run.add(
+        Figure("full_loop_shim_on_jobs_per_s", on, "jobs/s", note=f"runs {rates['on']}"),
+        Figure("full_loop_shim_off_jobs_per_s", off, "jobs/s", note=f"runs {rates['off']}"),
+        Figure("full_loop_shim_on_over_off", on / off, "x"),
+    )
 
 
 async def limits_group(run: Run) -> None:
@@ -522,6 +551,7 @@ def judge_all(run: Run) -> None:
     goal("capability_ingest_10k", ">=", GOAL_INGEST)
     goal("full_loop_jobs_per_s", ">=", GOAL_LOOP)
     goal("full_loop_submit_to_start_p99", "<=", GOAL_LOOP_P99_MS)
+    goal("full_loop_shim_on_over_off", ">=", 0.8)
     goal("probe_no_torch", "<=", GOAL_PROBE_MS)
     goal("probe_no_torch_8gpu_recorded", "<=", GOAL_PROBE_MS)
     goal("placement_rss_peak", "<=", GOAL_RSS_MB)

@@ -555,9 +555,16 @@ class FullLoop:
     queued_start_p99: float
 
 
-async def full_loop(s: Scenario, burst: int, paced: int, time_limit: float) -> FullLoop:
+async def full_loop(
+    s: Scenario,
+    burst: int,
+    paced: int,
+    time_limit: float,
+    executor_env: dict[str, str] | None = None,
+) -> FullLoop:
     """One node with 8 CUDA devices (a synthetic capabilities event in place of a probe) and
-    the real executor for it; jobs run ``true`` with one GPU each."""
+    the real executor for it (``executor_env`` added to its environment); jobs run ``true``
+    with one GPU each."""
     node = "bench-gpu8"
     executor = ServiceProcess(
         "gpulayer_executor",
@@ -567,6 +574,7 @@ async def full_loop(s: Scenario, burst: int, paced: int, time_limit: float) -> F
             "GPULAYER_EXECUTOR_WORKDIR": str(s.workdir / "executor"),
             **signing_env(s.workdir.parent),
             **s.creds_env("node", node),
+            **(executor_env or {}),
         },
         s.workdir / "executor.log",
     ).start()

@@ -28,7 +28,7 @@ from tests import helpers
 from gpulayer_runtime.auth import AuthStore
 from gpulayer_runtime.nats import connect
 from gpulayer_runtime.roles import Role
-from gpulayer_runtime.servers import EmbeddedNats, EmbeddedPostgres
+from gpulayer_runtime.servers import EmbeddedNats, EmbeddedNatsCluster, EmbeddedPostgres
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = REPO_ROOT / "tests" / "fixtures"
@@ -175,6 +175,21 @@ async def nats_url(
         yield server.url
     finally:
         server.stop()
+
+
+@pytest.fixture
+async def nats_cluster(
+    tmp_path: Path, auth_store: AuthStore, nats_creds: str | None
+) -> AsyncIterator[EmbeddedNatsCluster]:
+    """Three routed nats-servers on loopback, JetStream on each (streams up to R3), with the
+    generated auth config when auth is on (operator mode, the accounts preloaded in each
+    server's memory resolver: every server knows them without a resolver service)."""
+    auth_conf = auth_store.server_conf if nats_creds else None
+    cluster = EmbeddedNatsCluster(tmp_path / "cluster", auth_conf=auth_conf).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture

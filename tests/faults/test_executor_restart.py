@@ -1,4 +1,8 @@
-"""Killing the executor process: jobs are reported exactly once and never started twice."""
+"""Killing the executor process: jobs are reported exactly once and never started twice.
+
+These run the executor without shims (``GPULAYER_EXECUTOR_SHIM=off``: the executor is its jobs'
+parent, and a restart loses them); tests/faults/test_shim_restart.py has the default, where
+jobs outlive their executor."""
 
 from __future__ import annotations
 
@@ -116,6 +120,7 @@ class ExecutorProcess:
             "GPULAYER_NODE_ID": NODE,
             "GPULAYER_EXECUTOR_WORKDIR": str(workdir),
             "GPULAYER_KILL_GRACE_S": "0.5",
+            "GPULAYER_EXECUTOR_SHIM": "off",
             # Its jobs write into this test's private folders: as root, they run as root.
             "GPULAYER_EXECUTOR_ALLOW_ROOT_JOBS": "1",
             **signing_env(workdir.parent / "keys"),

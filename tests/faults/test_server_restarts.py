@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,9 +18,10 @@ import asyncpg
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.js.api import PubAck
 from tests.helpers import Services, events_until, service_env
 
-from gpulayer_contracts.subjects import JOBS_SUBMIT, MSG_ID_HEADER
+from gpulayer_contracts.subjects import JOB_WILDCARD_EVENTS, JOBS_SUBMIT, MSG_ID_HEADER
 from gpulayer_runtime.nats import connect, ensure_streams
 from gpulayer_runtime.servers import EmbeddedNats, EmbeddedPostgres
 
@@ -110,6 +113,13 @@ async def test_services_ride_out_a_nats_restart(
         await nc.close()
 
 
+# The PostgreSQL restart happens under this load: submits per second, for this long, the
+# restart this far in.
+PG_LOAD_RATE = 200
+PG_LOAD_S = 6.0
+PG_RESTART_AT_S = 2.0
+
+
 async def test_services_ride_out_a_postgres_restart(
     nats_url: str, nc: Client, tmp_path: Path
 ) -> None:
@@ -126,8 +136,13 @@ async def test_services_ride_out_a_postgres_restart(
                 await services.start(name, env, tmp_path / f"{name}.log")
             assert (await submit(nc, "before-pg-restart"))["before-pg-restart"][-1] == "succeeded"
 
-            pg.stop()
-            pg.start()  # same port, same data: every pooled connection is now dead
+            # Steady submits at PG_LOAD_RATE while PostgreSQL stops and starts again: every
+            # one of them ends once, as it should (its database writes retried or redelivered).
+            jobs = await load_across_restart(nc, pg)
+            seen = await stored_events(nc, set(jobs))
+            ends = Counter(t for types in seen.values() for t in types if t in TERMINAL)
+            assert ends == {"succeeded": len(jobs)}, ends
+            assert all(types.count("running") == 1 for types in seen.values()), seen
 
             seen = await submit(nc, "after-pg-restart")
             assert seen["after-pg-restart"][-1] == "succeeded", seen
@@ -153,3 +168,60 @@ async def test_services_ride_out_a_postgres_restart(
                 await conn.close()
     finally:
         pg.stop()
+
+
+TERMINAL = {"succeeded", "failed", "cancelled", "lost", "rejected"}
+
+
+def restart_postgres(pg: EmbeddedPostgres) -> None:
+    pg.stop()
+    pg.start()
+
+
+async def load_across_restart(nc: Client, pg: EmbeddedPostgres) -> list[str]:
+    """Publish `true` jobs at PG_LOAD_RATE for PG_LOAD_S, restarting PostgreSQL (same port,
+    same data) PG_RESTART_AT_S in; the job ids."""
+    js = nc.jetstream()
+    jobs: list[str] = []
+    acks: list[asyncio.Future[PubAck]] = []
+    restarted = False
+    restart: asyncio.Task[None] | None = None
+    t0 = time.monotonic()
+    while (elapsed := time.monotonic() - t0) < PG_LOAD_S:
+        if not restarted and elapsed >= PG_RESTART_AT_S:
+            restarted = True
+            # In a thread: the submits go on while PostgreSQL is down.
+            restart = asyncio.create_task(asyncio.to_thread(restart_postgres, pg))
+        while len(jobs) < int(elapsed * PG_LOAD_RATE) + 1:
+            job_id = f"pg-load-{len(jobs):05d}"
+            body = json.dumps({"job_id": job_id, "command": ["true"]}).encode()
+            acks.append(await js.publish_async(JOBS_SUBMIT, body, headers={MSG_ID_HEADER: job_id}))
+            jobs.append(job_id)
+        await asyncio.sleep(0.005)
+    assert restart is not None
+    await restart
+    await asyncio.gather(*acks)
+    return jobs
+
+
+async def stored_events(nc: Client, jobs: set[str]) -> dict[str, list[str]]:
+    """Every stored event of ``jobs`` (an ordered consumer over the whole stream), until each
+    has ended, and a second more: a duplicate end would come next."""
+    seen: dict[str, list[str]] = {j: [] for j in jobs}
+    done = asyncio.Event()
+
+    async def cb(msg: Msg) -> None:
+        event = json.loads(msg.data)
+        if event["job_id"] in seen:
+            seen[event["job_id"]].append(event["type"])
+            if all(TERMINAL & set(t) for t in seen.values()):
+                done.set()
+
+    sub = await nc.jetstream().subscribe(JOB_WILDCARD_EVENTS, cb=cb, ordered_consumer=True)
+    try:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(done.wait(), 120)
+        await asyncio.sleep(1.0)
+    finally:
+        await sub.unsubscribe()
+    return seen

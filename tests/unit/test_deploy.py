@@ -390,6 +390,63 @@ def test_nats_runs_jetstream_with_monitoring() -> None:
     assert "-m" in nats["command"] or "--http_port" in nats["command"]
 
 
+# --- compose: the NATS cluster profile (issue 16) ------------------------------------------------
+
+
+def _arg(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]
+
+
+def test_cluster_profile_is_three_routed_jetstream_servers() -> None:
+    services = _services()
+    members = {n: s for n, s in services.items() if "cluster" in (s.get("profiles") or [])}
+    assert len(members) == 3, sorted(members)
+    declared = set(_compose().get("volumes") or {})
+    single = services["nats"]
+    assert not single.get("profiles"), "the single server is the default"
+    cluster_ports = {}
+    for name, svc in members.items():
+        command = [str(c) for c in svc["command"]]
+        assert svc["image"] == single["image"], name
+        assert "-js" in command, name
+        assert _arg(command, "--name") == name, f"{name}: a server name of its own"
+        assert _arg(command, "--cluster_name") == "gpulayer", name
+        listen = urlsplit(_arg(command, "--cluster"))
+        cluster_ports[name] = listen.port
+        # The same generated auth config as the single server (operator mode, memory resolver).
+        assert _generated(svc).get(_arg(command, "-c")) == "./auth/server.conf", name
+        store = [src for src, target in _mounts(svc) if target == _arg(command, "-sd")]
+        assert store, f"{name}: nothing mounted at its JetStream store"
+        assert store[0] in declared, f"{name}: JetStream store not on a named volume"
+        assert svc.get("healthcheck", {}).get("test"), f"{name}: no healthcheck"
+    stores = {next(s for s, t in _mounts(svc) if t == "/data") for svc in members.values()}
+    assert len(stores) == 3, "each member stores JetStream on a volume of its own"
+    for name, svc in members.items():
+        routes = {
+            urlsplit(r) for r in _arg([str(c) for c in svc["command"]], "--routes").split(",")
+        }
+        # Each routes to the other two, at the port they listen on for routes.
+        assert {(r.hostname, r.port) for r in routes} == {
+            (other, port) for other, port in cluster_ports.items() if other != name
+        }, name
+
+
+def test_services_reach_the_cluster_by_setting_and_default_to_the_single_server() -> None:
+    services = _services()
+    members = sorted(n for n, s in services.items() if "cluster" in (s.get("profiles") or []))
+    for name in OURS:
+        url = _env(services[name])["GPULAYER_NATS_URL"]
+        assert url == "${GPULAYER_NATS_URL:-nats://nats:4222}", name
+    replicas = _env(services["placement"])["GPULAYER_STREAM_REPLICAS"]
+    assert replicas == "${GPULAYER_STREAM_REPLICAS:-1}"
+    # The settings compose.yaml's header gives for the cluster name its three members, and as
+    # many stream copies.
+    header = (DEPLOY / "compose.yaml").read_text()
+    cluster_url = ",".join(f"nats://{m}:4222" for m in members)
+    assert f"GPULAYER_NATS_URL={cluster_url}" in header
+    assert f"GPULAYER_STREAM_REPLICAS={len(members)}" in header
+
+
 # --- compose: the GPU override (issue 20) ----------------------------------------------------------
 
 

@@ -40,7 +40,7 @@ from gpulayer_runtime.servers import (
     ServerStartError,
     preferred_port,
 )
-from gpulayer_runtime.settings import DEFAULT_NATS_URL, default_node_id
+from gpulayer_runtime.settings import DEFAULT_NATS_URL, default_node_id, stream_replicas
 from gpulayer_runtime.signing import (
     PUBLIC_KEYS_SETTING,
     SIGNING_KEY_SETTING,
@@ -305,7 +305,7 @@ async def _run(
         creds=stack.creds.get("dev") or env.get("GPULAYER_NATS_CREDS") or None,
     )
     try:
-        await ensure_streams(nc.jetstream())
+        await ensure_streams(nc.jetstream(), replicas=stream_replicas(env))
         # Ready means placement answers and knows this machine: before the examples, and
         # before "serving" tells someone to use the stack.
         await _wait_for_node(nc, stack, console)

@@ -7,10 +7,11 @@ import logging
 import ssl
 
 import nats
+import nats.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 
 from gpulayer_contracts.subjects import STREAMS, StreamSpec
 from gpulayer_runtime import roles
@@ -25,9 +26,12 @@ _RETENTION = {
 }
 
 
-def stream_config(spec: StreamSpec, *, prefix: str = "") -> StreamConfig:
+def stream_config(spec: StreamSpec, *, prefix: str = "", replicas: int = 1) -> StreamConfig:
+    """``spec`` as JetStream's config; ``replicas``: copies kept on as many servers of a
+    cluster (``GPULAYER_STREAM_REPLICAS``; 1 on a single server)."""
     return StreamConfig(
         name=prefix + spec.name,
+        num_replicas=replicas,
         subjects=list(spec.subjects),
         retention=_RETENTION[spec.retention],
         storage=StorageType.FILE,
@@ -108,14 +112,16 @@ async def connect(
     return await nats.connect(server_list(url), **options)
 
 
-async def ensure_streams(js: JetStreamContext) -> None:
-    """Create or update every gpulayer stream. Safe to call from every service at start."""
+async def ensure_streams(js: JetStreamContext, *, replicas: int = 1) -> None:
+    """Create or update every gpulayer stream, with ``replicas`` copies each. Safe to call
+    from every service at start. An existing stream with another config (an older version's,
+    or another replica count) is updated in place: JetStream scales a stream's replicas up or
+    down without losing its messages."""
     for spec in STREAMS:
-        config = stream_config(spec)
+        config = stream_config(spec, replicas=replicas)
         try:
             await js.add_stream(config)
         except BadRequestError:
-            # Exists with another config (an older version declared it): bring it up to date.
             await js.update_stream(config)
 
 
@@ -132,7 +138,9 @@ async def wait_for_streams(
             try:
                 await js.stream_info(name)
                 break
-            except NotFoundError:
+            except (NotFoundError, nats.errors.TimeoutError, ServiceUnavailableError):
+                # Not declared yet; or, in a cluster, no JetStream leader for a moment (a
+                # server of three just went away): ask again, never give up the start.
                 if deadline is not None and loop.time() > deadline:
                     raise TimeoutError(
                         f"stream {name} does not exist (is placement running?)"

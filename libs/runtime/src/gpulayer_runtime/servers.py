@@ -117,6 +117,7 @@ class EmbeddedNats:
         *,
         auth_conf: Path | None = None,
         tls: NatsTls | None = None,
+        cluster: ClusterMember | None = None,
     ) -> None:
         # Absolute: the servers change their working directory (PostgreSQL into its data
         # directory), so a relative socket or lock path would point elsewhere.
@@ -125,6 +126,7 @@ class EmbeddedNats:
         self.monitor_port = monitor_port or free_port()
         self.auth_conf = auth_conf
         self.tls = tls
+        self.cluster = cluster
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -164,11 +166,25 @@ class EmbeddedNats:
             "-sd", str(self.data_dir / "jetstream"),
             "-l", str(log),
         ]  # fmt: skip
+        if self.cluster is not None:
+            c = self.cluster
+            argv += [
+                "--name", c.server_name,
+                "--cluster_name", c.cluster_name,
+                "--cluster", f"nats://127.0.0.1:{c.port}",
+                "--routes", ",".join(f"nats://127.0.0.1:{p}" for p in c.route_ports),
+            ]  # fmt: skip
         if (conf := self._config_file()) is not None:
             argv += ["-c", str(conf)]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait_for_port(self.port, self.proc, "nats-server", log, timeout)
         return self
+
+    def kill(self) -> None:
+        """SIGKILL: the server goes as a crashed machine's would."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -180,6 +196,62 @@ class EmbeddedNats:
                 self.proc.wait()
 
     def __enter__(self) -> EmbeddedNats:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class ClusterMember(msgspec.Struct, frozen=True, kw_only=True):
+    """One server's place in a NATS cluster: its name, its route port, its peers' route ports."""
+
+    server_name: str
+    cluster_name: str
+    port: int
+    route_ports: list[int]
+
+
+class EmbeddedNatsCluster:
+    """``size`` nats-servers on loopback, routed to each other, JetStream on each with a store
+    of its own (streams can be replicated up to ``size``); ``url`` names them all."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        size: int = 3,
+        *,
+        auth_conf: Path | None = None,
+        name: str = "gpulayer",
+    ) -> None:
+        route_ports = [free_port() for _ in range(size)]
+        self.servers = [
+            EmbeddedNats(
+                Path(data_dir) / f"n{i}",
+                auth_conf=auth_conf,
+                cluster=ClusterMember(
+                    server_name=f"n{i}",
+                    cluster_name=name,
+                    port=route_ports[i],
+                    route_ports=[p for j, p in enumerate(route_ports) if j != i],
+                ),
+            )
+            for i in range(size)
+        ]
+
+    @property
+    def url(self) -> str:
+        return ",".join(s.url for s in self.servers)
+
+    def start(self, timeout: float = 30.0) -> EmbeddedNatsCluster:
+        for server in self.servers:
+            server.start(timeout)
+        return self
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+    def __enter__(self) -> EmbeddedNatsCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -97,6 +97,25 @@ def nats_settings(env: Mapping[str, str] | None = None) -> NatsSettings:
     return settings
 
 
+# JetStream keeps at most 5 copies of a stream.
+MAX_STREAM_REPLICAS = 5
+
+
+def stream_replicas(env: Mapping[str, str] | None = None) -> int:
+    """``GPULAYER_STREAM_REPLICAS``: copies of each stream (1 by default; 3 in a cluster of 3
+    or more servers), from 1 to 5."""
+    env = os.environ if env is None else env
+    raw = env.get("GPULAYER_STREAM_REPLICAS", "").strip()
+    if not raw:
+        return 1
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_STREAM_REPLICAS:
+        raise ConfigError(
+            f"GPULAYER_STREAM_REPLICAS={raw!r}: expected a whole number from 1 to "
+            f"{MAX_STREAM_REPLICAS}"
+        )
+    return int(raw)
+
+
 def database_url(env: Mapping[str, str] | None = None) -> str:
     return env_str(
         os.environ if env is None else env, "GPULAYER_DATABASE_URL", DEFAULT_DATABASE_URL

@@ -191,13 +191,17 @@ def _count(env: Mapping[str, str], name: str, default: int, low: int, high: int)
     return value
 
 
-def _enforce(env: Mapping[str, str]) -> bool:
-    raw = env.get("GPULAYER_EXECUTOR_ENFORCE", "").strip().lower()
+def _on_off(env: Mapping[str, str], name: str) -> bool:
+    raw = env.get(name, "").strip().lower()
     if raw in ("", "on", "1", "true", "yes"):
         return True
     if raw in ("off", "0", "false", "no"):
         return False
-    raise ConfigError(f"GPULAYER_EXECUTOR_ENFORCE={raw!r}: expected on or off")
+    raise ConfigError(f"{name}={raw!r}: expected on or off")
+
+
+def _enforce(env: Mapping[str, str]) -> bool:
+    return _on_off(env, "GPULAYER_EXECUTOR_ENFORCE")
 
 
 def _device_dir(env: Mapping[str, str]) -> Path:
@@ -244,6 +248,7 @@ def settings(env: Mapping[str, str], *, euid: int | None = None) -> ExecutorConf
         kill_grace_s=env_float(env, "GPULAYER_KILL_GRACE_S", 5.0),
         **limit_settings(env),
         drain_s=_seconds_or_zero(env, "GPULAYER_EXECUTOR_DRAIN_S"),
+        shim=_on_off(env, "GPULAYER_EXECUTOR_SHIM"),
         heartbeat_s=env_float(env, "GPULAYER_HEARTBEAT_S", 5.0),
         placement_public_keys=public_keys_from_env(env),
         require_signatures=signing_required(env),
@@ -265,7 +270,7 @@ async def _amain() -> None:
     log.info(
         "settings: nats=%s node=%s workdir=%s user=%s kill_grace_s=%s max_jobs=%s drain_s=%s "
         "signed grants=%s (%d keys, max age %ss) enforce=%s job_pids_max=%s device_dir=%s "
-        "reserved_cores=%s reserved_memory_gb=%s",
+        "reserved_cores=%s reserved_memory_gb=%s shim=%s",
         nats,
         config.node_id,
         config.workdir,
@@ -281,6 +286,7 @@ async def _amain() -> None:
         config.device_dir,
         config.reserved_cores,
         config.reserved_memory_gb,
+        "on" if config.shim else "off",
     )
     _say_who_runs_jobs(config)
     from gpulayer_executor.service import Executor

@@ -39,6 +39,10 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
     reserved_cores: float = 0.0
     reserved_memory_gb: float = 1.0
     drain_s: float = 0.0
+    # Jobs run under a shim each (shim.py) and outlive the executor: a restart re-attaches to
+    # them. False (GPULAYER_EXECUTOR_SHIM=off): the executor is their parent, and a job running
+    # when it stops or dies is reported lost.
+    shim: bool = True
     max_line_bytes: int = 16 * 1024
     max_log_backlog_bytes: int = 1 << 20
     retain_s: float = 7 * 24 * 3600.0

@@ -29,6 +29,7 @@ from gpulayer_executor.limits import JobLimits, NvidiaNodes, job_limits
 from gpulayer_executor.output import LogSink
 from gpulayer_executor.reporter import Reporter
 from gpulayer_executor.runner import SpawnError, StopRequest, run_process
+from gpulayer_executor.shim_client import Detached, Follower
 from gpulayer_executor.users import run_as_for
 from gpulayer_executor.writer import DurableWriter
 from gpulayer_runtime.logs import job_context
@@ -240,7 +241,7 @@ class JobRunner:
         uid = self._store.owner_uid(grant.owner, *config.owner_uids)
         return RunAs(name=f"gpulayer-{grant.owner}", uid=uid, gid=uid, home="")
 
-    async def _run(self, job: Job) -> st.Outcome:
+    async def _run(self, job: Job) -> st.Outcome | None:
         grant = job.rec.grant
         try:
             run_as = self._account(grant)
@@ -252,23 +253,8 @@ class JobRunner:
             return env
         self._prepare_dir(cwd, run_as)  # no disk flush: cheaper than a thread hand-off
         await self._save(job, st.starting(job.rec))
-        sink = LogSink(
-            self._nc,
-            self._js,
-            grant.job.job_id,
-            owner=grant.owner,
-            max_backlog_bytes=self._config.max_log_backlog_bytes,
-        )
-        sink.start()
-
-        async def on_started(info: st.ProcessInfo) -> None:
-            job.started_ns = time.time_ns()
-            await self._save(job, st.running(job.rec, info), durable=False)
-            log.debug("job %s running as pid %s in %s", grant.job.job_id, info.pid, cwd)
-            # Whether "running" got out is not recorded: after a restart a job that was running
-            # is reported lost either way, and the terminal report supersedes it.
-            await self._reporter.report(job.rec)
-
+        sink = self._sink(grant)
+        on_started = self._on_started(job)
         job.spawn_ns = time.time_ns()
         try:
             return await self._launch_process(
@@ -288,15 +274,86 @@ class JobRunner:
         except SpawnError as err:
             log.warning("job %s: %s", grant.job.job_id, err, extra=self._ctx(job.rec))
             return st.Outcome(state="failed", reason=f"spawn: {err}")
+        except Detached:
+            log.info(
+                "job %s left running under its shim", grant.job.job_id, extra=self._ctx(job.rec)
+            )
+            return None
         finally:
-            await sink.close()
-            if sink.dropped_total:
-                log.warning(
-                    "job %s: %d output lines dropped",
-                    grant.job.job_id,
-                    sink.dropped_total,
-                    extra=self._ctx(job.rec),
-                )
+            await self._close_sink(job, sink)
+
+    def _sink(self, grant: Grant) -> LogSink:
+        sink = LogSink(
+            self._nc,
+            self._js,
+            grant.job.job_id,
+            owner=grant.owner,
+            max_backlog_bytes=self._config.max_log_backlog_bytes,
+        )
+        sink.start()
+        return sink
+
+    async def _close_sink(self, job: Job, sink: LogSink) -> None:
+        await sink.close()
+        if sink.dropped_total:
+            log.warning(
+                "job %s: %d output lines dropped",
+                job.rec.job_id,
+                sink.dropped_total,
+                extra=self._ctx(job.rec),
+            )
+
+    def _on_started(self, job: Job) -> Callable[[st.ProcessInfo], Awaitable[None]]:
+        async def on_started(info: st.ProcessInfo) -> None:
+            job.started_ns = time.time_ns()
+            await self._save(job, st.running(job.rec, info), durable=False)
+            log.debug("job %s running as pid %s", job.rec.job_id, info.pid)
+            # Whether "running" got out is not recorded: the report of a job's end supersedes
+            # it, and a repeat is dropped by its Nats-Msg-Id.
+            await self._reporter.report(job.rec)
+
+        return on_started
+
+    def adopt(self, rec: st.GrantRecord, run: Path) -> None:
+        """Re-attach to a job a previous run of the executor started through a shim that still
+        runs (or that ended meanwhile, its ``exit.json`` written): follow it to its end."""
+        job = Job(rec)
+        self._jobs[rec.grant_id] = job
+        job.task = asyncio.create_task(
+            self._adopted_life(job, run), name=f"job-{rec.job_id}-{rec.grant_id}"
+        )
+
+    async def _adopted_life(self, job: Job, run: Path) -> None:
+        try:
+            mark = self._store.cancel_mark(job.rec.job_id)
+            if mark is not None:  # cancelled while the executor was down
+                job.request_stop(StopRequest(state="cancelled", reason=mark.reason))
+            # A slot, as when it started (not waiting on a stop: the job runs already).
+            await self._slots.acquire()
+            try:
+                outcome = await self._follow(job, run)
+            finally:
+                self._slots.release()
+            if outcome is not None:
+                await self._finish(job, outcome)
+        except Exception:
+            log.exception("job %s: executor error following it", job.rec.job_id)
+            if job.rec.phase != "finished":
+                with contextlib.suppress(Exception):
+                    await self._finish(job, st.Outcome(state="lost", reason="executor error"))
+        finally:
+            self._jobs.pop(job.rec.grant_id, None)
+
+    async def _follow(self, job: Job, run: Path) -> st.Outcome | None:
+        sink = self._sink(job.rec.grant)
+        on_started = self._on_started(job) if job.rec.phase == "starting" else None
+        try:
+            follower = Follower(run, job.rec.grant_id, sink, None, self.hierarchy)
+            return await follower.follow(job.stop, on_started, None)
+        except Detached:
+            return None
+        finally:
+            await self._close_sink(job, sink)
 
     def _limits(self, grant: Grant) -> JobLimits | None:
         """The job's limits, where its cgroup can enforce them (the device folder is read only

@@ -4,7 +4,8 @@ A job may print faster than NATS takes it, or print one endless line. Neither ma
 executor's memory: lines are cut at ``max_line_bytes``, the backlog waiting to be published is
 capped in bytes, and what doesn't fit is dropped and counted in a marker line, without ever being
 split into lines. The pipes are always read promptly and in large chunks, so a chatty job is
-never blocked on its own output by us.
+never blocked on its own output by us. Splitting and pipe reading live in ``lines`` (no NATS
+there: a job's shim uses them too); they are re-exported here.
 """
 
 from __future__ import annotations
@@ -12,11 +13,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import fcntl
 import logging
-import os
 import time
-from typing import Literal
 
 from nats.aio.client import Client
 from nats.js import JetStreamContext
@@ -24,79 +22,13 @@ from nats.js.api import PubAck
 
 from gpulayer_contracts.codec import encode
 from gpulayer_contracts.events import LogLine
-from gpulayer_contracts.subjects import job_logs, valid_owner
+from gpulayer_contracts.subjects import MSG_ID_HEADER, job_logs, valid_owner
+from gpulayer_executor.lines import LineSink as LineSink
+from gpulayer_executor.lines import LineSplitter as LineSplitter
+from gpulayer_executor.lines import PipeReader as PipeReader
+from gpulayer_executor.lines import Stream as Stream
 
 log = logging.getLogger(__name__)
-
-Stream = Literal["stdout", "stderr"]
-
-
-class LineSplitter:
-    """Bytes in, complete text lines out (without the newline). Pure.
-
-    Splitting happens in C (``bytes.split``); Python only touches the lines it returns. What the
-    caller has no room for it passes to ``skip``, which counts lines without making them."""
-
-    def __init__(self, max_line_bytes: int) -> None:
-        self.max_line_bytes = max_line_bytes
-        self._buf = bytearray()
-        self._cut = 0  # bytes dropped from the current over-long line
-
-    def _append(self, data: bytes) -> None:
-        room = max(self.max_line_bytes - len(self._buf), 0)
-        if len(data) > room:
-            self._buf += data[:room]
-            self._cut += len(data) - room
-        else:
-            self._buf += data
-
-    def _emit(self, raw: bytes) -> str:
-        text = raw.decode("utf-8", errors="replace").rstrip("\r")
-        if self._cut:
-            text += f" [gpulayer: line truncated, {self._cut} bytes dropped]"
-            self._cut = 0
-        return text
-
-    def feed(self, data: bytes) -> list[str]:
-        parts = data.split(b"\n")
-        tail = parts.pop()
-        if not parts:
-            self._append(tail)
-            return []
-        # The first part ends the line already buffered (or a fresh one).
-        self._append(parts[0])
-        lines = [self._emit(bytes(self._buf))]
-        self._buf.clear()
-        rest = parts[1:]
-        limit = self.max_line_bytes
-        if rest and max(map(len, rest)) <= limit:
-            lines += [raw.decode("utf-8", errors="replace").rstrip("\r") for raw in rest]
-        else:
-            for raw in rest:
-                self._append(raw)
-                lines.append(self._emit(bytes(self._buf)))
-                self._buf.clear()
-        self._append(tail)
-        return lines
-
-    def skip(self, data: bytes) -> int:
-        """Like ``feed``, for output nobody has room for: the number of lines it completed."""
-        n = data.count(b"\n")
-        if n:
-            self._buf.clear()
-            self._cut = 0
-            self._append(data[data.rindex(b"\n") + 1 :])
-        else:
-            self._append(data)
-        return n
-
-    def close(self) -> list[str]:
-        """The last line, if the output did not end with a newline."""
-        if not self._buf and not self._cut:
-            return []
-        line = self._emit(bytes(self._buf))
-        self._buf.clear()
-        return [line]
 
 
 class LogSink:
@@ -129,7 +61,13 @@ class LogSink:
         self.max_bytes_per_s = max_bytes_per_s
         self._tokens = float(max_bytes_per_s)
         self._refilled = time.monotonic()
-        self._queue: collections.deque[tuple[Stream, str]] = collections.deque()
+        self._queue: collections.deque[tuple[Stream, str, int]] = collections.deque()
+        # Lines read back from a shim's output file carry the file offset after them (``mark``,
+        # else -1): published with ``Nats-Msg-Id: <msg_prefix><mark>`` so that a line sent again
+        # after an executor restart is dropped by JetStream, and ``acked_mark`` says how far the
+        # stream has confirmed them.
+        self.msg_prefix = ""
+        self.acked_mark = -1
         self._backlog = 0
         self._dropped = 0
         self.dropped_total = 0
@@ -148,7 +86,7 @@ class LogSink:
         self._tokens = min(float(rate), self._tokens + (now - self._refilled) * rate)
         self._refilled = now
 
-    def _put(self, stream: Stream, line: str, *, marker: bool = False) -> bool:
+    def _put(self, stream: Stream, line: str, *, marker: bool = False, mark: int = -1) -> bool:
         size = len(line) + 64
         if self._backlog + size > self.max_backlog_bytes:
             return False
@@ -158,8 +96,16 @@ class LogSink:
                 if self._tokens < size:
                     return False
             self._tokens -= size
-        self._queue.append((stream, line))
+        self._queue.append((stream, line, mark))
         self._backlog += size
+        return True
+
+    def offer_marked(self, stream: Stream, line: str, mark: int) -> bool:
+        """Queue a line read back from a shim's file (already bounded by the shim), when the
+        backlog and rate have room for it now; False: not taken, offer it again later."""
+        if not self._put(stream, line, mark=mark):
+            return False
+        self._wake.set()
         return True
 
     def room(self) -> int:
@@ -195,7 +141,7 @@ class LogSink:
         # stores one connection's messages in order, so that ack vouches for the lines before
         # it. A flood costs microseconds per line instead of an ack round trip each, and a quiet
         # job's every line is still acked.
-        in_flight: collections.deque[tuple[asyncio.Future[PubAck], int]] = collections.deque()
+        in_flight: collections.deque[tuple[asyncio.Future[PubAck], int, int]] = collections.deque()
         unacked = 0
         sent = 0
         while True:
@@ -211,17 +157,18 @@ class LogSink:
                     return
                 self._wake.clear()
                 await self._wake.wait()
-            stream, line = self._queue.popleft()
+            stream, line, mark = self._queue.popleft()
             self._backlog -= len(line) + 64
             payload = encode(LogLine(job_id=self.job_id, stream=stream, line=line))
+            headers = {MSG_ID_HEADER: f"{self.msg_prefix}{mark}"} if mark >= 0 else None
             unacked += 1
             try:
                 if unacked >= self.SYNC_EVERY or not self._queue:
-                    fut = await self._js.publish_async(self.subject, payload)
-                    in_flight.append((fut, unacked))
+                    fut = await self._js.publish_async(self.subject, payload, headers=headers)
+                    in_flight.append((fut, unacked, mark))
                     unacked = 0
                 else:
-                    await self._nc.publish(self.subject, payload)
+                    await self._nc.publish(self.subject, payload, headers=headers)
             except Exception as err:
                 self.failed += unacked
                 unacked = 0
@@ -235,13 +182,14 @@ class LogSink:
                 await asyncio.sleep(0)
 
     async def _settle(
-        self, in_flight: collections.deque[tuple[asyncio.Future[PubAck], int]], n: int
+        self, in_flight: collections.deque[tuple[asyncio.Future[PubAck], int, int]], n: int
     ) -> None:
         for _ in range(n):
-            fut, lines = in_flight.popleft()
+            fut, lines, mark = in_flight.popleft()
             try:
                 await asyncio.wait_for(fut, 5.0)
                 self.published += lines
+                self.acked_mark = max(self.acked_mark, mark)
             except Exception:
                 self.failed += lines
 
@@ -258,87 +206,3 @@ class LogSink:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             log.warning("logs of %s: gave up publishing the rest after %ss", self.job_id, limit_s)
-
-
-class PipeReader:
-    """Reads one of the job's pipes into ``sink`` from the event loop's selector: large
-    non-blocking reads, lines split only as far as the sink has room, the rest counted and
-    dropped unsplit. So a flood costs a ``read`` and a ``count`` per chunk, and the job is never
-    held up by how fast its lines are published.
-
-    The reader never decides when the job ends: ``done`` is set at EOF, and ``close`` stops it
-    early (reading what is already buffered first) when something outside the job holds the
-    pipe open."""
-
-    # Per read; and per wake-up at most this many reads, so other tasks (the publisher, other
-    # jobs' readers) get the loop between chunks.
-    CHUNK = 1 << 20
-    READS_PER_WAKE = 8
-
-    def __init__(self, fd: int, stream: Stream, sink: LogSink, max_line_bytes: int) -> None:
-        self.fd = fd
-        self.stream: Stream = stream
-        self.sink = sink
-        self.bytes_read = 0
-        self._splitter = LineSplitter(max_line_bytes)
-        self._loop = asyncio.get_running_loop()
-        self.done: asyncio.Future[None] = self._loop.create_future()
-        os.set_blocking(fd, False)
-        with contextlib.suppress(AttributeError, OSError):
-            # Linux: a 1 MiB pipe (the unprivileged maximum by default) instead of 64 KiB, so
-            # the job writes on while we are busy elsewhere for a moment.
-            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, self.CHUNK)
-        self._loop.add_reader(fd, self._readable)
-
-    def _readable(self) -> None:
-        self._read(self.READS_PER_WAKE)
-
-    def _read(self, reads: int) -> None:
-        for _ in range(reads):
-            try:
-                data = os.read(self.fd, self.CHUNK)
-            except BlockingIOError:
-                return
-            except OSError as err:
-                log.debug("reading %s of %s: %s", self.stream, self.sink.job_id, err)
-                data = b""
-            if not data:
-                self._finish()
-                return
-            self.bytes_read += len(data)
-            self._consume(data)
-
-    def _consume(self, data: bytes) -> None:
-        room = self.sink.room()
-        if room <= 0:
-            self.sink.drop(self._splitter.skip(data))
-            return
-        if len(data) > room:
-            # Split only what could still fit; count the rest.
-            cut = data.rfind(b"\n", 0, room)
-            if cut < 0:
-                cut = data.find(b"\n")
-            if cut >= 0:
-                self._offer(self._splitter.feed(data[: cut + 1]))
-                self.sink.drop(self._splitter.skip(data[cut + 1 :]))
-                return
-        self._offer(self._splitter.feed(data))
-
-    def _offer(self, lines: list[str]) -> None:
-        for line in lines:
-            self.sink.offer(self.stream, line)
-
-    def _finish(self) -> None:
-        if self.done.done():
-            return
-        self._loop.remove_reader(self.fd)
-        os.close(self.fd)
-        self._offer(self._splitter.close())
-        self.done.set_result(None)
-
-    def close(self, max_reads: int = 16) -> None:
-        """Stop reading: first what the pipe already holds (bounded), then close it."""
-        if self.done.done():
-            return
-        self._read(max_reads)
-        self._finish()

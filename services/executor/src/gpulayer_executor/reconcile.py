@@ -7,18 +7,22 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable
+from pathlib import Path
 from typing import Literal
 
 from gpulayer_executor import procs
 from gpulayer_executor import state as st
 from gpulayer_executor.job_runner import JobRunner
 from gpulayer_executor.reporter import Reporter
+from gpulayer_executor.shim import EXIT_FILE
+from gpulayer_executor.shim_client import has_shim, shim_alive
 from gpulayer_runtime.logs import job_context
 
 # The executor's lines keep the logger name they had before it was split into parts.
 log = logging.getLogger("gpulayer_executor.service")
 
 RESTARTED = "executor restarted"
+SHIM_GONE = "the job's shim is gone (node restarted, or the shim was killed)"
 
 Action = Literal["report", "start", "orphan", "none"]
 
@@ -28,9 +32,10 @@ def action_for(rec: st.GrantRecord) -> Action:
 
     - finished but unreported: ``report`` it (Nats-Msg-Id makes a repeat harmless);
     - received (never spawned): ``start`` it (the job runner honours a cancel recorded since);
-    - starting or running: an ``orphan``. The process may still run, but we no longer hold its
-      pipes or its exit status: kill its group if it is still ours and report ``lost``. Never
-      started again.
+    - starting or running: an ``orphan``. Started through a shim that still runs (or that wrote
+      the job's exit status): re-attached (``Reconciler``). Otherwise the process may still run,
+      but nobody holds its pipes or its exit status: kill its group if it is still ours and
+      report ``lost``. Never started again.
     - finished and reported: ``none``.
     """
     if rec.phase == "finished":
@@ -51,12 +56,15 @@ class Reconciler:
         *,
         node_id: str,
         kill_grace_s: float,
+        run_root: Path | None = None,
     ) -> None:
         self._store = store
         self._runner = runner
         self._reporter = reporter
         self._node_id = node_id
         self._kill_grace_s = kill_grace_s
+        # Where shims keep their jobs' run folders (None: jobs are not started through shims).
+        self._run_root = run_root
 
     async def reconcile(self) -> None:
         """Settle every grant a previous run left unfinished or unreported. Returns once the
@@ -71,11 +79,24 @@ class Reconciler:
                 log.info("grant %s (job %s) was queued; starting it", rec.grant_id, rec.job_id)
                 self._runner.launch(rec)
             elif action == "orphan":
-                settle.append(self._settle_orphan(rec))
+                reason = self._adopt(rec)
+                if reason is not None:
+                    settle.append(self._settle_orphan(rec, reason))
         if settle:
             await asyncio.gather(*settle)
 
-    async def _settle_orphan(self, rec: st.GrantRecord) -> None:
+    def _adopt(self, rec: st.GrantRecord) -> str | None:
+        """Re-attach to the job when its shim still runs or wrote its end; else why it is lost."""
+        if self._run_root is None:
+            return RESTARTED
+        run = self._run_root / st.grant_key(rec.grant_id)
+        if (run / EXIT_FILE).exists() or shim_alive(run):
+            log.info("grant %s (job %s): re-attaching to its shim", rec.grant_id, rec.job_id)
+            self._runner.adopt(rec, run)
+            return None
+        return SHIM_GONE if has_shim(run) else RESTARTED
+
+    async def _settle_orphan(self, rec: st.GrantRecord, reason: str = RESTARTED) -> None:
         proc = rec.process
         ctx = job_context(rec.job_id, self._node_id, rec.traceparent)
         if proc is not None and procs.owns_group(proc.pgid, proc.start_ticks, proc.boot_id):
@@ -103,7 +124,7 @@ class Reconciler:
                 extra=ctx,
             )
         await self._clear_cgroup(rec.grant_id)
-        await self._runner.end(rec, st.Outcome(state="lost", reason=RESTARTED))
+        await self._runner.end(rec, st.Outcome(state="lost", reason=reason))
 
     async def _clear_cgroup(self, grant_id: str) -> None:
         """Kill what is left in the orphan's cgroup (children that left its group included)

@@ -31,7 +31,7 @@ from gpulayer_executor import procs
 from gpulayer_executor.cgroups import Hierarchy, JobCgroup, LimitError
 from gpulayer_executor.env import RunAs
 from gpulayer_executor.limits import JobLimits, oom_reason
-from gpulayer_executor.output import LogSink, PipeReader
+from gpulayer_executor.lines import LineSink, PipeReader
 from gpulayer_executor.state import Outcome, ProcessInfo
 
 log = logging.getLogger(__name__)
@@ -311,7 +311,7 @@ async def run_process(
     timeout_s: float | None,
     kill_grace_s: float,
     stop: asyncio.Future[StopRequest],
-    sink: LogSink,
+    sink: LineSink,
     max_line_bytes: int,
     on_started: Callable[[ProcessInfo], Awaitable[None]],
     hierarchy: Hierarchy | None = None,

@@ -30,6 +30,8 @@ from gpulayer_executor.intake import GrantIntake
 from gpulayer_executor.job_runner import JobRunner
 from gpulayer_executor.reconcile import Reconciler
 from gpulayer_executor.reporter import Reporter
+from gpulayer_executor.runner import run_process
+from gpulayer_executor.shim_client import ForkServer, ShimLauncher
 from gpulayer_executor.writer import DurableWriter
 from gpulayer_runtime.signing import Verifier, parse_public_keys
 from gpulayer_runtime.telemetry import DISABLED, Telemetry
@@ -73,6 +75,10 @@ class Executor:
         # Decided once per process (cgroups.hierarchy is cached): said in every heartbeat.
         self.hierarchy = cgroups.hierarchy(config.enforce)
         self.enforcement = cgroups.enforcement(self.hierarchy)
+        # Jobs started through shims outlive this process (docs/executor.md, "Shims").
+        self.fork_server = ForkServer() if config.shim else None
+        self.run_root = self.store.run_dir if config.shim else None
+        launcher = ShimLauncher(self.store.run_dir, self.fork_server) if self.fork_server else None
         self.runner = JobRunner(
             nc,
             self.js,
@@ -81,6 +87,7 @@ class Executor:
             self.writer,
             self.reporter,
             telemetry,
+            launch=launcher or run_process,
             hierarchy=self.hierarchy,
         )
         self.reconciler = Reconciler(
@@ -89,6 +96,7 @@ class Executor:
             self.reporter,
             node_id=self.node_id,
             kill_grace_s=config.kill_grace_s,
+            run_root=self.run_root,
         )
         self.intake = GrantIntake(
             self.js,
@@ -107,6 +115,8 @@ class Executor:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set, then shut down (see docs/executor.md, "Stopping")."""
+        if self.fork_server is not None:
+            self.fork_server.start()
         await self.intake.subscribe()
         await self.reconciler.reconcile()
         self._side_tasks = [
@@ -145,6 +155,8 @@ class Executor:
         await self.intake.unsubscribe()
         await self.runner.shutdown(self.config.drain_s, STOPPED)
         await self.writer.drain()
+        if self.fork_server is not None:
+            await self.fork_server.close()
         self.store.close()
         log.info("executor for node %s stopped", self.node_id)
 

@@ -205,6 +205,10 @@ class StateStore:
         self.jobs_dir = self.root / "jobs"
         for d in (self.root, self.jobs_dir):
             _private_dir(d)
+        # Job shims' run folders (shim.py): the executor's alone, never the job's.
+        self.run_dir = self.root / "run"
+        with contextlib.suppress(FileExistsError):
+            self.run_dir.mkdir(mode=0o700)
         self.db_path = self.root / "state.db"
         # Grants hold the jobs' env, which may carry secrets: only the executor reads them. The
         # file is created 0600 before SQLite opens it, and SQLite gives the WAL and
@@ -368,6 +372,7 @@ class StateStore:
             self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         for grant_id in gone:
             shutil.rmtree(self.job_dir(grant_id), ignore_errors=True)
+            shutil.rmtree(self.run_dir / grant_key(grant_id), ignore_errors=True)
         return len(gone)
 
     def _import_legacy_files(self) -> None:

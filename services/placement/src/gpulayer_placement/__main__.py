@@ -21,6 +21,7 @@ from gpulayer_runtime.settings import (
     env_str,
     nats_settings,
     run_service,
+    stream_replicas,
 )
 from gpulayer_runtime.signing import signer_from_env
 from gpulayer_runtime.telemetry import setup_telemetry
@@ -35,6 +36,7 @@ async def _amain() -> None:
     env = os.environ
     nats = nats_settings(env)
     db = database_url(env)
+    replicas = stream_replicas(env)
     settings = Settings(
         node_timeout_s=env_float(env, "GPULAYER_NODE_TIMEOUT_S", 15.0),
         resend_after_s=env_float(env, "GPULAYER_GRANT_RESEND_S", 30.0),
@@ -44,9 +46,10 @@ async def _amain() -> None:
     )
     signer = signer_from_env(env)
     log.info(
-        "settings: nats=%s database=%s %s",
+        "settings: nats=%s database=%s stream_replicas=%d %s",
         nats,
         _redact(db),
+        replicas,
         dataclasses.replace(settings, profiles=Profiles(source=settings.profiles.source)),
     )
     log.info(
@@ -68,7 +71,7 @@ async def _amain() -> None:
         stack.callback(telemetry.shutdown)
         nc = await connect(nats.url, "gpulayer-placement", **nats.connect_args())
         stack.push_async_callback(nc.drain)
-        await ensure_streams(nc.jetstream())
+        await ensure_streams(nc.jetstream(), replicas=replicas)
         pool = await create_pool(db)
         stack.push_async_callback(pool.close)
         service = PlacementService(nc, pool, settings, telemetry, signer=signer)

@@ -8,6 +8,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
+import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import FetchTimeoutError
@@ -49,6 +50,12 @@ async def consume(
         try:
             msgs = await sub.fetch(batch_size, timeout=1.0)
         except (FetchTimeoutError, TimeoutError):
+            continue
+        except (nats.errors.Error, OSError) as err:
+            # A NATS cluster moving a stream's leader after a server went away answers "service
+            # unavailable" for a moment, and a connection may be reconnecting: retry.
+            log.warning("fetch failed, retrying: %r", err)
+            await asyncio.sleep(0.5)
             continue
         await handle_batch(stop, msgs, handle, dead)
 

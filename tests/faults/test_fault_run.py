@@ -1,0 +1,301 @@
+"""The fault run: steady submits through the real services while a fault schedule runs, then a
+checker that counts every job (``fault_checker``).
+
+The stack, all on loopback: three NATS servers (R3 streams, auth as in the other tests), an own
+PostgreSQL, two placement replicas, two GPU nodes (recorded nvidia-smi: 2 T4s and 8 H100s),
+each with its probe and its executor (jobs under shims). Jobs take one GPU each; their command
+decides how they end (most succeed, some exit 3, some sleep until cancelled) and writes a
+marker per run (node, devices, start, end). The schedule, while jobs keep coming:
+
+- kill -9 one NATS server of three, and start it again;
+- kill -9 one placement replica of two, and start it again;
+- kill -9 an executor, and start it again (its running jobs go on under their shims);
+- restart PostgreSQL.
+
+Then every accepted job's stored events are read: each ended exactly once and as its command
+says, none ran twice, no device was held by two runs at once; the counts are printed (``make
+faults`` shows them) and written to ``fault-run.txt`` in the test's folder. No node goes away
+for good here, so no job may be ``lost``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import asyncpg
+import nats.errors
+import nats.js.errors
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from tests.faults.fault_checker import check, read_markers
+from tests.helpers import Services, service_env
+
+from gpulayer_cli.client import ApiFailed, api
+from gpulayer_contracts.subjects import (
+    ANONYMOUS,
+    API_CANCEL,
+    API_NODES,
+    JOB_WILDCARD_EVENTS,
+    JOBS_SUBMIT,
+    MSG_ID_HEADER,
+)
+from gpulayer_runtime.nats import connect, ensure_streams
+from gpulayer_runtime.servers import EmbeddedNatsCluster, EmbeddedPostgres
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(290)]
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+NODES = {"fr-t4": "t4-2x", "fr-h100": "h100-dgx-8x"}
+RATE = 5.0  # jobs per second
+LOAD_S = 50.0
+# After the load: how long the accepted jobs may take to end.
+DRAIN_S = 150.0
+TERMINAL = {"succeeded", "failed", "cancelled", "lost", "rejected"}
+
+
+def command(markers: Path, job_id: str, kind: str) -> list[str]:
+    """A job that writes its run's marker (its start, then its end) and ends as ``kind`` says."""
+    m = f"{markers}/{job_id}.$$"
+    now = "$(date +%s.%N)"
+    start = f'echo "$PWD|$GPULAYER_DEVICES|{now}" > {m}'
+    end = f"echo {now} >> {m}"
+    if kind == "cancelled":  # until its SIGTERM, which the trap answers
+        script = f"{start}; trap '{end}; exit 143' TERM; sleep 120 & wait $!; {end}"
+    else:
+        code = 0 if kind == "succeeded" else 3
+        script = f"{start}; sleep {random.uniform(0.2, 1.5):.2f}; {end}; exit {code}"
+    return ["sh", "-c", script]
+
+
+async def retry(what: Callable[[], Awaitable[object]], limit_s: float) -> None:
+    """``what`` until it works (a server or placement may be down for a moment)."""
+    async with asyncio.timeout(limit_s):
+        while True:
+            try:
+                await what()
+                return
+            except Exception:
+                await asyncio.sleep(0.2)
+
+
+async def declare_streams(js: JetStreamContext) -> None:
+    await retry(lambda: ensure_streams(js, replicas=3), 60)
+
+
+class Stack:
+    """The services of the run, each startable again after a kill."""
+
+    def __init__(self, services: Services, cluster_url: str, db: str, tmp: Path) -> None:
+        self.services = services
+        self.tmp = tmp
+        self.envs: dict[str, tuple[str, dict[str, str]]] = {}
+        for replica in ("a", "b"):
+            env = service_env(cluster_url, db, tmp / "placement", "unused")
+            env["GPULAYER_STREAM_REPLICAS"] = "3"
+            self.envs[f"placement-{replica}"] = ("gpulayer-placement", env)
+        for node, recording in NODES.items():
+            env = service_env(cluster_url, db, tmp / node, node, GPULAYER_STREAM_REPLICAS="3")
+            tools = tmp / f"{node}-bin"
+            tools.mkdir()
+            shutil.copy(FIXTURES / "nvidia-smi" / "fake-nvidia-smi", tools / "nvidia-smi")
+            (tools / "nvidia-smi").chmod(0o755)
+            env["PATH"] = f"{tools}{os.pathsep}{env['PATH']}"
+            env["FAKE_NVIDIA_SMI_DIR"] = str(FIXTURES / "nvidia-smi" / recording)
+            self.envs[f"probe-{node}"] = ("gpulayer-probe", env)
+            self.envs[f"executor-{node}"] = ("gpulayer-executor", env)
+
+    async def start(self, key: str) -> None:
+        name, env = self.envs[key]
+        await self.services.start(name, env, self.tmp / f"{key}.log", key=key)
+
+    async def kill(self, key: str) -> None:
+        proc = self.services.procs[key]
+        proc.kill()
+        await proc.wait()
+
+
+async def until_nodes_known(nc: Client, caller: str) -> None:
+    async with asyncio.timeout(60):
+        while True:
+            with contextlib.suppress(Exception):
+                nodes = await api(nc, API_NODES, timeout=1, caller=caller)
+                if {n["node_id"] for n in nodes} >= set(NODES):
+                    return
+            await asyncio.sleep(0.2)
+
+
+async def stored_events(js: JetStreamContext, jobs: set[str]) -> dict[str, list[str]]:
+    """Every stored event of ``jobs``, read until each accepted one has ended (and one second
+    more: a duplicate would come next)."""
+    seen: dict[str, list[str]] = {j: [] for j in jobs}
+    done = asyncio.Event()
+
+    def all_ended() -> bool:
+        return all(TERMINAL & set(t) for t in seen.values())
+
+    async def cb(msg: Msg) -> None:
+        event = json.loads(msg.data)
+        if event["job_id"] in seen:
+            seen[event["job_id"]].append(event["type"])
+            if all_ended():
+                done.set()
+
+    sub = await subscribe_retrying(js, cb)
+    try:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(done.wait(), DRAIN_S)
+        await asyncio.sleep(1.0)
+    finally:
+        await sub.unsubscribe()
+    return seen
+
+
+async def subscribe_retrying(
+    js: JetStreamContext, cb: Callable[[Msg], Awaitable[None]]
+) -> JetStreamContext.PushSubscription:
+    """An ordered consumer over every job's events; its creation retried (JetStream may answer
+    slowly for a moment after a server came back)."""
+    async with asyncio.timeout(60):
+        while True:
+            try:
+                return await js.subscribe(JOB_WILDCARD_EVENTS, cb=cb, ordered_consumer=True)
+            except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError):
+                await asyncio.sleep(0.5)
+
+
+async def test_fault_run(
+    nats_cluster: EmbeddedNatsCluster, nats_creds: str | None, tmp_path: Path
+) -> None:
+    pg = EmbeddedPostgres(tmp_path / "pg", fast=True).start()
+    admin = await asyncpg.connect(pg.url)
+    await admin.execute("CREATE DATABASE gpulayer")
+    await admin.close()
+    db = pg.url.rsplit("/", 1)[0] + "/gpulayer"
+    caller = "admin" if nats_creds else ANONYMOUS
+    nc = await connect(nats_cluster.url, "test-fault-run", creds=nats_creds)
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    try:
+        js = nc.jetstream()
+        await declare_streams(js)
+        async with Services() as services:
+            stack = Stack(services, nats_cluster.url, db, tmp_path)
+            for key in stack.envs:
+                await stack.start(key)
+            await until_nodes_known(nc, caller)
+            submitted, expected = await run_load(nc, js, stack, nats_cluster, pg, markers, caller)
+            events = await stored_events(js, submitted)
+            for key, proc in services.procs.items():
+                assert proc.returncode is None, f"{key} exited with {proc.returncode}"
+        node_of = {str(tmp_path / node): node for node in NODES}
+        counts = check(submitted, expected, events, read_markers(markers, node_of))
+        line = f"fault run: {counts.line()}"
+        print(line)
+        (tmp_path / "fault-run.txt").write_text(line + "\n" + "\n".join(counts.problems) + "\n")
+        assert counts.accepted == counts.submitted == len(expected), line
+        assert counts.ended == counts.accepted, (line, counts.problems[:20])
+        assert counts.lost == counts.duplicated == counts.double_booked == 0, (
+            line,
+            counts.problems[:20],
+        )
+        assert counts.wrong_outcome == 0, (line, counts.problems[:20])
+    finally:
+        await nc.close()
+        pg.stop()
+
+
+async def run_load(
+    nc: Client,
+    js: JetStreamContext,
+    stack: Stack,
+    cluster: EmbeddedNatsCluster,
+    pg: EmbeddedPostgres,
+    markers: Path,
+    caller: str,
+) -> tuple[set[str], dict[str, str]]:
+    """Submit at ``RATE`` for ``LOAD_S`` while the fault schedule runs; the jobs whose submit
+    was acked, and how each should end."""
+    expected: dict[str, str] = {}
+    submitted: set[str] = set()
+    tasks: list[asyncio.Task[None]] = []
+
+    async def submit(job_id: str, kind: str) -> None:
+        body = {
+            "job_id": job_id,
+            "command": command(markers, job_id, kind),
+            "requirements": {"accelerator": "cuda", "gpu_count": 1},
+            "sandbox": {"devices": {"gpu": "compute"}},
+        }
+        data = json.dumps(body).encode()
+        headers = {MSG_ID_HEADER: job_id}
+        await retry(lambda: js.publish(JOBS_SUBMIT, data, headers=headers, timeout=2), 90)
+        submitted.add(job_id)
+        if kind == "cancelled":
+            await asyncio.sleep(3.0)
+            await cancel(job_id)
+
+    async def cancel(job_id: str) -> None:
+        async def once() -> None:
+            try:
+                await api(nc, API_CANCEL, {"job_id": job_id}, timeout=2, caller=caller)
+            except ApiFailed as err:
+                if str(err).startswith("no job"):
+                    raise  # acked by JOBS, not yet read by placement (a fault slowed it): again
+                print(f"cancel {job_id}: {err}")  # refused: the checker will see the outcome
+
+        await retry(once, 90)
+
+    schedule = faults(stack, cluster, pg)
+    t0 = time.monotonic()
+    i = 0
+    while (elapsed := time.monotonic() - t0) < LOAD_S:
+        while schedule and schedule[0][0] <= elapsed:
+            _, name, action = schedule.pop(0)
+            print(f"fault run: t={elapsed:.1f}s {name}")
+            await action()
+        due = int(elapsed * RATE) + 1
+        while i < due:
+            kind = "cancelled" if i % 10 == 9 else "failed" if i % 10 in (3, 7) else "succeeded"
+            job_id = f"fr-{i:05d}"
+            expected[job_id] = kind
+            tasks.append(asyncio.create_task(submit(job_id, kind)))
+            i += 1
+        await asyncio.sleep(0.05)
+    await asyncio.gather(*tasks)
+    return submitted, expected
+
+
+def faults(
+    stack: Stack, cluster: EmbeddedNatsCluster, pg: EmbeddedPostgres
+) -> list[tuple[float, str, Callable[[], Awaitable[None]]]]:
+    """(at second, what, how): one of each fault the issue names, each repaired."""
+
+    async def nats_kill() -> None:
+        cluster.servers[1].kill()
+
+    async def nats_back() -> None:
+        await asyncio.to_thread(cluster.servers[1].start)
+
+    async def pg_restart() -> None:
+        await asyncio.to_thread(pg.stop)
+        await asyncio.to_thread(pg.start)
+
+    return [
+        (5.0, "kill -9 NATS server n1", nats_kill),
+        (12.0, "NATS server n1 back", nats_back),
+        (16.0, "kill -9 placement replica a", lambda: stack.kill("placement-a")),
+        (21.0, "placement replica a back", lambda: stack.start("placement-a")),
+        (26.0, "kill -9 the executor of fr-h100", lambda: stack.kill("executor-fr-h100")),
+        (31.0, "executor of fr-h100 back", lambda: stack.start("executor-fr-h100")),
+        (37.0, "restart PostgreSQL", pg_restart),
+    ]

@@ -1,0 +1,288 @@
+"""The shim's pieces: its output file (format, bounds, one write per turn), the stop request,
+the pokes, and the fork server with the shims it hands jobs to (real processes, no NATS)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from gpulayer_executor import cgroups
+from gpulayer_executor.lines import LineSplitter, consume
+from gpulayer_executor.runner import StopRequest
+from gpulayer_executor.shim import (
+    EXIT_FILE,
+    FRAME,
+    OUTPUT_FILE,
+    SHIM_FILE,
+    STOP_FILE,
+    FileSink,
+    Notifier,
+    ShimInfo,
+    ShimSpec,
+    hierarchy_spec,
+    read_stop,
+    record,
+)
+from gpulayer_executor.shim_client import ForkServer
+from gpulayer_executor.state import Outcome
+
+# --- the output file ----------------------------------------------------------------------------
+
+
+def test_a_record_is_its_stream_letter_the_text_and_a_newline() -> None:
+    assert record("stdout", "hello") == b"ohello\n"
+    assert record("stderr", "é") == b"e\xc3\xa9\n"
+
+
+def pokes(fd: int) -> bytes:
+    try:
+        return os.read(fd, 4096)
+    except BlockingIOError:
+        return b""
+
+
+def sink_on(tmp_path: Path, **bounds: int) -> tuple[FileSink, int]:
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    defaults = {"max_bytes_per_s": 1 << 20, "max_file_bytes": 1 << 20}
+    return FileSink(tmp_path / OUTPUT_FILE, "j", Notifier(w), **{**defaults, **bounds}), r
+
+
+def test_lines_are_written_once_per_flush_with_one_poke(tmp_path: Path) -> None:
+    sink, r = sink_on(tmp_path)
+    for i in range(100):
+        sink.offer("stdout", str(i))
+    assert (tmp_path / OUTPUT_FILE).read_bytes() == b""  # buffered until the turn ends
+    assert pokes(r) == b""
+    sink.flush()
+    assert (tmp_path / OUTPUT_FILE).read_bytes() == b"".join(b"o%d\n" % i for i in range(100))
+    assert pokes(r) == b"o"
+    sink.flush()  # nothing new: no write, no poke
+    assert pokes(r) == b""
+    sink.close()
+
+
+def test_a_flood_is_cut_by_the_rate_and_counted_in_one_marker(tmp_path: Path) -> None:
+    sink, _ = sink_on(tmp_path, max_bytes_per_s=1000)
+    for _ in range(100):
+        sink.offer("stdout", "x" * 36)  # 100 bytes each, as the sink counts them
+    sink.close()
+    lines = (tmp_path / OUTPUT_FILE).read_bytes().splitlines()
+    assert lines == [b"o" + b"x" * 36] * 10 + [b"e[gpulayer: 90 lines dropped]"]
+
+
+def test_a_flood_read_from_a_pipe_is_split_only_as_far_as_it_fits(tmp_path: Path) -> None:
+    sink, _ = sink_on(tmp_path, max_bytes_per_s=1000)
+    consume(b"z" * 36 + b"\n" * 1 + (b"z" * 36 + b"\n") * 99, LineSplitter(1024), sink, "stderr")
+    sink.flush()
+    sink.offer("stdout", "later")  # the bucket is empty for a second: dropped as well
+    sink.close()
+    lines = (tmp_path / OUTPUT_FILE).read_bytes().splitlines()
+    assert lines == [b"e" + b"z" * 36] * 10 + [b"e[gpulayer: 91 lines dropped]"]
+
+
+def test_the_file_never_grows_past_its_cap(tmp_path: Path) -> None:
+    sink, _ = sink_on(tmp_path, max_file_bytes=1000)
+    for _ in range(1000):
+        sink.offer("stdout", "y" * 50)
+    sink.close()
+    assert (tmp_path / OUTPUT_FILE).stat().st_size <= 1000
+
+
+def test_a_poke_to_an_executor_that_is_gone_is_dropped_quietly() -> None:
+    r, w = os.pipe()
+    os.close(r)
+    previous = signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    try:
+        notify = Notifier(w)
+        notify(b"o")  # EPIPE: the shim goes on without its executor
+        assert notify.fd is None
+        notify(b"e")
+    finally:
+        signal.signal(signal.SIGPIPE, previous)
+
+
+# --- the stop request ---------------------------------------------------------------------------
+
+
+def test_a_stop_without_a_request_is_none_and_a_garbled_one_a_cancel(tmp_path: Path) -> None:
+    assert read_stop(tmp_path) is None
+    request = StopRequest(state="cancelled", reason="user")
+    (tmp_path / STOP_FILE).write_bytes(msgspec.json.encode(request))
+    assert read_stop(tmp_path) == request
+    (tmp_path / STOP_FILE).write_bytes(b"{not json")
+    garbled = read_stop(tmp_path)
+    assert garbled is not None
+    assert garbled.state == "cancelled"
+
+
+# --- the fork server and its shims ---------------------------------------------------------------
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[ForkServer]:
+    fs = ForkServer()
+    fs.start()
+    yield fs
+    await fs.close()
+
+
+def spec(run: Path, argv: list[str], **fields: object) -> ShimSpec:
+    run.mkdir(parents=True, exist_ok=True)
+    env = {"PATH": os.environ["PATH"], "GPULAYER_GRANT_ID": run.name}
+    return ShimSpec(
+        grant_id=run.name,
+        job_id=run.name,
+        run_dir=str(run),
+        argv=argv,
+        env=env,
+        cwd=str(run),
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+async def ended(notify_fd: int) -> bytes:
+    """The shim's pokes until its end (``e``) or EOF."""
+    loop = asyncio.get_running_loop()
+    got = bytearray()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        data = os.read(notify_fd, 4096)
+        got.extend(data)
+        if (not data or b"e" in data) and not done.done():
+            done.set_result(None)
+
+    os.set_blocking(notify_fd, False)
+    loop.add_reader(notify_fd, readable)
+    try:
+        async with asyncio.timeout(20):
+            await done
+    finally:
+        loop.remove_reader(notify_fd)
+        os.close(notify_fd)
+    return bytes(got)
+
+
+def outcome(run: Path) -> Outcome:
+    return msgspec.json.decode((run / EXIT_FILE).read_bytes(), type=Outcome)
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def test_a_shim_runs_its_job_and_is_handed_the_next(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    py = sys.executable
+    script = "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"
+    first = spec(tmp_path / "g1", [py, "-c", script])
+    pid, notify = await server.fork(first)
+    said = await ended(notify)
+    # Started, output (once per turn of the shim's loop that wrote some), ended.
+    assert said[:1] == b"s"
+    assert said[-1:] == b"e"
+    assert set(said[1:-1]) == {ord("o")}
+    got = outcome(tmp_path / "g1")
+    assert (got.state, got.exit_code, got.reason) == ("failed", 3, "exit code 3")
+    assert (tmp_path / "g1" / OUTPUT_FILE).read_bytes() in (b"oout\neerr\n", b"eerr\noout\n")
+    info = msgspec.json.decode((tmp_path / "g1" / SHIM_FILE).read_bytes(), type=ShimInfo)
+    assert info.pid == pid
+    # In the executor's cgroups where this machine has them (a job's cgroup files and the
+    # hierarchy's own are opened in the shim).
+    found = cgroups.hierarchy(True)
+    hierarchy = hierarchy_spec(found) if found is not None else None
+    fds = []
+    for i in range(2, 10):
+        again, notify = await server.fork(spec(tmp_path / f"g{i}", ["true"], hierarchy=hierarchy))
+        assert again == pid  # the idle shim took it: no fork
+        await ended(notify)
+        assert outcome(tmp_path / f"g{i}").state == "succeeded"
+        fds.append(open_fds(pid))
+    # Nothing a job opened stays open in the shim that ran it (one may be the next job's
+    # notify pipe, or this one's not closed yet: counted while the shim winds up).
+    assert fds[-1] - fds[0] <= 1, fds
+
+
+async def test_jobs_at_once_get_shims_of_their_own(server: ForkServer, tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    wait = f"while [ ! -e {go} ]; do sleep 0.01; done"
+    forks = [await server.fork(spec(tmp_path / f"p{i}", ["sh", "-c", wait])) for i in range(3)]
+    assert len({pid for pid, _ in forks}) == 3
+    go.touch()
+    for _, notify in forks:
+        await ended(notify)
+
+
+async def test_a_sigterm_without_a_stop_request_is_ignored_and_with_one_stops(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    go = tmp_path / "go"
+    wait = f"while [ ! -e {go} ]; do sleep 0.01; done"
+    run = tmp_path / "t1"
+    pid, notify = await server.fork(spec(run, ["sh", "-c", wait], kill_grace_s=1.0))
+    os.kill(pid, signal.SIGTERM)  # e.g. a late stop of the job this shim ran before
+    await asyncio.sleep(0.3)  # nothing to await: the signal must have no effect
+    assert not (run / EXIT_FILE).exists()
+    request = StopRequest(state="cancelled", reason="user changed their mind")
+    (run / STOP_FILE).write_bytes(msgspec.json.encode(request))
+    os.kill(pid, signal.SIGTERM)
+    await ended(notify)
+    got = outcome(run)
+    assert got.state == "cancelled"
+    assert got.reason == "user changed their mind"
+
+
+async def test_a_timeout_ends_the_job_as_failed(server: ForkServer, tmp_path: Path) -> None:
+    run = tmp_path / "slow"
+    _, notify = await server.fork(spec(run, ["sleep", "30"], timeout_s=0.3, kill_grace_s=1.0))
+    await ended(notify)
+    assert outcome(run).state == "failed"
+    assert outcome(run).reason == "timeout"
+
+
+async def test_a_program_that_is_not_there_fails_to_spawn(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    run = tmp_path / "missing"
+    _, notify = await server.fork(spec(run, ["no-such-program-here"]))
+    await ended(notify)
+    got = outcome(run)
+    assert got.state == "failed"
+    assert got.reason is not None
+    assert got.reason.startswith("spawn: could not start 'no-such-program-here'")
+
+
+def test_a_bad_request_is_refused_and_the_server_goes_on(tmp_path: Path) -> None:
+    ours, theirs = socket.socketpair()
+    proc = __import__("subprocess").Popen(
+        [sys.executable, "-m", "gpulayer_executor.shim_server"],
+        stdin=theirs.fileno(),
+        stderr=__import__("subprocess").DEVNULL,
+    )
+    theirs.close()
+    try:
+        r, w = os.pipe()
+        bad = b"{not a spec"
+        socket.send_fds(ours, [FRAME.pack(len(bad)) + bad], [w])
+        assert ours.recv(FRAME.size) == FRAME.pack(0)
+        body = msgspec.json.encode(spec(tmp_path / "ok", ["true"]))
+        ours.sendall(FRAME.pack(len(body)) + body)  # no notify pipe attached: refused too
+        assert ours.recv(FRAME.size) == FRAME.pack(0)
+        socket.send_fds(ours, [FRAME.pack(len(body)) + body], [w])
+        (pid,) = FRAME.unpack(ours.recv(FRAME.size))
+        assert pid > 0
+        os.close(w)
+        os.read(r, 16)
+    finally:
+        ours.close()  # the server exits; the idle shim with it
+        proc.wait(10)

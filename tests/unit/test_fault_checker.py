@@ -1,0 +1,76 @@
+"""The fault run's checker: each count can be made to move by the case it is about."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from tests.faults.fault_checker import Run, check, double_bookings, parse_marker, read_markers
+
+NODE_OF = {"/w/a": "a", "/w/b": "b"}
+
+
+def run(job: str, node: str = "a", devices: tuple[str, ...] = ("0",), start: float = 0.0,
+        end: float = 1.0) -> Run:  # fmt: skip
+    return Run(job, node, devices, start, end)
+
+
+def test_marker_lines_give_the_run() -> None:
+    r = parse_marker("fr-1.4242", "/w/b/jobs/x|3|10.5\n12.25\n", NODE_OF)
+    assert r == Run("fr-1", "b", ("3",), 10.5, 12.25)
+    twice = parse_marker("fr-3.9", "/w/a/jobs/z|0|1\n\n4.5\n", NODE_OF)
+    assert twice.end == 4.5
+    killed = parse_marker("fr-2.7", "/w/a/jobs/y|0,1|3\n", NODE_OF)
+    assert killed.end == math.inf
+    assert killed.devices == ("0", "1")
+
+
+def test_read_markers_reads_every_file(tmp_path: Path) -> None:
+    (tmp_path / "j1.1").write_text("/w/a/j|0|1\n2\n")
+    (tmp_path / "j2.2").write_text("/w/b/j|1|1\n")
+    assert [r.job_id for r in read_markers(tmp_path, NODE_OF)] == ["j1", "j2"]
+
+
+def test_overlap_on_one_device_is_double_booking_and_back_to_back_is_not() -> None:
+    assert double_bookings([run("x", end=2.0), run("y", start=2.0, end=3.0)]) == []
+    assert len(double_bookings([run("x", end=2.0), run("y", start=1.5, end=3.0)])) == 1
+    # Same device index on two nodes, or two devices of one node: not the same device.
+    assert double_bookings([run("x", end=5), run("y", node="b", end=5)]) == []
+    assert double_bookings([run("x", end=5), run("y", devices=("1",), end=5)]) == []
+    # A run that never said it ended holds its device for good.
+    assert len(double_bookings([run("x", end=math.inf), run("y", start=100, end=101)])) == 1
+
+
+def test_a_clean_run_counts_nothing_wrong() -> None:
+    events = {"j1": ["accepted", "placed", "running", "succeeded"], "j2": ["accepted", "failed"]}
+    c = check(
+        {"j1", "j2"}, {"j1": "succeeded", "j2": "failed"}, events, [run("j1"), run("j2", start=1)]
+    )
+    assert (c.submitted, c.accepted, c.ended) == (2, 2, 2)
+    assert (c.lost, c.duplicated, c.double_booked, c.wrong_outcome) == (0, 0, 0, 0), c.problems
+
+
+def test_each_fault_is_counted() -> None:
+    events = {
+        "twice": ["accepted", "succeeded", "succeeded"],
+        "ran2": ["accepted", "succeeded"],
+        "lost": ["accepted", "lost"],
+        "gone": ["accepted", "lost"],
+        "wrong": ["accepted", "failed"],
+        "open": ["accepted", "running"],
+        "never": [],
+    }
+    expected = dict.fromkeys(events, "succeeded")
+    runs = [
+        run("ran2", devices=("5",)), run("ran2", devices=("6",)), run("gone", node="b"),
+        run("twice", devices=("7",)),
+    ]  # fmt: skip
+    c = check(set(events), expected, events, runs, gone_nodes=frozenset({"b"}))
+    assert c.submitted == 7
+    assert c.accepted == 6
+    assert c.ended == 5
+    assert c.duplicated == 2  # two terminal events; two runs
+    assert c.lost == 1
+    assert c.lost_gone_node == 1
+    assert c.wrong_outcome == 1
+    assert any("open: never ended" in p for p in c.problems)
