@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
@@ -286,49 +287,86 @@ async def test_grant_lost_between_commit_and_publish_is_resent(
         await pool.close()
 
 
+class _ResendSeen(logging.Handler):
+    """Sets ``seen`` when the resend loop logs a re-sent grant of ``job_id``."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__()
+        self.job_id = job_id
+        self.seen = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("re-sending grant") and self.job_id in record.args:  # type: ignore[operator]
+            self.seen.set()
+
+
+@pytest.mark.parametrize("order", ["node first", "job first"])
 @pytest.mark.parametrize("failure", ["nothing stored", "stored but unacknowledged"])
 async def test_job_announced_once_when_publishing_its_events_failed(
-    nc: Client, database_url: str, failure: str
+    nc: Client, database_url: str, failure: str, order: str
 ) -> None:
     """The job was committed but the publish of its `accepted` event (and grant) failed, or its
-    ack was lost: the submit message is redelivered and the job is announced exactly once."""
+    ack was lost: the submit message is redelivered and the job is announced exactly once.
+
+    With the node known first, the job is placed where it is ingested, so its grant was in the
+    failed batch; with the job first, it waits and the scheduler's grant goes out on its own."""
     js = nc.jetstream()
     await ensure_streams(js)
     pool = await create_pool(database_url)
     svc = PlacementService(nc, pool, Settings(node_timeout_s=30, resend_after_s=0.5))
     real_publish = svc.publisher.publish
     failed = asyncio.Event()
+    grant_in_failed_batch = False
+    subject = "gpulayer.job.anonymous.flaky-1.events"
 
     async def flaky(items: list[tuple[str, bytes, dict[str, str]]]) -> bool:
-        if not failed.is_set() and any(
-            s == "gpulayer.job.anonymous.flaky-1.events" for s, _, _ in items
-        ):
+        nonlocal grant_in_failed_batch
+        if not failed.is_set() and any(s == subject for s, _, _ in items):
             failed.set()
+            grant_in_failed_batch = any(s == node_grants("node-f") for s, _, _ in items)
             if failure == "stored but unacknowledged":
                 await real_publish(items)
             return False
         return await real_publish(items)
 
     svc.publisher.publish = flaky  # type: ignore[method-assign]
+    resend = _ResendSeen("flaky-1")
+    service_log = logging.getLogger("gpulayer_placement.service")
+    service_log.addHandler(resend)
+    level = service_log.level
+    service_log.setLevel(logging.INFO)
     await svc.start()
     grant_sends = 0
-    resent = asyncio.Event()
+    granted = asyncio.Event()
 
     async def on_grant(msg: Msg) -> None:
         nonlocal grant_sends
         grant_sends += 1  # a core subscriber sees every publish, duplicates included
-        if grant_sends >= 2:
-            resent.set()
+        granted.set()
 
     sub = await nc.subscribe(node_grants("node-f"), cb=on_grant)
-    subject = "gpulayer.job.anonymous.flaky-1.events"
+    body = json.dumps({"job_id": "flaky-1", "command": ["true"]}).encode()
+
+    async def stored(sql: str) -> None:
+        async with pool.acquire() as conn, asyncio.timeout(10):
+            while True:  # polled: the row is written by another consumer's transaction
+                if await conn.fetchval(sql) is not None:
+                    return
+                await asyncio.sleep(0.02)
+
     try:
-        await js.publish(node_capabilities("node-f"), encode(caps("node-f")))
-        body = json.dumps({"job_id": "flaky-1", "command": ["true"]}).encode()
-        await js.publish(JOBS_SUBMIT, body, headers={MSG_ID_HEADER: "flaky-1"})
+        if order == "node first":
+            await js.publish(node_capabilities("node-f"), encode(caps("node-f")))
+            await stored("SELECT 1 FROM nodes WHERE node_id = 'node-f'")
+            await js.publish(JOBS_SUBMIT, body, headers={MSG_ID_HEADER: "flaky-1"})
+        else:
+            await js.publish(JOBS_SUBMIT, body, headers={MSG_ID_HEADER: "flaky-1"})
+            await stored("SELECT 1 FROM jobs WHERE job_id = 'flaky-1'")
+            await js.publish(node_capabilities("node-f"), encode(caps("node-f")))
         async with asyncio.timeout(20):
-            # The resend loop ran (it re-sends `placed` on its first pass for a job)...
-            await resent.wait()
+            # The resend loop ran for the still-placed job (it re-sends `placed` once)...
+            await resend.seen.wait()
+            await granted.wait()
             # ...and the submit message was redelivered and this time acknowledged.
             while True:
                 info = await js.consumer_info("JOBS", "placement-jobs")
@@ -336,17 +374,27 @@ async def test_job_announced_once_when_publishing_its_events_failed(
                     break
                 await asyncio.sleep(0.05)
         assert failed.is_set()
+        # The resend is the only grant when the first one was never stored; otherwise it is
+        # the second (the executor drops the duplicate by its grant id).
+        lost_grant = failure == "nothing stored" and grant_in_failed_batch
+        async with asyncio.timeout(10):
+            while grant_sends < (1 if lost_grant else 2):
+                await nc.flush()
+        await nc.flush()
+        assert grant_sends == (1 if lost_grant else 2)
         # What the stream kept (core subscribers would also see the dropped duplicates).
         psub = await js.pull_subscribe(subject, stream="JOB_EVENTS")
-        stored = [json.loads(m.data)["type"] for m in await psub.fetch(10, timeout=2)]
+        stored_types = [json.loads(m.data)["type"] for m in await psub.fetch(10, timeout=2)]
         await psub.unsubscribe()
-        # (A `pending` may come between them if the job beat the node's capabilities.)
-        assert stored.count("accepted") == 1, stored
-        assert stored.count("placed") == 1, stored
-        assert stored[0] == "accepted", stored
+        # (A `pending` comes between them when the job came before the node's capabilities.)
+        assert stored_types.count("accepted") == 1, stored_types
+        assert stored_types.count("placed") == 1, stored_types
+        assert stored_types[0] == "accepted", stored_types
         info = await js.stream_info("JOB_EVENTS", subjects_filter=subject)
-        assert (info.state.subjects or {}).get(subject) == len(stored), info.state.subjects
+        assert (info.state.subjects or {}).get(subject) == len(stored_types), info.state.subjects
     finally:
+        service_log.removeHandler(resend)
+        service_log.setLevel(level)
         await sub.unsubscribe()
         await svc.close()
         await pool.close()
