@@ -73,6 +73,9 @@ class HostInfo(Wire, frozen=True):
     memory_bytes: int | None = None
     disk_free_bytes: int | None = None
     python_version: str | None = None
+    # The address other nodes reach this one at: rank 0 of a distributed job placed here hosts
+    # its rendezvous there (MASTER_ADDR). GPULAYER_ADVERTISE_ADDRESS, else detected.
+    advertise_address: str | None = None
 
 
 class GpuApis(Wire, frozen=True):

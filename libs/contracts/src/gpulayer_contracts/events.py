@@ -15,6 +15,36 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+class GangRank(Wire, frozen=True):
+    """One rank (node) of a distributed job, as its grant carries it (issue 14).
+
+    A distributed job of ``nnodes`` nodes is placed as ``nnodes`` rank jobs at once, each with
+    its own grant; the grant's ``job.job_id`` is the rank's own id (``rank_job_id``), its events
+    and logs go there, and ``job_id`` here is the distributed job's id the user submitted
+    (``GPULAYER_JOB_ID``). Rank 0's node hosts the rendezvous at ``master_addr:master_port``
+    (an address its probe advertises, a port placement reserved for the job there)."""
+
+    job_id: str
+    rank: int
+    nnodes: int
+    nproc_per_node: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+class RankPlacement(Wire, frozen=True):
+    """Where one rank of a distributed job was placed (in its ``placed`` event)."""
+
+    rank: int
+    node_id: str
+    job_id: str
+    devices: list[int] = []
+
+
 class Grant(Wire, frozen=True):
     """Placement's decision, sent to the chosen node on ``gpulayer.node.<node>.grants``.
 
@@ -36,6 +66,9 @@ class Grant(Wire, frozen=True):
     # MIG instances granted (``MIG-...`` UUIDs): then ``devices`` are their parent GPUs, whose
     # device nodes the job must open, and CUDA_VISIBLE_DEVICES names the instances.
     instance_uuids: list[str] = []
+    # A rank of a distributed job: the executor sets the rendezvous environment and, with
+    # ``job.distributed.launcher = "torchrun"``, starts the command through torchrun.
+    gang: GangRank | None = None
 
 
 ExecState = Literal["running", "succeeded", "failed", "cancelled", "lost"]
@@ -108,16 +141,24 @@ class Placed(JobEvent, frozen=True, tag="placed", kw_only=True):
     accelerator: Accelerator
     devices: list[int] = []
     profile: str | None = None
+    # A distributed job: every rank, rank 0 first (``node_id``/``devices`` are rank 0's).
+    ranks: list[RankPlacement] = []
 
 
 class Running(JobEvent, frozen=True, tag="running", kw_only=True):
     node_id: str
     pid: int | None = None
+    # A rank of a distributed job: which one this report is about (a rank's own events,
+    # and the end of the distributed job that a rank caused).
+    rank: int | None = None
 
 
 class Succeeded(JobEvent, frozen=True, tag="succeeded", kw_only=True):
     node_id: str
     exit_code: int = 0
+    # A rank of a distributed job: which one this report is about (a rank's own events,
+    # and the end of the distributed job that a rank caused).
+    rank: int | None = None
 
 
 class Failed(JobEvent, frozen=True, tag="failed", kw_only=True):
@@ -125,16 +166,25 @@ class Failed(JobEvent, frozen=True, tag="failed", kw_only=True):
     exit_code: int | None = None
     signal: int | None = None
     reason: str | None = None
+    # A rank of a distributed job: which one this report is about (a rank's own events,
+    # and the end of the distributed job that a rank caused).
+    rank: int | None = None
 
 
 class Cancelled(JobEvent, frozen=True, tag="cancelled", kw_only=True):
     node_id: str | None = None
     reason: str | None = None
+    # A rank of a distributed job: which one this report is about (a rank's own events,
+    # and the end of the distributed job that a rank caused).
+    rank: int | None = None
 
 
 class Lost(JobEvent, frozen=True, tag="lost", kw_only=True):
     node_id: str | None = None
     reason: str | None = None
+    # A rank of a distributed job: which one this report is about (a rank's own events,
+    # and the end of the distributed job that a rank caused).
+    rank: int | None = None
 
 
 class Requeued(JobEvent, frozen=True, tag="requeued", kw_only=True):

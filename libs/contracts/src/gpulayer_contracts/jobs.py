@@ -20,6 +20,16 @@ PlatformFamily = Literal["linux", "darwin", "windows"]
 # A job id becomes one token of a NATS subject (gpulayer.job.<id>.events), so it may not hold
 # dots, wildcards or whitespace.
 JOB_ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
+# A rank of a distributed job is stored and granted as a job of its own, ``<job_id>-rank<R>``; a
+# submitted job id may not have that shape (it would collide with a rank).
+RANK_SUFFIX = "-rank"
+
+
+def rank_job_id(job_id: str, rank: int) -> str:
+    """The id of rank ``rank`` of distributed job ``job_id`` (its grant, status, events, logs)."""
+    return f"{job_id}{RANK_SUFFIX}{rank}"
+
+
 JobId = Annotated[str, msgspec.Meta(pattern=JOB_ID_PATTERN, description="Client-chosen job id")]
 
 # A runtime profile and its version, ``name@version`` (``torch-2.5-cu124@1``): a name of up to
