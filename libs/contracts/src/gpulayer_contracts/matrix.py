@@ -22,10 +22,13 @@ Mode = Literal["independent", "distributed"]
 SCHEDULABLE: frozenset[Level] = frozenset({"tested", "hardware-validated", "implemented"})
 
 SUPPORT_MATRIX: dict[Accelerator, dict[Mode, Level]] = {
-    "cpu": {"independent": "tested", "distributed": "unsupported"},
+    # Distributed (issue 14): gangs are placed across nodes (placement's tests); the node side
+    # raises cpu to tested once the gloo run through the whole stack passes.
+    "cpu": {"independent": "tested", "distributed": "implemented"},
     # tests/hardware passed on one NVIDIA H200 (2026-11-30, docs/hardware-validation.md): the
     # probe agreed with nvidia-smi and a one-GPU torch job ran through the whole stack.
-    "cuda": {"independent": "hardware-validated", "distributed": "unsupported"},
+    # Distributed cuda: planned and placed like cpu; NCCL never run.
+    "cuda": {"independent": "hardware-validated", "distributed": "implemented"},
     # No Apple machine has run the suite; MPS has no multi-node story at all.
     "mps": {"independent": "implemented", "distributed": "unsupported"},
     "rocm": {"independent": "detection-only", "distributed": "detection-only"},
