@@ -174,6 +174,11 @@ async def test_a_two_node_gang_is_placed_on_two_nodes_with_its_rendezvous_and_en
         (1, "a", "placed"),
     ]
     assert shown["rendezvous"] == "10.1.0.2:29500"
+    explained = await api(nc, API_EXPLAIN, job_id="g1")
+    assert explained["ranks"] == [
+        {"rank": 0, "node_id": "b", "devices": [0]},
+        {"rank": 1, "node_id": "a", "devices": [0]},
+    ]
 
     for g in (r0, r1):
         await report(nc, g, "running")

@@ -434,6 +434,8 @@ def _render_explain(console: Console, data: Any) -> None:
     console.print(f"[bold]{data['job_id']}[/bold] is {data['state']}")
     if "node_id" in data:
         console.print(f"placed on {data['node_id']} devices {data.get('devices')}")
+    for r in data.get("ranks", []):  # a distributed job: each rank's node
+        console.print(f"rank {r['rank']} on {r['node_id']} devices {r['devices']}")
     if data.get("note"):
         console.print(f"[yellow]{data['note']}[/]")
     console.print(data.get("summary", ""))

@@ -293,7 +293,14 @@ class Api:
             summary=decision.summary, reasons=decision.reasons, unsatisfiable=decision.unsatisfiable
         )
         out["policy"] = self._policy_note(row, decision.can_run_now > 0)
-        if row["state"] in ("placed", "running"):
+        if row["state"] in ("placed", "running") and row.get("is_gang"):
+            async with self.pool.acquire() as conn:
+                ranks = await Store.fetch(conn, "gang_ranks", q.job_id)
+            out["ranks"] = [
+                {"rank": r["rank"], "node_id": r["node_id"], "devices": list(r["devices"] or [])}
+                for r in ranks
+            ]
+        elif row["state"] in ("placed", "running"):
             out["node_id"] = row["node_id"]
             out["devices"] = list(row["devices"])
         view = self.fleet.get(row["node_id"]) if row["state"] == "placed" else None

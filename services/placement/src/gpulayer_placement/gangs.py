@@ -72,12 +72,20 @@ class Gangs:
         place_one: PlaceOne,
         *,
         reserve: bool,
+        failed: dict[bytes, NoPlacement],
+        key: bytes,
     ) -> NoPlacement | None:
-        """Place the gang of ``row`` whole into ``outcome`` (None), or say why it waits."""
+        """Place the gang of ``row`` whole into ``outcome`` (None), or say why it waits.
+        ``failed``: requirement sets that found too few nodes earlier in this pass (capacity
+        only shrinks during a pass), under ``key``."""
         job_id = row["job_id"]
         priority = row.get("priority") or 0
         t0 = time.time_ns()
-        decision = match_gang(job, self.fleet.rotated())
+        decision: GangPlacement | NoPlacement | None = failed.get(key)
+        if decision is None:
+            decision = match_gang(job, self.fleet.rotated())
+            if isinstance(decision, NoPlacement):
+                failed[key] = decision
         if isinstance(decision, GangPlacement):
             decision = self._admit(job_id, job, decision, owner, priority)
         if isinstance(decision, NoPlacement):

@@ -241,7 +241,7 @@ class Scheduler:
                 self._isolate_job(job_id, err, outcome)
                 continue
             if is_gang(job):
-                self._gang(row, job, owner, outcome)
+                self._gang(row, job, owner, outcome, failed, key)
                 continue
             tel = self.tel.enabled
             t0 = time.time_ns() if tel else 0
@@ -271,12 +271,27 @@ class Scheduler:
                     outcome.waiting.append((job_id, decision))
                     outcome.owners[job_id] = owner
 
-    def _gang(self, row: asyncpg.Record, job: JobRequest, owner: str, outcome: Outcome) -> None:
+    def _gang(
+        self,
+        row: asyncpg.Record,
+        job: JobRequest,
+        owner: str,
+        outcome: Outcome,
+        failed: dict[bytes, NoPlacement],
+        key: bytes,
+    ) -> None:
         """A distributed job: placed whole (all its ranks) or waiting, with why (gangs.py)."""
         job_id = row["job_id"]
         try:
             why = self.gangs.match_row(
-                row, job, owner, outcome, self._placed, reserve=self._may_reserve
+                row,
+                job,
+                owner,
+                outcome,
+                self._placed,
+                reserve=self._may_reserve,
+                failed=failed,
+                key=key,
             )
         except Exception as err:
             outcome.owners[job_id] = owner
