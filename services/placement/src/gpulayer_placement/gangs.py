@@ -130,9 +130,10 @@ class Gangs:
         again = match_gang(job, [v for v in self.fleet.rotated() if v.node_id not in kept])
         if isinstance(again, GangPlacement):
             return again
+        where = f"node {r.node_id} is" if not r.nodes else f"nodes {', '.join(sorted(kept))} are"
         why = (
-            f"nodes {', '.join(sorted(kept))} are kept for job {r.job_id}, waiting longer for "
-            "its devices; this job's timeout_s does not end before that job can start"
+            f"{where} kept for job {r.job_id}, waiting longer for its devices; this job's "
+            "timeout_s does not end before that job can start"
         )
         return NoPlacement(summary=why, reasons=[why, *again.reasons], unsatisfiable=False)
 
