@@ -6,6 +6,7 @@ are rebuilt in nvidia-smi's format, which are synthetic).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,13 +18,15 @@ from gpulayer_contracts.health import DeviceObservation
 from gpulayer_contracts.validation import visibility_env
 from gpulayer_detection.base import ProbeContext
 from gpulayer_detection.health import Tracker, classify
-from gpulayer_detection.nvidia import NvidiaProbe, parse_nvidia_smi
+from gpulayer_detection.nvidia import NvidiaProbe, mig_devices, parse_nvidia_smi
 from gpulayer_detection.observe import (
     OBSERVE_FIELDS,
     gpu_device_files,
+    mig_shares,
     observe,
     parse_mig_listing,
     parse_mig_memory,
+    parse_mig_table,
     parse_observations,
 )
 from gpulayer_detection.runner import Runner, RunResult
@@ -150,6 +153,31 @@ async def test_observe_runs_the_query_and_keeps_going_on_a_lost_gpu() -> None:
     assert result.argv[1] == f"--query-gpu={','.join(OBSERVE_FIELDS)}"
 
 
+def test_a_recorded_double_bit_error_then_the_reset_that_cleared_it() -> None:
+    # An RTX PRO 6000 Blackwell whose GPU 1 had a DRAM double-bit error (2 volatile, 2
+    # aggregate, a row remap pending), then the same GPUs after `nvidia-smi -i 1 -r`: values
+    # transcribed from the public post named in tests/fixtures/README.md.
+    before = parse_observations(text("ecc-dbe-rtx-pro-6000", "observe.txt"))
+    ok, dbe = before.devices
+    assert before.buses == {"00000000:54:00.0": 0, "00000000:55:00.0": 1}
+    assert (ok.temperature_c, ok.power_w, ok.memory_used_mib) == (27, 34.0, 0)
+    assert (dbe.ecc_uncorrected_volatile, dbe.ecc_uncorrected_aggregate) == (2, 2)
+    assert dbe.remapped_rows_pending is True
+    assert dbe.memory_free_mib is None  # a column the transcription doesn't have
+    assert classify(ok) == ("healthy", None)
+    assert classify(dbe) == ("unhealthy", "2 uncorrected ECC errors since the driver loaded")
+    # After the reset: volatile back to 0, the lifetime count stays 2, the remap applied.
+    after = parse_observations(text("ecc-dbe-rtx-pro-6000", "observe-after-reset.txt"))
+    cleared = after.devices[1]
+    assert (cleared.ecc_uncorrected_volatile, cleared.ecc_uncorrected_aggregate) == (0, 2)
+    assert cleared.remapped_rows_pending is False
+    assert classify(cleared) == ("healthy", None)  # the lifetime count alone never judges
+    t = Tracker(recover_after=2)
+    assert [d.health for d in t.update(before.devices)] == ["healthy", "unhealthy"]
+    assert t.update(after.devices)[1].health == "unhealthy"  # 1 clean observation
+    assert t.update(after.devices)[1].health == "healthy"  # 2: recovered
+
+
 def test_hysteresis_recovers_after_clean_observations_only() -> None:
     sick = DeviceObservation(index=3, ecc_uncorrected_volatile=1)
     clean = DeviceObservation(index=3, ecc_uncorrected_volatile=0)
@@ -183,11 +211,76 @@ def test_mig_listings_with_mixed_gpus_and_profiles() -> None:
     assert [(i.device, i.profile) for i in big[0]] == [(0, "3g.40gb"), (1, "3g.40gb")]
 
 
+def test_mig_listing_h100_mixed_profiles() -> None:
+    # NVIDIA's MIG user guide (R570): one H100 with a 3g.40gb GPU instance split into three
+    # 1c compute instances, and two 1g.10gb instances.
+    listing = parse_mig_listing(text("mig-listings", "h100-80gb-3x1c3g40gb-2x1g10gb.txt"))
+    (instances,) = listing.values()
+    assert [(i.parent, i.device, i.profile) for i in instances] == [
+        (0, 0, "1c.3g.40gb"),
+        (0, 1, "1c.3g.40gb"),
+        (0, 2, "1c.3g.40gb"),
+        (0, 3, "1g.10gb"),
+        (0, 4, "1g.10gb"),
+    ]
+    assert instances[3].uuid == "MIG-b4b2228d-6933-5839-bc0e-41ab9edb61c6"
+
+
+def test_mig_listing_a100_seven_1g5gb_and_every_r470_shape() -> None:
+    # NVIDIA's MIG user guide (R470): eight A100-SXM4-40GB configured differently, GPU lines
+    # indented as the guide prints them (the parser used to find no GPU line there at all).
+    listing = parse_mig_listing(text("mig-listings", "a100-40gb-8x-r470.txt"))
+    assert sorted(listing) == list(range(8))
+    assert [i.profile for i in listing[0]] == ["1g.5gb"] * 7
+    assert [i.device for i in listing[0]] == list(range(7))
+    assert [i.profile for i in listing[6]] == ["1c.7g.40gb", "2c.7g.40gb", "3c.7g.40gb"]
+    assert [i.profile for i in listing[7]] == ["4g.20gb", "2g.10gb", "1g.5gb"]
+    assert sum(len(v) for v in listing.values()) == 7 + 3 + 2 + 1 + 6 + 1 + 3 + 3
+
+
 def test_mig_memory_from_the_mig_devices_table() -> None:
     # Rows as nvitop#8 shows them (A100-SXM4-80GB, 19968 MiB instances).
     memory = parse_mig_memory(text("a100-sxm4-80gb-mig-2g20gb", "smi.txt"))
     assert memory == {(1, 0): 19968, (1, 1): 19968, (1, 2): 19968}
     assert parse_mig_memory(text("h200-1x", "smi.txt")) == {}
+    # R535's table (a verbatim plain nvidia-smi): 1g.10gb is 9728 MiB on an A100 80GB.
+    verbatim = parse_mig_memory(text("a100-pcie-80gb-2x-whole-2x-mig7-1g10gb", "smi.txt"))
+    assert verbatim == {(g, d): 9728 for g in (2, 3) for d in range(7)}
+    # R570's wider table, four profiles on one GPU (all-balanced on an A100 80GB PCIe).
+    r570 = parse_mig_memory(text("mig-listings", "smi-a100-80gb-pcie-r570-all-balanced.txt"))
+    assert r570 == {(0, 0): 40192, (0, 1): 19968, (0, 2): 9728, (0, 3): 9728}
+
+
+def test_compute_instances_of_one_gpu_instance_share_its_memory() -> None:
+    # NVIDIA's MIG user guide: GPU instance 1 (3g.20gb, 20224 MiB) split into three compute
+    # instances; nvidia-smi prints the memory on the first row only.
+    rows = parse_mig_table(text("mig-listings", "smi-a100-40gb-gi1-3ci.txt"))
+    assert [(r.gi, r.ci, r.device, r.total_mib) for r in rows] == [
+        (1, 0, 0, 20224),
+        (1, 1, 1, None),
+        (1, 2, 2, None),
+    ]
+    shares = mig_shares(rows)
+    assert shares == {(0, 0): (1, 2), (0, 1): (0, 2), (0, 2): (0, 1)}
+    # Three 1c.3g.20gb devices (their -L lines as the guide lists them for its GPU 4): only
+    # the one with the memory figure is offered, so no two jobs are promised the same 20 GB.
+    listing = parse_mig_listing(text("mig-listings", "a100-40gb-8x-r470.txt"))
+    parent = parse_nvidia_smi(
+        "0, GPU-74fa9fb7-ccf6-8234-e597-7af8ace9a8f5, A100-SXM4-40GB, 40960, 8.0, 470.42.01,"
+        " Default, Enabled\n"
+    )[0]
+    instances = [dataclasses.replace(i, parent=0) for i in listing[4][:3]]
+    memory = {(r.gpu, r.device): r.total_mib for r in rows if r.total_mib}
+    first, second, third = mig_devices(parent, instances, memory, shares)
+    assert (first.mig_profile, first.memory_mib, first.execution_supported) == (
+        "1c.3g.20gb",
+        20224,
+        True,
+    )
+    assert "shares its GPU instance's 20224 MiB with MIG device(s) 1, 2" in first.notes[0]
+    for d in (second, third):
+        assert (d.memory_mib, d.execution_supported) == (None, False)
+        assert "not offered: shares its GPU instance's memory with MIG device 0" in d.notes[0]
 
 
 async def test_mig_instances_are_devices_of_their_own() -> None:
@@ -211,6 +304,31 @@ async def test_mig_instances_are_devices_of_their_own() -> None:
     assert env["CUDA_VISIBLE_DEVICES"] == instances[1].uuid
     assert env["GPULAYER_DEVICES"] == "1"
     assert visibility_env("cuda", devices, False, uuids)["CUDA_VISIBLE_DEVICES"] == ""
+
+
+async def test_a_verbatim_1g10gb_table_gives_each_instance_its_memory() -> None:
+    # Two whole A100 80GB PCIe and two in MIG with 7x 1g.10gb each: plain nvidia-smi verbatim
+    # from a public post, -L and the query rebuilt around it (tests/fixtures/README.md).
+    ctx = ProbeContext(
+        run=runner("a100-pcie-80gb-2x-whole-2x-mig7-1g10gb"),
+        timeout=5,
+        system="linux",
+        machine="x86_64",
+    )
+    found = await NvidiaProbe().probe(ctx)
+    whole = [d for d in found.accelerators if d.mig_parent is None]
+    instances = [d for d in found.accelerators if d.mig_parent is not None]
+    assert [(d.index, d.execution_supported) for d in whole] == [
+        (0, True),
+        (1, True),
+        (2, False),
+        (3, False),
+    ]
+    assert [(d.index, d.mig_profile, d.memory_mib) for d in instances] == [
+        (mig_index(g, n), "1g.10gb", 9728) for g in (2, 3) for n in range(7)
+    ]
+    assert all(d.execution_supported and not d.notes for d in instances)
+    assert "2 usable whole, 14 MIG instance(s)" in found.host_apis["cuda"]
 
 
 async def test_mig_instances_without_a_memory_row_have_unknown_memory() -> None:
