@@ -386,3 +386,41 @@ def test_observation_bounds_refuse_nan_and_huge_values() -> None:
     assert any("temperature_c" in e for e in errors)
     assert any("ecc_uncorrected_volatile" in e for e in errors)
     assert any("NUL" in e for e in errors)
+
+
+def test_drift_between_two_detections_of_a_recorded_node() -> None:
+    from datetime import UTC, datetime
+
+    from gpulayer_contracts.capabilities import WorkerCapabilities
+    from gpulayer_contracts.health import drift, vanished
+
+    def caps(query: str) -> WorkerCapabilities:
+        return WorkerCapabilities(
+            node_id="n",
+            agent_version="test",
+            detected_at=datetime.now(UTC),
+            accelerators=parse_nvidia_smi(query),
+        )
+
+    before = text("h100-dgx-8x", "query.txt")
+    # After a driver update GPU 5 no longer answers and GPU 2 reports less memory (ECC mode
+    # toggled, say): each is drift, and only the vanished one loses its jobs.
+    rows = before.replace("535.129.03", "550.54.15").splitlines()
+    rows = [r for r in rows if not r.startswith("5,")]
+    rows = [r.replace("81559", "80000") if r.startswith("2,") else r for r in rows]
+    old, new = caps(before), caps("\n".join(rows) + "\n")
+    changes = drift(old, new)
+    assert len([c for c in changes if "driver 535.129.03 -> 550.54.15" in c]) == 7
+    assert [c for c in changes if "vanished" in c] == [
+        "cuda device 5 (GPU, GPU-8d116ece-1738-f7d9-3d9c-172411e20b8f) vanished from node n"
+    ]
+    assert any(c.startswith("cuda device 2 ") and "memory 81559 -> 80000 MiB" in c for c in changes)
+    assert list(vanished(old, new)) == [5]
+    assert drift(old, old) == []
+    # MIG turned on for GPUs 2 and 3: neither is usable whole any more, and nothing else moved.
+    query = text("a100-pcie-80gb-2x-whole-2x-mig7-1g10gb", "query.txt")
+    changes = drift(caps(query.replace("Enabled", "Disabled")), caps(query))
+    assert [c.split(" (", 1)[0] + ": " + c.rsplit(": ", 1)[1] for c in changes] == [
+        "cuda device 2: no longer usable",
+        "cuda device 3: no longer usable",
+    ]
