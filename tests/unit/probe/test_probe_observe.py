@@ -424,3 +424,39 @@ def test_drift_between_two_detections_of_a_recorded_node() -> None:
         "cuda device 2: no longer usable",
         "cuda device 3: no longer usable",
     ]
+
+
+def test_one_job_per_gpu_instance_split_into_compute_instances() -> None:
+    # The guide's GI 1 (three compute instances, 20224 MiB between them) as detection offers
+    # it: a 10 GB job gets the instance holding the memory; while it runs, a second 10 GB job
+    # gets none of the other two, which would share that memory.
+    from datetime import UTC, datetime
+
+    from gpulayer_contracts.capabilities import WorkerCapabilities
+    from gpulayer_contracts.jobs import JobRequest, Requirements
+    from gpulayer_matching import NodeView, Placement, match
+
+    rows = parse_mig_table(text("mig-listings", "smi-a100-40gb-gi1-3ci.txt"))
+    listing = parse_mig_listing(text("mig-listings", "a100-40gb-8x-r470.txt"))
+    (parent,) = parse_nvidia_smi(
+        "0, GPU-74fa9fb7-ccf6-8234-e597-7af8ace9a8f5, A100-SXM4-40GB, 40960, 8.0, 470.42.01,"
+        " Default, Enabled\n"
+    )
+    instances = [dataclasses.replace(i, parent=0) for i in listing[4][:3]]
+    memory = {(r.gpu, r.device): r.total_mib for r in rows if r.total_mib}
+    caps = WorkerCapabilities(
+        node_id="ci",
+        agent_version="t",
+        detected_at=datetime.now(UTC),
+        accelerators=[parent, *mig_devices(parent, instances, memory, mig_shares(rows))],
+    )
+    ten = JobRequest(
+        job_id="j",
+        command=["true"],
+        requirements=Requirements(accelerator="cuda", gpu_count=1, gpu_memory_gb=10),
+    )
+    placed = match(ten, [NodeView(node_id="ci", capabilities=caps)])
+    assert isinstance(placed, Placement)
+    assert placed.devices == [mig_index(0, 0)]
+    busy = NodeView(node_id="ci", capabilities=caps, exclusive=frozenset({mig_index(0, 0)}))
+    assert not isinstance(match(ten, [busy]), Placement)
