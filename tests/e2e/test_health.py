@@ -196,7 +196,7 @@ async def test_a_1g10gb_mig_instance_runs_a_10gb_job(
 ) -> None:
     await ensure_streams(nc.jetstream())
     # Two whole A100 80GB PCIe (GPUs 0-1) and two in MIG with 7x 1g.10gb each (GPUs 2-3):
-    # plain nvidia-smi verbatim from a public post (9728 MiB per instance), -L rebuilt.
+    # plain nvidia-smi rebuilt in the shape of a public post (9728 MiB per instance), -L ours.
     scenario = NVIDIA / "a100-pcie-80gb-2x-whole-2x-mig7-1g10gb"
     listing = (scenario / "list.txt").read_text().splitlines()
     first_instance = listing[3].split("UUID: ")[1].rstrip(")")  # GPU 2, MIG device 0

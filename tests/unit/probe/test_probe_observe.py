@@ -1,7 +1,7 @@
 """Observations, health and MIG instances from recorded nvidia-smi output (no subprocess).
 
-Sources of the recordings: tests/fixtures/README.md (which are verbatim public captures, which
-are rebuilt in nvidia-smi's format, which are synthetic).
+Sources of the recordings: tests/fixtures/README.md (which is our own capture, which are
+rebuilt in the shape of public outputs, which are transcribed, which are synthetic).
 """
 
 from __future__ import annotations
@@ -119,8 +119,8 @@ def test_gpu_is_lost_names_the_device_by_its_bus_id() -> None:
     alone = parse_observations(text("gpu-lost", "observe.txt"))
     assert [d.index for d in alone.devices] == [0, 2]
     assert any("GPU is lost" in n and "index is unknown" in n for n in alone.notes)
-    # With the bus ids of an earlier pass (0000:02:00.0 was index 1) it is device 1, lost.
-    seen = parse_observations(text("gpu-lost", "observe.txt"), buses={"00000000:02:00.0": 1})
+    # With the bus ids of an earlier pass (0000:4F:00.0 was index 1) it is device 1, lost.
+    seen = parse_observations(text("gpu-lost", "observe.txt"), buses={"00000000:4F:00.0": 1})
     lost = seen.devices[1]
     assert (lost.index, lost.state) == (1, "lost")
     assert classify(lost)[0] == "unhealthy"
@@ -147,7 +147,7 @@ async def test_probe_offers_the_answering_gpus_when_one_is_lost() -> None:
 
 
 async def test_observe_runs_the_query_and_keeps_going_on_a_lost_gpu() -> None:
-    seen, result = await observe(runner("gpu-lost"), 5, {"00000000:02:00.0": 1})
+    seen, result = await observe(runner("gpu-lost"), 5, {"00000000:4F:00.0": 1})
     assert result.returncode == 15
     assert [(d.index, d.state) for d in seen.devices] == [(0, "ok"), (1, "lost"), (2, "ok")]
     assert result.argv[1] == f"--query-gpu={','.join(OBSERVE_FIELDS)}"
@@ -192,13 +192,13 @@ def test_hysteresis_recovers_after_clean_observations_only() -> None:
 
 
 def test_mig_listing_a100_seven_1g10gb() -> None:
-    # Verbatim `nvidia-smi -L` from DataDog/datadog-agent#33120.
+    # `nvidia-smi -L` rebuilt in the shape DataDog/datadog-agent#33120 shows (UUIDs ours).
     listing = parse_mig_listing(text("a100-sxm4-80gb-mig7-1g10gb", "list.txt"))
     (instances,) = listing.values()
     assert [(i.parent, i.device, i.profile) for i in instances] == [
         (0, n, "1g.10gb") for n in range(7)
     ]
-    assert instances[0].uuid == "MIG-feb88891-0321-5fef-9c87-d4af3b54259e"
+    assert instances[0].uuid == "MIG-67698fbe-852f-4983-a8ef-9a403b08c456"
 
 
 def test_mig_listings_with_mixed_gpus_and_profiles() -> None:
@@ -223,7 +223,7 @@ def test_mig_listing_h100_mixed_profiles() -> None:
         (0, 3, "1g.10gb"),
         (0, 4, "1g.10gb"),
     ]
-    assert instances[3].uuid == "MIG-b4b2228d-6933-5839-bc0e-41ab9edb61c6"
+    assert instances[3].uuid == "MIG-1d9f0039-f917-49a1-84e0-e13e97c13889"
 
 
 def test_mig_listing_a100_seven_1g5gb_and_every_r470_shape() -> None:
@@ -243,22 +243,23 @@ def test_mig_memory_from_the_mig_devices_table() -> None:
     memory = parse_mig_memory(text("a100-sxm4-80gb-mig-2g20gb", "smi.txt"))
     assert memory == {(1, 0): 19968, (1, 1): 19968, (1, 2): 19968}
     assert parse_mig_memory(text("h200-1x", "smi.txt")) == {}
-    # R535's table (a verbatim plain nvidia-smi): 1g.10gb is 9728 MiB on an A100 80GB.
-    verbatim = parse_mig_memory(text("a100-pcie-80gb-2x-whole-2x-mig7-1g10gb", "smi.txt"))
-    assert verbatim == {(g, d): 9728 for g in (2, 3) for d in range(7)}
+    # R535's table (plain nvidia-smi rebuilt from a public post): 1g.10gb is 9728 MiB on an
+    # A100 80GB.
+    r535 = parse_mig_memory(text("a100-pcie-80gb-2x-whole-2x-mig7-1g10gb", "smi.txt"))
+    assert r535 == {(g, d): 9728 for g in (2, 3) for d in range(7)}
     # R570's wider table, four profiles on one GPU (all-balanced on an A100 80GB PCIe).
     r570 = parse_mig_memory(text("mig-listings", "smi-a100-80gb-pcie-r570-all-balanced.txt"))
     assert r570 == {(0, 0): 40192, (0, 1): 19968, (0, 2): 9728, (0, 3): 9728}
 
 
 def test_compute_instances_of_one_gpu_instance_share_its_memory() -> None:
-    # NVIDIA's MIG user guide: GPU instance 1 (3g.20gb, 20224 MiB) split into three compute
-    # instances; nvidia-smi prints the memory on the first row only.
-    rows = parse_mig_table(text("mig-listings", "smi-a100-40gb-gi1-3ci.txt"))
+    # In the shape of NVIDIA's MIG user guide: GPU instance 2 (3g.20gb, 20224 MiB) split into
+    # three compute instances; nvidia-smi prints the memory on the first row only.
+    rows = parse_mig_table(text("mig-listings", "smi-a100-40gb-gi2-3ci.txt"))
     assert [(r.gi, r.ci, r.device, r.total_mib) for r in rows] == [
-        (1, 0, 0, 20224),
-        (1, 1, 1, None),
-        (1, 2, 2, None),
+        (2, 0, 0, 20224),
+        (2, 1, 1, None),
+        (2, 2, 2, None),
     ]
     shares = mig_shares(rows)
     assert shares == {(0, 0): (1, 2), (0, 1): (0, 2), (0, 2): (0, 1)}
@@ -266,7 +267,7 @@ def test_compute_instances_of_one_gpu_instance_share_its_memory() -> None:
     # the one with the memory figure is offered, so no two jobs are promised the same 20 GB.
     listing = parse_mig_listing(text("mig-listings", "a100-40gb-8x-r470.txt"))
     parent = parse_nvidia_smi(
-        "0, GPU-74fa9fb7-ccf6-8234-e597-7af8ace9a8f5, A100-SXM4-40GB, 40960, 8.0, 470.42.01,"
+        "0, GPU-0dab02e1-2285-4b0d-9b5a-2f1d3b02ac82, A100-SXM4-40GB, 40960, 8.0, 470.42.01,"
         " Default, Enabled\n"
     )[0]
     instances = [dataclasses.replace(i, parent=0) for i in listing[4][:3]]
@@ -306,9 +307,9 @@ async def test_mig_instances_are_devices_of_their_own() -> None:
     assert visibility_env("cuda", devices, False, uuids)["CUDA_VISIBLE_DEVICES"] == ""
 
 
-async def test_a_verbatim_1g10gb_table_gives_each_instance_its_memory() -> None:
-    # Two whole A100 80GB PCIe and two in MIG with 7x 1g.10gb each: plain nvidia-smi verbatim
-    # from a public post, -L and the query rebuilt around it (tests/fixtures/README.md).
+async def test_a_1g10gb_table_gives_each_instance_its_memory() -> None:
+    # Two whole A100 80GB PCIe and two in MIG with 7x 1g.10gb each: plain nvidia-smi rebuilt
+    # in the shape of a public post, -L and the query around it (tests/fixtures/README.md).
     ctx = ProbeContext(
         run=runner("a100-pcie-80gb-2x-whole-2x-mig7-1g10gb"),
         timeout=5,
@@ -427,19 +428,19 @@ def test_drift_between_two_detections_of_a_recorded_node() -> None:
 
 
 def test_one_job_per_gpu_instance_split_into_compute_instances() -> None:
-    # The guide's GI 1 (three compute instances, 20224 MiB between them) as detection offers
-    # it: a 10 GB job gets the instance holding the memory; while it runs, a second 10 GB job
-    # gets none of the other two, which would share that memory.
+    # GI 2 in the guide's shape (three compute instances, 20224 MiB between them) as detection
+    # offers it: a 10 GB job gets the instance holding the memory; while it runs, a second
+    # 10 GB job gets none of the other two, which would share that memory.
     from datetime import UTC, datetime
 
     from gpulayer_contracts.capabilities import WorkerCapabilities
     from gpulayer_contracts.jobs import JobRequest, Requirements
     from gpulayer_matching import NodeView, Placement, match
 
-    rows = parse_mig_table(text("mig-listings", "smi-a100-40gb-gi1-3ci.txt"))
+    rows = parse_mig_table(text("mig-listings", "smi-a100-40gb-gi2-3ci.txt"))
     listing = parse_mig_listing(text("mig-listings", "a100-40gb-8x-r470.txt"))
     (parent,) = parse_nvidia_smi(
-        "0, GPU-74fa9fb7-ccf6-8234-e597-7af8ace9a8f5, A100-SXM4-40GB, 40960, 8.0, 470.42.01,"
+        "0, GPU-0dab02e1-2285-4b0d-9b5a-2f1d3b02ac82, A100-SXM4-40GB, 40960, 8.0, 470.42.01,"
         " Default, Enabled\n"
     )
     instances = [dataclasses.replace(i, parent=0) for i in listing[4][:3]]
