@@ -191,23 +191,44 @@ async def test_unhealthy_vanished_and_recovered_devices(
     assert "device 5" in probe_log
 
 
-async def test_a_mig_instance_runs_a_10gb_job(
+async def test_a_1g10gb_mig_instance_runs_a_10gb_job(
     nc: Client, nats_url: str, database_url: str, tmp_path: Path, events: Events
 ) -> None:
     await ensure_streams(nc.jetstream())
+    # Two whole A100 80GB PCIe (GPUs 0-1) and two in MIG with 7x 1g.10gb each (GPUs 2-3):
+    # plain nvidia-smi rebuilt in the shape of a public post (9728 MiB per instance), -L ours.
+    scenario = NVIDIA / "a100-pcie-80gb-2x-whole-2x-mig7-1g10gb"
+    listing = (scenario / "list.txt").read_text().splitlines()
+    first_instance = listing[3].split("UUID: ")[1].rstrip(")")  # GPU 2, MIG device 0
+    assert first_instance.startswith("MIG-"), listing[3]
     out = tmp_path / "visible.txt"
     async with Services() as services:
-        await start_node(
-            nc, nats_url, database_url, tmp_path, "mig-node", NVIDIA / "a100-sxm4-80gb-mig-2g20gb",
-            services,
-        )  # fmt: skip
-        # A whole-GPU job (no memory figure) takes GPU 0: never the MIG-enabled GPU 1.
-        await submit(nc, {"job_id": "whole", "command": ["sleep", "60"],
+        await start_node(nc, nats_url, database_url, tmp_path, "mig-node", scenario, services)
+
+        async def placed_on(job_id: str) -> list[int]:
+            placed = await events.wait(lambda e: e.job_id == job_id and tag(e) == "placed")
+            return list(getattr(placed, "devices", []))
+
+        # Whole-GPU jobs (no memory figure): the two whole GPUs, never a MIG-enabled one.
+        await submit(nc, {"job_id": "whole2", "command": ["sleep", "120"],
+                          "requirements": {"accelerator": "cuda", "gpu_count": 2}})  # fmt: skip
+        assert await placed_on("whole2") == [0, 1]
+        # With both whole GPUs taken, a one-GPU job waits although 14 instances are free.
+        await submit(nc, {"job_id": "whole1", "command": ["true"],
                           "requirements": {"accelerator": "cuda", "gpu_count": 1}})  # fmt: skip
-        placed = await events.wait(lambda e: e.job_id == "whole" and tag(e) == "placed")
-        assert getattr(placed, "devices", None) == [0]
-        # A 10 GB job: GPU 0 is taken, GPU 1 is MIG only: it gets an instance.
-        script = f"import os; open({str(out)!r}, 'w').write(os.environ['CUDA_VISIBLE_DEVICES'])"
+        await events.wait(lambda e: e.job_id == "whole1" and tag(e) == "pending")
+        # Three whole GPUs: the node has two; explain names the instance profile it has.
+        await submit(nc, {"job_id": "whole3", "command": ["true"],
+                          "requirements": {"accelerator": "cuda", "gpu_count": 3}})  # fmt: skip
+        await events.wait(lambda e: e.job_id == "whole3" and tag(e) == "pending")
+        why = await api(nc, API_EXPLAIN, {"job_id": "whole3"})
+        assert "only MIG instances (seen: 1g.10gb)" in why["summary"], why
+
+        # A 10 GB job lands on a 1g.10gb instance (9728 MiB holds 10 * 10^9 bytes).
+        script = (
+            f"import os; open({str(out)!r}, 'w').write("
+            "os.environ['CUDA_VISIBLE_DEVICES'] + ' ' + os.environ['GPULAYER_DEVICES'])"
+        )
         await submit(
             nc,
             {
@@ -217,14 +238,15 @@ async def test_a_mig_instance_runs_a_10gb_job(
                 "sandbox": {"devices": {"gpu": "compute"}},
             },
         )
-        placed = await events.wait(lambda e: e.job_id == "mig10" and tag(e) == "placed")
-        assert getattr(placed, "devices", None) == [1]  # the instance's parent GPU
+        assert await placed_on("mig10") == [2]  # the instance's parent GPU
         done = await events.wait(
             lambda e: e.job_id == "mig10" and tag(e) in ("succeeded", "failed", "lost")
         )
         assert tag(done) == "succeeded", done
-    visible = out.read_text()
-    assert visible == "MIG-4b1e7c2a-59d3-5f0e-9a61-2d8c3f7b0e41", visible
+        # The one-GPU whole job is still waiting: the free instances were never offered to it.
+        assert not [e for e in events.seen if e.job_id == "whole1" and tag(e) == "placed"]
+        assert (await api(nc, API_EXPLAIN, {"job_id": "whole1"}))["state"] == "pending"
+    assert out.read_text() == f"{first_instance} 2"
 
 
 async def cli(*args: str, env: dict[str, str]) -> tuple[int, str, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from rich.console import Console
 
@@ -115,3 +116,47 @@ def test_identical_devices_read_as_one_line_with_their_index_ranges() -> None:
     apple = {"accelerator": "mps", "index": 0, "name": "Apple M2 Max", "memory_mib": 65536}
     apple |= {"memory_kind": "unified", "execution_supported": True}
     assert device_groups([apple]) == ["mps:0 Apple M2 Max, 68.7 GB unified"]
+
+
+def test_nodes_devices_shows_each_devices_health_and_why() -> None:
+    # `gpulayer nodes --devices` over the recorded double-bit ECC error (tests/fixtures/README).
+    from pathlib import Path
+
+    import msgspec
+
+    from gpulayer_cli.doctor import render_node_devices
+    from gpulayer_detection.health import Tracker
+    from gpulayer_detection.observe import parse_observations
+
+    recording = Path(__file__).resolve().parents[1] / "fixtures" / "nvidia-smi"
+    observed = parse_observations((recording / "ecc-dbe-rtx-pro-6000" / "observe.txt").read_text())
+    devices = Tracker().update(observed.devices)
+    reason = "2 uncorrected ECC errors since the driver loaded"
+    nodes: list[dict[str, Any]] = [
+        {
+            "node_id": "gpu-node-a",
+            "health": {
+                "health": "unhealthy",
+                "observed_at": NOW.isoformat(),
+                "devices": msgspec.to_builtins(devices),
+                "held_back": {"1": f"unhealthy: {reason}"},
+                "notes": [],
+            },
+        },
+        {"node_id": "quiet-node", "health": None},
+    ]
+    out = io.StringIO()
+    render_node_devices(Console(width=160, file=out), nodes)
+    text = out.getvalue()
+    assert "gpu-node-a: unhealthy (observed 2026-11-29T12:00:00)" in text
+    rows = [
+        [cell.strip() for cell in line.split("│")[1:-1]]
+        for line in text.splitlines()
+        if line.startswith("│ ") and line[2].isdigit()
+    ]
+    # GPU, health, util, memory used, temp, power, ECC uncorr. (volatile/aggregate), why
+    assert rows == [
+        ["0", "healthy", "0%", "0 MiB", "27C", "34 W", "0/0", ""],
+        ["1", "unhealthy", "0%", "0 MiB", "27C", "35 W", "2/2", reason],
+    ]
+    assert "quiet-node: no observations yet" in text

@@ -17,7 +17,12 @@ import msgspec
 
 from gpulayer_contracts.capabilities import MIG_INDEX_STRIDE, AcceleratorDevice, mig_index
 from gpulayer_detection.base import Finding, ProbeContext
-from gpulayer_detection.observe import MigInstance, parse_mig_listing, parse_mig_memory
+from gpulayer_detection.observe import (
+    MigInstance,
+    mig_shares,
+    parse_mig_listing,
+    parse_mig_table,
+)
 from gpulayer_detection.runner import RunResult
 
 QUERY_FIELDS: tuple[str, ...] = (
@@ -163,20 +168,40 @@ def _device(values: dict[str, str], cuda_driver_version: str | None) -> Accelera
 
 
 def mig_devices(
-    parent: AcceleratorDevice, instances: list[MigInstance], memory: dict[tuple[int, int], int]
+    parent: AcceleratorDevice,
+    instances: list[MigInstance],
+    memory: dict[tuple[int, int], int],
+    shares: dict[tuple[int, int], tuple[int, ...]] | None = None,
 ) -> list[AcceleratorDevice]:
     """A MIG-enabled GPU's instances as devices of their own (``mig_index`` numbering), with
-    the memory plain nvidia-smi's MIG table gives each (unknown, and noted, without a row)."""
+    the memory plain nvidia-smi's MIG table gives each (unknown, and noted, without a row).
+
+    Compute instances of one GPU instance (``1c.3g.40gb`` x 3) share its memory: only the one
+    the table gives the memory to is offered, so no two jobs are promised the same memory."""
     out = []
     for inst in instances:
         if inst.device >= MIG_INDEX_STRIDE:
             continue  # no GPU has 100 MIG devices; such a line is not one nvidia-smi writes
-        mib = memory.get((parent.index, inst.device))
-        notes = (
-            []
-            if mib is not None
-            else ["memory unknown: no row for this MIG device in nvidia-smi's MIG devices table"]
-        )
+        key = (parent.index, inst.device)
+        mib = memory.get(key)
+        others = (shares or {}).get(key, ())
+        usable = True
+        if others and mib is not None:
+            notes = [
+                f"shares its GPU instance's {mib} MiB with MIG device(s) "
+                f"{', '.join(map(str, others))}, which are not offered"
+            ]
+        elif others:
+            usable = False
+            holder = [d for d in others if (parent.index, d) in memory]
+            notes = [
+                "not offered: shares its GPU instance's memory with MIG device "
+                f"{holder[0] if holder else others[0]} (a compute instance of the same GI)"
+            ]
+        elif mib is None:
+            notes = ["memory unknown: no row for this MIG device in nvidia-smi's MIG devices table"]
+        else:
+            notes = []
         out.append(
             msgspec.structs.replace(
                 parent,
@@ -188,7 +213,7 @@ def mig_devices(
                 mig_mode=None,
                 mig_parent=parent.index,
                 mig_profile=inst.profile,
-                execution_supported=True,
+                execution_supported=usable,
                 notes=notes,
             )
         )
@@ -292,7 +317,9 @@ async def _with_mig(
         found.note(f"MIG instances unknown: nvidia-smi -L gave {listing.describe()}")
         return devices
     instances = parse_mig_listing(listing.stdout)
-    memory = parse_mig_memory(smi)
+    rows = parse_mig_table(smi)
+    memory = {(r.gpu, r.device): r.total_mib for r in rows if r.total_mib}
+    shares = mig_shares(rows)
     out: list[AcceleratorDevice] = []
     for d in devices:
         out.append(d)
@@ -300,5 +327,5 @@ async def _with_mig(
             mine = instances.get(d.index, [])
             if not mine:
                 found.note(f"GPU {d.index}: MIG is enabled but nvidia-smi -L lists no instance")
-            out.extend(mig_devices(d, mine, memory))
+            out.extend(mig_devices(d, mine, memory, shares))
     return out

@@ -51,14 +51,18 @@ _NO_HANDLE = re.compile(
     r"(?P<bus>[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-9A-Fa-f]):\s*(?P<why>[^\r\n]*)"
 )
 _NUMBER = re.compile(r"^-?\d+(?:\.\d+)?")
-_GPU_LINE = re.compile(r"^GPU (?P<index>\d+): (?P<name>.+?) \(UUID: (?P<uuid>[^)\s]+)\)")
+# Leading blanks allowed: NVIDIA's MIG user guide prints R470-era listings with the GPU lines
+# indented (tests/fixtures/nvidia-smi/mig-listings/a100-40gb-8x-r470.txt).
+_GPU_LINE = re.compile(r"^\s*GPU (?P<index>\d+): (?P<name>.+?) \(UUID: (?P<uuid>[^)\s]+)\)")
 _MIG_LINE = re.compile(
     r"^\s+MIG\s+(?P<profile>\S+)\s+Device\s+(?P<dev>\d+):\s+\(UUID:\s*(?P<uuid>MIG-[^)\s]+)\)"
 )
 # A row of plain nvidia-smi's "MIG devices" table: GPU, GI ID, CI ID, MIG Dev, memory used/total.
+# A GPU instance split into several compute instances prints its memory on its first row only;
+# the other rows of that GI leave the memory cell blank (the cell spans them).
 _MIG_ROW = re.compile(
     r"^\|\s*(?P<gpu>\d+)\s+(?P<gi>\d+)\s+(?P<ci>\d+)\s+(?P<dev>\d+)\s*\|"
-    r"\s*(?P<used>\d+)MiB\s*/\s*(?P<total>\d+)MiB"
+    r"(?:\s*(?P<used>\d+)MiB\s*/\s*(?P<total>\d+)MiB)?"
 )
 _NVIDIA_NODE = re.compile(r"^nvidia\d{1,6}$")
 
@@ -248,10 +252,20 @@ def parse_mig_listing(stdout: str) -> dict[int, list[MigInstance]]:
     return out
 
 
-def parse_mig_memory(stdout: str) -> dict[tuple[int, int], int]:
-    """(GPU index, MIG device) -> total memory in MiB, from plain nvidia-smi's "MIG devices"
-    table (the one place nvidia-smi prints an instance's memory without a MIG-aware query)."""
-    out: dict[tuple[int, int], int] = {}
+@dataclass(frozen=True, slots=True)
+class MigRow:
+    """One row of plain nvidia-smi's "MIG devices" table."""
+
+    gpu: int
+    gi: int  # GPU instance: memory and its slices
+    ci: int  # compute instance within it
+    device: int  # "MIG Dev", the same number as "Device N" in ``nvidia-smi -L``
+    total_mib: int | None  # None on the second and later compute instances of one GI
+
+
+def parse_mig_table(stdout: str) -> list[MigRow]:
+    """The rows of plain nvidia-smi's "MIG devices" table, in order."""
+    out: list[MigRow] = []
     inside = False
     for line in stdout.splitlines():
         if "MIG devices:" in line:
@@ -261,7 +275,30 @@ def parse_mig_memory(stdout: str) -> dict[tuple[int, int], int]:
             break
         m = _MIG_ROW.match(line) if inside else None
         if m:
-            out[(int(m["gpu"]), int(m["dev"]))] = int(m["total"])
+            total = int(m["total"]) if m["total"] is not None else None
+            out.append(MigRow(int(m["gpu"]), int(m["gi"]), int(m["ci"]), int(m["dev"]), total))
+    return out
+
+
+def parse_mig_memory(stdout: str) -> dict[tuple[int, int], int]:
+    """(GPU index, MIG device) -> total memory in MiB, from plain nvidia-smi's "MIG devices"
+    table (the one place nvidia-smi prints an instance's memory without a MIG-aware query).
+    Only the first compute instance of a GPU instance has a figure (see ``mig_shares``)."""
+    return {(r.gpu, r.device): r.total_mib for r in parse_mig_table(stdout) if r.total_mib}
+
+
+def mig_shares(rows: list[MigRow]) -> dict[tuple[int, int], tuple[int, ...]]:
+    """(GPU index, MIG device) -> the other MIG devices of its GPU instance, for each device
+    whose GPU instance is split into several compute instances (``1c.3g.40gb``): those share
+    one memory, so only one of them may promise it to a job."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for r in rows:
+        groups.setdefault((r.gpu, r.gi), []).append(r.device)
+    out: dict[tuple[int, int], tuple[int, ...]] = {}
+    for (gpu, _), devices in groups.items():
+        if len(devices) > 1:
+            for d in devices:
+                out[(gpu, d)] = tuple(x for x in devices if x != d)
     return out
 
 
