@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import platform
 import shutil
@@ -40,6 +41,7 @@ from bench.figures import (
 from bench.figures import capability_ingest as ingest_figure
 from bench.fleet import FleetShape, encoded, fleet, gpu_jobs_for, job_mix
 from bench.harness import BenchError, Scenario, load_fleet, scenario
+from bench.peers import ray_figures
 from bench.report import Figure, judge, print_summary, unavailable
 from bench.strip_telemetry import stripped_placement
 from gpulayer_contracts import JobRequest, WorkerCapabilities
@@ -267,6 +269,25 @@ async def _shim_ab(run: Run) -> None:
         Figure("full_loop_shim_off_jobs_per_s", off, "jobs/s", note=f"runs {rates['off']}"),
         Figure("full_loop_shim_on_over_off", on / off, "x"),
     )
+
+
+# The peer workload's size (issue 19): 5,000 jobs, as the issue measured Ray.
+PEER_LOOP_JOBS = 5_000
+PEER_LOOP_PACED = 1_000
+
+
+async def peers_group(run: Run) -> None:
+    """Ray on the full loop's workload, right after gpulayer's loop in the same run
+    (``--peers``), and gpulayer's figures over Ray's (bench/peers.py)."""
+    sz = run.sizes
+    figs = await ray_figures(
+        run.root,
+        sz.loop_jobs,
+        sz.loop_paced,
+        run.get("full_loop_jobs_per_s"),
+        run.get("full_loop_submit_to_start_p99"),
+    )
+    run.add(*figs)
 
 
 async def limits_group(run: Run) -> None:
@@ -552,6 +573,8 @@ def judge_all(run: Run) -> None:
     goal("full_loop_jobs_per_s", ">=", GOAL_LOOP)
     goal("full_loop_submit_to_start_p99", "<=", GOAL_LOOP_P99_MS)
     goal("full_loop_shim_on_over_off", ">=", 0.8)
+    goal("full_loop_over_ray", ">=", 1.0, ">= 1.0 x (Ray, worker reuse)")
+    goal("start_p99_over_ray", "<=", 2.0, "<= 2.0 x (Ray, worker reuse)")
     goal("probe_no_torch", "<=", GOAL_PROBE_MS)
     goal("probe_no_torch_8gpu_recorded", "<=", GOAL_PROBE_MS)
     goal("placement_rss_peak", "<=", GOAL_RSS_MB)
@@ -614,6 +637,13 @@ def machine() -> str:
 
 async def amain(args: argparse.Namespace) -> list[Figure]:
     sizes = Sizes.big() if args.full else Sizes.quick()
+    if args.peers:
+        # The loop measured on the same workload as Ray's side.
+        sizes = dataclasses.replace(
+            sizes,
+            loop_jobs=max(sizes.loop_jobs, PEER_LOOP_JOBS),
+            loop_paced=max(sizes.loop_paced, PEER_LOOP_PACED),
+        )
     root = Path(tempfile.mkdtemp(prefix="gpulayer-bench-"))
     started = time.perf_counter()
     pg = EmbeddedPostgres(root / "pg", fast=args.fast_pg)
@@ -628,6 +658,7 @@ async def amain(args: argparse.Namespace) -> list[Figure]:
             ("latency", lambda: latency_group(run)),
             ("placement10k", lambda: placement_group(run, sizes.large_nodes, "10k")),
             ("loop", lambda: loop_group(run)),
+            ("peers", lambda: peers_group(run)),
             ("output", lambda: output_group(run)),
             ("signing", lambda: signing_group(run)),
             ("requests", lambda: requests_group(run)),
@@ -635,7 +666,9 @@ async def amain(args: argparse.Namespace) -> list[Figure]:
             ("policy", lambda: policy_group(run)),
         ]
         for name, group in groups:
-            if only is None or name in only:
+            if name == "peers" and not args.peers:
+                continue
+            if only is None or name in only or (name == "peers" and "loop" in only):
                 t0 = time.perf_counter()
                 await group()
                 print(f"# {name} took {time.perf_counter() - t0:.1f}s", flush=True)
@@ -664,7 +697,15 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         help=(
             "comma-separated groups: probe,limits,placement1k,replicas,latency,placement10k,requests,observations,"
-            "loop,output,signing,policy,telemetry"
+            "loop,peers,output,signing,policy,telemetry; peers needs --peers and runs with loop"
+        ),
+    )
+    p.add_argument(
+        "--peers",
+        action="store_true",
+        help=(
+            "after the full loop, the same workload in Ray (installed from the package registry "
+            "into a venv under the bench's temp folder) and the ratios (make bench PEERS=1)"
         ),
     )
     p.add_argument("--profile", metavar="DIR", help="attach py-spy to placement; raw stacks in DIR")
