@@ -23,6 +23,7 @@ from typing import TypeVar
 import asyncpg
 import msgspec
 
+from bench import harness
 from bench.figures import (
     REPO,
     Sizes,
@@ -239,6 +240,9 @@ async def loop_group(run: Run) -> None:
                 Figure("full_loop_burst_submit_to_start_p50", fl.queued_start_p50, "ms"),
                 Figure("full_loop_burst_submit_to_start_p99", fl.queued_start_p99, "ms"),
             )
+            # Where the loop's CPU goes (bench/cpu.py): µs per job of the burst, per process.
+            for part, us in fl.cpu_us_per_job.items():
+                run.add(Figure(f"full_loop_cpu_us_per_job_{part}", us, "us"))
 
     await _guard(run, names, work)
 
@@ -708,8 +712,16 @@ def main(argv: list[str] | None = None) -> int:
             "into a venv under the bench's temp folder) and the ratios (make bench PEERS=1)"
         ),
     )
+    p.add_argument(
+        "--cprofile",
+        metavar="DIR",
+        help="run placement and the executor under cProfile; one .prof file per process in DIR",
+    )
     p.add_argument("--profile", metavar="DIR", help="attach py-spy to placement; raw stacks in DIR")
     args = p.parse_args(argv)
+    if args.cprofile:
+        harness.CPROFILE_DIR = Path(args.cprofile).resolve()
+        harness.CPROFILE_DIR.mkdir(parents=True, exist_ok=True)
     if args.profile:
         args.profile = Path(args.profile).resolve()
         args.profile.mkdir(parents=True, exist_ok=True)
