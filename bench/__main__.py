@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import os
 import platform
 import shutil
@@ -68,6 +67,11 @@ GOAL_FLOOD_RATIO = 2.0
 GOAL_SIGNING_RATIO = 0.9
 
 
+# The peer workload's size (issue 19): 5,000 jobs, as the issue measured Ray.
+PEER_LOOP_JOBS = 5_000
+PEER_LOOP_PACED = 1_000
+
+
 class Run:
     def __init__(self, sizes: Sizes, root: Path, admin_url: str, profile: Path | None) -> None:
         self.sizes = sizes
@@ -75,6 +79,16 @@ class Run:
         self.admin_url = admin_url
         self.profile = profile
         self.figures: list[Figure] = []
+        # --peers: Ray on the loop's workload after it (the loop then runs at the peer size).
+        self.peers = False
+
+    def loop_size(self) -> tuple[int, int]:
+        """(burst, paced) jobs of the measured full loop: the peer workload's with --peers."""
+        if self.peers:
+            return max(self.sizes.loop_jobs, PEER_LOOP_JOBS), max(
+                self.sizes.loop_paced, PEER_LOOP_PACED
+            )
+        return self.sizes.loop_jobs, self.sizes.loop_paced
 
     def add(self, *figs: Figure) -> None:
         for f in figs:
@@ -225,10 +239,12 @@ async def loop_group(run: Run) -> None:
     ]
 
     async def work() -> None:
-        await _shim_ab(run)
+        if harness.CPROFILE_DIR is None:  # a profiled run measures the loop alone
+            await _shim_ab(run)
         async with run.scenario("loop") as s:
-            limit = 120.0 if sz.full else 40.0
-            fl = await full_loop(s, sz.loop_jobs, sz.loop_paced, limit)
+            burst, paced = run.loop_size()
+            limit = 120.0 if sz.full or burst > sz.loop_jobs else 40.0
+            fl = await full_loop(s, burst, paced, limit)
             note = f"{fl.completed}/{fl.submitted} finished, {fl.failed} not succeeded"
             run.add(Figure("full_loop_jobs_per_s", fl.rate, "jobs/s", note=note))
             if fl.failed or fl.completed < fl.submitted:
@@ -275,19 +291,14 @@ async def _shim_ab(run: Run) -> None:
     )
 
 
-# The peer workload's size (issue 19): 5,000 jobs, as the issue measured Ray.
-PEER_LOOP_JOBS = 5_000
-PEER_LOOP_PACED = 1_000
-
-
 async def peers_group(run: Run) -> None:
     """Ray on the full loop's workload, right after gpulayer's loop in the same run
     (``--peers``), and gpulayer's figures over Ray's (bench/peers.py)."""
-    sz = run.sizes
+    burst, paced = run.loop_size()
     figs = await ray_figures(
         run.root,
-        sz.loop_jobs,
-        sz.loop_paced,
+        burst,
+        paced,
         run.get("full_loop_jobs_per_s"),
         run.get("full_loop_submit_to_start_p99"),
     )
@@ -641,19 +652,13 @@ def machine() -> str:
 
 async def amain(args: argparse.Namespace) -> list[Figure]:
     sizes = Sizes.big() if args.full else Sizes.quick()
-    if args.peers:
-        # The loop measured on the same workload as Ray's side.
-        sizes = dataclasses.replace(
-            sizes,
-            loop_jobs=max(sizes.loop_jobs, PEER_LOOP_JOBS),
-            loop_paced=max(sizes.loop_paced, PEER_LOOP_PACED),
-        )
     root = Path(tempfile.mkdtemp(prefix="gpulayer-bench-"))
     started = time.perf_counter()
     pg = EmbeddedPostgres(root / "pg", fast=args.fast_pg)
     try:
         pg.start()
         run = Run(sizes, root, pg.url, args.profile)
+        run.peers = args.peers
         only = set(args.only.split(",")) if args.only else None
         groups: list[tuple[str, Callable[[], Awaitable[None]]]] = [
             ("limits", lambda: limits_group(run)),
