@@ -47,9 +47,6 @@ log = logging.getLogger("gpulayer_placement.service")
 
 Take = Callable[[Any], Awaitable[list[asyncpg.Record]]]
 
-# Waiting jobs in the first page of a pass after a release (then doubled up to the page size).
-FIRST_PAGE = 64
-
 
 class Scheduler:
     def __init__(
@@ -146,13 +143,7 @@ class Scheduler:
     async def _pages(self, *, early_stop: bool) -> None:
         after = waiting.START
         failed: dict[bytes, NoPlacement] = {}
-        # A pass after a release mostly fills a few freed devices from the queue's head: it
-        # starts with a small page, doubled while pages come back full and room is left, rather
-        # than locking and matching a full page of waiting jobs behind every release (a cProfile
-        # of the full loop had 130 rows matched per job placed). The thorough pass takes full
-        # pages: it refreshes every waiting job's reason.
-        full = self.settings.page_size
-        size = min(FIRST_PAGE, full) if early_stop else full
+        size = self.settings.page_size
         while not self.stop.is_set():
             take = functools.partial(waiting.take_page, size=size, after=after)
             page = await self._schedule_batch(take, failed)
@@ -166,7 +157,6 @@ class Scheduler:
                 or (not self._deviceless_waiting and not self.fleet.any_free_device())
             ):
                 return
-            size = min(size * 2, full)
 
     async def _schedule_ids(self, ids: list[str]) -> None:
         await self._schedule_batch(functools.partial(waiting.take_ids, ids=ids), {})
