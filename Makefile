@@ -47,7 +47,7 @@ fmt: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 bench: $(STAMP)
-	$(VENV)/bin/python -m bench $(if $(FULL),--full,)
+	$(VENV)/bin/python -m bench $(if $(FULL),--full,) $(if $(PEERS),--peers,)
 
 docs: $(STAMP)  # regenerate docs/jobs.md and docs/schemas/ from the contracts
 	$(VENV)/bin/python docs/gen_reference.py

@@ -22,6 +22,7 @@ from typing import TypeVar
 import asyncpg
 import msgspec
 
+from bench import harness
 from bench.figures import (
     REPO,
     Sizes,
@@ -41,6 +42,7 @@ from bench.figures import (
 from bench.figures import capability_ingest as ingest_figure
 from bench.fleet import FleetShape, cuda_job, encoded, fleet, gpu_jobs_for, job_mix
 from bench.harness import BenchError, Scenario, load_fleet, scenario
+from bench.peers import ray_figures
 from bench.report import Figure, judge, print_summary, unavailable
 from bench.strip_telemetry import stripped_placement
 from gpulayer_contracts import JobRequest, WorkerCapabilities
@@ -66,6 +68,11 @@ GOAL_FLOOD_RATIO = 2.0
 GOAL_SIGNING_RATIO = 0.9
 
 
+# The peer workload's size (issue 19): 5,000 jobs, as the issue measured Ray.
+PEER_LOOP_JOBS = 5_000
+PEER_LOOP_PACED = 1_000
+
+
 class Run:
     def __init__(self, sizes: Sizes, root: Path, admin_url: str, profile: Path | None) -> None:
         self.sizes = sizes
@@ -73,6 +80,16 @@ class Run:
         self.admin_url = admin_url
         self.profile = profile
         self.figures: list[Figure] = []
+        # --peers: Ray on the loop's workload after it (the loop then runs at the peer size).
+        self.peers = False
+
+    def loop_size(self) -> tuple[int, int]:
+        """(burst, paced) jobs of the measured full loop: the peer workload's with --peers."""
+        if self.peers:
+            return max(self.sizes.loop_jobs, PEER_LOOP_JOBS), max(
+                self.sizes.loop_paced, PEER_LOOP_PACED
+            )
+        return self.sizes.loop_jobs, self.sizes.loop_paced
 
     def add(self, *figs: Figure) -> None:
         for f in figs:
@@ -223,10 +240,12 @@ async def loop_group(run: Run) -> None:
     ]
 
     async def work() -> None:
-        await _shim_ab(run)
+        if harness.CPROFILE_DIR is None:  # a profiled run measures the loop alone
+            await _shim_ab(run)
         async with run.scenario("loop") as s:
-            limit = 120.0 if sz.full else 40.0
-            fl = await full_loop(s, sz.loop_jobs, sz.loop_paced, limit)
+            burst, paced = run.loop_size()
+            limit = 120.0 if sz.full or burst > sz.loop_jobs else 40.0
+            fl = await full_loop(s, burst, paced, limit)
             note = f"{fl.completed}/{fl.submitted} finished, {fl.failed} not succeeded"
             run.add(Figure("full_loop_jobs_per_s", fl.rate, "jobs/s", note=note))
             if fl.failed or fl.completed < fl.submitted:
@@ -238,6 +257,9 @@ async def loop_group(run: Run) -> None:
                 Figure("full_loop_burst_submit_to_start_p50", fl.queued_start_p50, "ms"),
                 Figure("full_loop_burst_submit_to_start_p99", fl.queued_start_p99, "ms"),
             )
+            # Where the loop's CPU goes (bench/cpu.py): µs per job of the burst, per process.
+            for part, us in fl.cpu_us_per_job.items():
+                run.add(Figure(f"full_loop_cpu_us_per_job_{part}", us, "us"))
 
     await _guard(run, names, work)
 
@@ -268,6 +290,20 @@ async def _shim_ab(run: Run) -> None:
         Figure("full_loop_shim_off_jobs_per_s", off, "jobs/s", note=f"runs {rates['off']}"),
         Figure("full_loop_shim_on_over_off", on / off, "x"),
     )
+
+
+async def peers_group(run: Run) -> None:
+    """Ray on the full loop's workload, right after gpulayer's loop in the same run
+    (``--peers``), and gpulayer's figures over Ray's (bench/peers.py)."""
+    burst, paced = run.loop_size()
+    figs = await ray_figures(
+        run.root,
+        burst,
+        paced,
+        run.get("full_loop_jobs_per_s"),
+        run.get("full_loop_submit_to_start_p99"),
+    )
+    run.add(*figs)
 
 
 async def limits_group(run: Run) -> None:
@@ -613,6 +649,8 @@ def judge_all(run: Run) -> None:
     goal("full_loop_jobs_per_s", ">=", GOAL_LOOP)
     goal("full_loop_submit_to_start_p99", "<=", GOAL_LOOP_P99_MS)
     goal("full_loop_shim_on_over_off", ">=", 0.8)
+    goal("full_loop_over_ray", ">=", 1.0, ">= 1.0 x (Ray, worker reuse)")
+    goal("start_p99_over_ray", "<=", 2.0, "<= 2.0 x (Ray, worker reuse)")
     goal("probe_no_torch", "<=", GOAL_PROBE_MS)
     goal("probe_no_torch_8gpu_recorded", "<=", GOAL_PROBE_MS)
     goal("placement_rss_peak", "<=", GOAL_RSS_MB)
@@ -681,6 +719,7 @@ async def amain(args: argparse.Namespace) -> list[Figure]:
     try:
         pg.start()
         run = Run(sizes, root, pg.url, args.profile)
+        run.peers = args.peers
         only = set(args.only.split(",")) if args.only else None
         groups: list[tuple[str, Callable[[], Awaitable[None]]]] = [
             ("limits", lambda: limits_group(run)),
@@ -689,6 +728,7 @@ async def amain(args: argparse.Namespace) -> list[Figure]:
             ("latency", lambda: latency_group(run)),
             ("placement10k", lambda: placement_group(run, sizes.large_nodes, "10k")),
             ("loop", lambda: loop_group(run)),
+            ("peers", lambda: peers_group(run)),
             ("output", lambda: output_group(run)),
             ("signing", lambda: signing_group(run)),
             ("requests", lambda: requests_group(run)),
@@ -697,7 +737,9 @@ async def amain(args: argparse.Namespace) -> list[Figure]:
             ("gang", lambda: gang_group(run)),
         ]
         for name, group in groups:
-            if only is None or name in only:
+            if name == "peers" and not args.peers:
+                continue
+            if only is None or name in only or (name == "peers" and "loop" in only):
                 t0 = time.perf_counter()
                 await group()
                 print(f"# {name} took {time.perf_counter() - t0:.1f}s", flush=True)
@@ -726,11 +768,27 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         help=(
             "comma-separated groups: probe,limits,placement1k,replicas,latency,placement10k,requests,observations,"
-            "loop,output,signing,policy,gang,telemetry"
+            "loop,peers,output,signing,policy,gang,telemetry; peers needs --peers and runs with loop"
         ),
+    )
+    p.add_argument(
+        "--peers",
+        action="store_true",
+        help=(
+            "after the full loop, the same workload in Ray (installed from the package registry "
+            "into a venv under the bench's temp folder) and the ratios (make bench PEERS=1)"
+        ),
+    )
+    p.add_argument(
+        "--cprofile",
+        metavar="DIR",
+        help="run placement and the executor under cProfile; one .prof file per process in DIR",
     )
     p.add_argument("--profile", metavar="DIR", help="attach py-spy to placement; raw stacks in DIR")
     args = p.parse_args(argv)
+    if args.cprofile:
+        harness.CPROFILE_DIR = Path(args.cprofile).resolve()
+        harness.CPROFILE_DIR.mkdir(parents=True, exist_ok=True)
     if args.profile:
         args.profile = Path(args.profile).resolve()
         args.profile.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -26,6 +26,7 @@ import asyncpg
 import msgspec
 from nats.aio.msg import Msg
 
+from bench.cpu import loop_cpu, per_job_us
 from bench.fleet import (
     FleetShape,
     cuda_job,
@@ -576,6 +577,8 @@ class FullLoop:
     start_rate: float
     queued_start_p50: float
     queued_start_p99: float
+    # µs of CPU per job of the burst, per part of the loop (bench/cpu.py), and their total.
+    cpu_us_per_job: dict[str, float] = field(default_factory=dict)
 
 
 async def full_loop(
@@ -612,10 +615,14 @@ async def full_loop(
         # Burst: every job at once; jobs/s from first publish to the last one finished.
         jobs = encoded([cuda_job(f"loop-{i:06d}", ["true"]) for i in range(burst)])
         watch.reset({k for k, _ in jobs})
+        assert s.nats.proc is not None  # started by the scenario
+        pids = ([s.placement.pid, *(r.pid for r in s.replicas)], executor.pid, s.nats.proc.pid)
+        cpu0 = loop_cpu(*pids)
         t0 = time.time()
         sent = {k: t0 for k, _ in jobs}
         await publish_all(s.js, jobs)
         await watch.wait(time_limit)
+        cpu1 = loop_cpu(*pids)
         executor.check_alive()
         done = [watch.finished[k] for k in sent if k in watch.finished]
         if not done:
@@ -659,6 +666,7 @@ async def full_loop(
             start_rate=offered,
             queued_start_p50=_ms(percentile(queued, 50)) if queued else float("nan"),
             queued_start_p99=_ms(percentile(queued, 99)) if queued else float("nan"),
+            cpu_us_per_job=per_job_us(cpu0, cpu1, len(done)),
         )
     finally:
         await sub.unsubscribe()

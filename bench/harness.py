@@ -34,6 +34,13 @@ from gpulayer_runtime.signing import PUBLIC_KEYS_SETTING, SIGNING_KEY_SETTING, g
 
 PUBLISH_WINDOW = 512  # JetStream publishes in flight at once from the load generator
 
+# ``--cprofile DIR``: every service process runs under cProfile (its main thread), one
+# ``.prof`` file per process in this folder, written when it exits (set by bench/__main__).
+CPROFILE_DIR: Path | None = None
+# A profiled service is given this long to exit after SIGTERM: cProfile writes its file only
+# then, and placement's shutdown waits out nats-py's drain.
+CPROFILE_STOP_S = 45.0
+
 
 class BenchError(RuntimeError):
     """A figure could not be measured; the message says why."""
@@ -182,9 +189,13 @@ class ServiceProcess:
 
     def start(self) -> ServiceProcess:
         self.log.parent.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", self.module]
+        if CPROFILE_DIR is not None:
+            out_file = CPROFILE_DIR / f"{self.log.parent.name}-{self.log.stem}.prof"
+            argv[1:1] = ["-m", "cProfile", "-o", str(out_file)]
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", self.module],
+                argv,
                 env={**os.environ, **self.env},
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -245,6 +256,8 @@ class ServiceProcess:
         self.stop_profile()
         if self.proc is None or self.proc.poll() is not None:
             return
+        if CPROFILE_DIR is not None:
+            timeout = max(timeout, CPROFILE_STOP_S)
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout)

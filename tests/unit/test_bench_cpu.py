@@ -1,0 +1,46 @@
+"""The loop's CPU per job per part (bench/cpu.py): the arithmetic, and a reading of real
+processes (this one and a child it starts and reaps)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from bench.cpu import PARTS, loop_cpu, per_job_us
+
+
+def test_per_job_us_divides_each_part_and_totals() -> None:
+    before = dict.fromkeys(PARTS, 1.0)
+    after = {**before, "placement": 1.5, "postgres": 1.25}
+    out = per_job_us(before, after, 1_000)
+    assert out["placement"] == pytest.approx(500.0)
+    assert out["postgres"] == pytest.approx(250.0)
+    assert out["executor"] == 0.0
+    assert out["total"] == pytest.approx(750.0)
+    assert list(out) == [*PARTS, "total"]
+
+
+def test_a_part_that_went_backwards_counts_zero() -> None:
+    # A process that ended unreaped between the readings takes its time with it.
+    out = per_job_us({"shims_and_jobs": 2.0}, {"shims_and_jobs": 1.0}, 10)
+    assert out["shims_and_jobs"] == 0.0
+
+
+def test_per_job_us_needs_a_job() -> None:
+    with pytest.raises(ValueError, match="jobs = 0"):
+        per_job_us({}, {}, 0)
+
+
+def test_a_reaped_child_counts_in_its_parent() -> None:
+    me = os.getpid()
+    before = loop_cpu([me], me, me)
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.2: pass"
+    subprocess.run([sys.executable, "-c", burn], check=True)
+    after = loop_cpu([me], me, me)
+    assert set(before) == set(PARTS)
+    # The child's 0.2 s of CPU, reaped by this process, is in the tree of "placement" (this
+    # process) and in the executor's reaped children ("shims and jobs"), not its own time.
+    assert after["placement"] - before["placement"] >= 0.19
+    assert after["shims_and_jobs"] - before["shims_and_jobs"] >= 0.19
