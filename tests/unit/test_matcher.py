@@ -367,6 +367,7 @@ def test_per_device_requirement_without_count_filters_but_holds_nothing() -> Non
 
 def test_distributed_jobs_follow_the_matrix(monkeypatch: pytest.MonkeyPatch) -> None:
     dist = Distributed(nodes=1, backend="nccl", launcher="torchrun")
+    monkeypatch.setitem(matrix.SUPPORT_MATRIX["cuda"], "distributed", "unsupported")
     d = refused(match(job(accelerator="cuda", distributed=dist), [h100()]))
     assert d.unsatisfiable
     assert d.reasons == ["cuda is unsupported in the support matrix for distributed jobs"]
