@@ -26,6 +26,7 @@ from bench.figures import (
     REPO,
     Sizes,
     full_loop,
+    jobs_throughput,
     naive_postgres,
     observations_under_load,
     output_flood,
@@ -38,12 +39,12 @@ from bench.figures import (
     telemetry_noop_cost,
 )
 from bench.figures import capability_ingest as ingest_figure
-from bench.fleet import FleetShape, encoded, fleet, gpu_jobs_for, job_mix
+from bench.fleet import FleetShape, cuda_job, encoded, fleet, gpu_jobs_for, job_mix
 from bench.harness import BenchError, Scenario, load_fleet, scenario
 from bench.report import Figure, judge, print_summary, unavailable
 from bench.strip_telemetry import stripped_placement
 from gpulayer_contracts import JobRequest, WorkerCapabilities
-from gpulayer_contracts.jobs import GpuUsage
+from gpulayer_contracts.jobs import Distributed, GpuUsage
 from gpulayer_runtime.servers import EmbeddedPostgres, ServerStartError
 
 T = TypeVar("T")
@@ -483,6 +484,66 @@ async def policy_group(run: Run) -> None:
     await _guard(run, names, work)
 
 
+GANG_ROUNDS = 3
+
+
+def _gang_jobs(prefix: str, gangs: int) -> list[JobRequest]:
+    """``gangs`` distributed jobs of 2 nodes with one CUDA GPU each (nccl, torchrun)."""
+    return [
+        msgspec.structs.replace(
+            cuda_job(f"{prefix}-{i:06d}"),
+            distributed=Distributed(nodes=2, backend="nccl", launcher="torchrun"),
+        )
+        for i in range(gangs)
+    ]
+
+
+async def gang_group(run: Run) -> None:
+    """Issue 14: 2-node gangs (one CUDA GPU per node) placed on the 1k-node fleet, against as
+    many one-GPU jobs as the gangs have ranks (the same devices held); alternating, medians.
+    A gang counts once its two ranks' grants went out."""
+    sz = run.sizes
+    shape = FleetShape.of(sz.small_nodes)
+    gangs = min(sz.jobs // 2, int(shape.cuda_gpus * 0.9) // 2)
+    rates: dict[str, list[float]] = {"gangs": [], "singles": []}
+    names = [("placement_gangs_2node_per_s", "gangs/s"), ("placement_gang_singles_per_s", "jobs/s")]
+
+    async def work() -> None:
+        for round_ in range(GANG_ROUNDS):
+            for variant in ("gangs", "singles"):
+                async with run.scenario(f"gang{round_}{variant}") as s:
+                    await load_fleet(s, fleet(f"g{round_}", sz.small_nodes), timeout=60)
+                    prefix = f"g{round_}{variant[0]}"
+                    if variant == "gangs":
+                        jobs = _gang_jobs(prefix, gangs)
+                    else:
+                        jobs = [cuda_job(f"{prefix}-{i:06d}") for i in range(2 * gangs)]
+                    tp = await jobs_throughput(s, jobs, 2 * gangs)
+                    if tp.granted < tp.submitted:
+                        raise BenchError(f"gang {variant}: {tp.granted}/{tp.submitted} granted")
+                    # Grants per second; a gang is two of them.
+                    rates[variant].append(tp.rate / 2 if variant == "gangs" else tp.rate)
+        g, one = statistics.median(rates["gangs"]), statistics.median(rates["singles"])
+        print(f"# gang runs: gangs/s {rates['gangs']}, single jobs/s {rates['singles']}")
+        run.add(
+            Figure(
+                "placement_gangs_2node_per_s",
+                g,
+                "gangs/s",
+                note=f"{gangs} gangs of 2 nodes x 1 GPU on {sz.small_nodes} nodes; runs {rates['gangs']}",
+            ),
+            Figure(
+                "placement_gang_singles_per_s",
+                one,
+                "jobs/s",
+                note=f"{2 * gangs} one-GPU jobs; runs {rates['singles']}",
+            ),
+            Figure("gang_ranks_over_single_jobs", 2 * g / one, "x"),
+        )
+
+    await _guard(run, names, work)
+
+
 async def observations_group(run: Run) -> None:
     """Placement on the 10k fleet while every node publishes observations every 5 s (issue
     17): observations applied/s against published/s, and placement's throughput meanwhile,
@@ -633,6 +694,7 @@ async def amain(args: argparse.Namespace) -> list[Figure]:
             ("requests", lambda: requests_group(run)),
             ("observations", lambda: observations_group(run)),
             ("policy", lambda: policy_group(run)),
+            ("gang", lambda: gang_group(run)),
         ]
         for name, group in groups:
             if only is None or name in only:
@@ -664,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         help=(
             "comma-separated groups: probe,limits,placement1k,replicas,latency,placement10k,requests,observations,"
-            "loop,output,signing,policy,telemetry"
+            "loop,output,signing,policy,gang,telemetry"
         ),
     )
     p.add_argument("--profile", metavar="DIR", help="attach py-spy to placement; raw stacks in DIR")

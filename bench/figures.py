@@ -370,6 +370,29 @@ async def placement_throughput(
     return Throughput(len(watch.at) / elapsed, len(watch.at), m, m / (t_pub - t0), elapsed)
 
 
+async def jobs_throughput(s: Scenario, jobs: list[JobRequest], grants: int) -> Throughput:
+    """``jobs`` as fast as the load generator publishes them, first publish to the last of
+    ``grants`` grants (a distributed job's ranks are one grant each)."""
+    items = encoded(jobs)
+    watch = GrantWatch()
+    watch.reset(grants)
+    sub = await s.nc.subscribe(NODE_WILDCARD_GRANTS, cb=watch.cb)
+    try:
+        t0 = time.perf_counter()
+        await publish_all(s.js, items)
+        t_pub = time.perf_counter()
+        await watch.wait(max(30.0, grants / 250))
+    finally:
+        await sub.unsubscribe()
+    s.placement.check_alive()
+    if not watch.at:
+        raise BenchError(f"no grant within the time limit: {tail(s.placement.log)}")
+    elapsed = watch.last - t0
+    return Throughput(
+        len(watch.at) / elapsed, len(watch.at), grants, len(jobs) / (t_pub - t0), elapsed
+    )
+
+
 # --- 3. latency at a fixed offered load -----------------------------------------------------
 
 

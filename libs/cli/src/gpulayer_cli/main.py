@@ -404,9 +404,12 @@ def cmd_job(args: argparse.Namespace) -> int:
             return 0
         console = _console()
         devices = ",".join(map(str, record.get("devices") or [])) or "none"
+        ranks = record.get("ranks") or []
         where = (
             f"on {record['node_id']} (devices {devices})"
             if record.get("node_id")
+            else f"on {len(ranks)} nodes, rendezvous {record.get('rendezvous')}"
+            if ranks
             else "(never placed)"
         )
         request = record.get("request")
@@ -416,6 +419,10 @@ def cmd_job(args: argparse.Namespace) -> int:
             f"submitted {str(record['submitted_at'])[:19]} by {record.get('owner', 'anonymous')}"
             + (f", profile {profile}" if isinstance(profile, str) else "")
         )
+        if ranks:  # a distributed job: each rank's node, devices, state and exit code
+            from gpulayer_cli.render import ranks_table
+
+            console.print(ranks_table(ranks))
         for event in events:
             print_event(console, event)
         return 0
@@ -427,6 +434,8 @@ def _render_explain(console: Console, data: Any) -> None:
     console.print(f"[bold]{data['job_id']}[/bold] is {data['state']}")
     if "node_id" in data:
         console.print(f"placed on {data['node_id']} devices {data.get('devices')}")
+    for r in data.get("ranks", []):  # a distributed job: each rank's node
+        console.print(f"rank {r['rank']} on {r['node_id']} devices {r['devices']}")
     if data.get("note"):
         console.print(f"[yellow]{data['note']}[/]")
     console.print(data.get("summary", ""))

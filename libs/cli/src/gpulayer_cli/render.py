@@ -52,6 +52,14 @@ def describe_event(event: JobEvent) -> str:
         case Pending(summary=summary, reasons=reasons, unsatisfiable=unsat):
             head = "pending (unsatisfiable)" if unsat else "pending"
             return f"{head}: {summary}"
+        case Placed(accelerator=acc, profile=profile, ranks=ranks) if ranks:
+            # A distributed job: every rank's node and devices.
+            each = ", ".join(
+                f"rank {r.rank} on {r.node_id}"
+                + (f" (devices {','.join(map(str, r.devices))})" if r.devices else "")
+                for r in ranks
+            )
+            return f"placed on {len(ranks)} nodes ({acc}): {each}{_profile(profile)}"
         case Placed(node_id=node, accelerator=acc, devices=devices, profile=profile):
             on = f" devices {','.join(map(str, devices))}" if devices else ""
             return f"placed on {node} ({acc}{on}){_profile(profile)}"
@@ -71,6 +79,30 @@ def describe_event(event: JobEvent) -> str:
         case Warned(node_id=node, reason=reason):
             return f"warning on {node}: {reason}"
     return event_tag(event)
+
+
+def ranks_table(ranks: list[dict[str, Any]]) -> Table:
+    """A distributed job's ranks (``gpulayer job``): rank, its job id, node, devices, state,
+    exit code, reason."""
+    t = Table(title="ranks")
+    t.add_column("rank", justify="right", no_wrap=True)
+    _id_column(t, "job", [r["job_id"] for r in ranks])
+    t.add_column("node", no_wrap=True)
+    t.add_column("devices", no_wrap=True)
+    t.add_column("state", no_wrap=True)
+    t.add_column("exit", no_wrap=True)
+    t.add_column("reason")
+    for r in ranks:
+        t.add_row(
+            str(r["rank"]),
+            r["job_id"],
+            r.get("node_id") or "-",
+            ",".join(map(str, r.get("devices") or [])) or "-",
+            r["state"],
+            "-" if r.get("exit_code") is None else str(r["exit_code"]),
+            _shorten(r.get("reason") or "", 160),
+        )
+    return t
 
 
 def _profile(ref: str | None) -> str:
@@ -226,7 +258,7 @@ def jobs_table(jobs: list[dict[str, Any]]) -> Table:
         t.add_row(
             j["job_id"],
             j["state"],
-            j.get("node_id") or "-",
+            j.get("node_id") or ("(distributed)" if j.get("is_gang") else "-"),
             devs,
             code,
             ago(j.get("submitted_at")),

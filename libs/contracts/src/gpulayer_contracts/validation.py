@@ -12,9 +12,18 @@ from packaging.version import InvalidVersion, Version
 
 from gpulayer_contracts.bounds import bound_messages, env_path, job_bound_errors
 from gpulayer_contracts.events import GangRank
-from gpulayer_contracts.jobs import RANK_SUFFIX, Accelerator, GpuUsage, GpuUse, JobRequest
+from gpulayer_contracts.jobs import (
+    RANK_SUFFIX,
+    Accelerator,
+    GpuUsage,
+    GpuUse,
+    JobRequest,
+    rank_job_id,
+)
 from gpulayer_contracts.matrix import is_schedulable, support_level
 from gpulayer_contracts.version import __version__
+
+MAX_JOB_ID = 128  # JOB_ID_PATTERN's bound
 
 KNOWN_GPU_APIS = frozenset({"cuda", "rocm", "vulkan", "opencl", "directml", "metal"})
 GPU_ACCELERATORS: frozenset[Accelerator] = frozenset({"cuda", "mps", "rocm"})
@@ -223,6 +232,7 @@ def validate_job(job: JobRequest, core_version: str = __version__) -> Validation
         )
 
     errors += lifecycle_errors(job)
+    errors += gang_errors(job)
     return Validation(errors=bound_messages(errors), warnings=bound_messages(warnings))
 
 
@@ -289,6 +299,30 @@ def rank_env(gang: GangRank, launcher: str | None) -> dict[str, str]:
         env["RANK"] = str(gang.rank)
         env["LOCAL_RANK"] = "0"
     return env
+
+
+def gang_errors(job: JobRequest) -> list[str]:
+    """What placement can't do with a distributed job (issue 14, placement side): its ranks are
+    placed once, as a whole, so no retries and no service restarts; each rank's id
+    (``<job_id>-rank<R>``) must still be a job id."""
+    dist = job.distributed
+    if dist is None:
+        return []
+    errors = []
+    if job.retries:
+        errors.append(
+            "$.retries: a distributed job is not retried (its ranks are placed once, together)"
+        )
+    if job.kind == "service":
+        errors.append('$.kind: a distributed job cannot be a "service" (no gang restarts)')
+    longest = len(rank_job_id(job.job_id, dist.nodes - 1))
+    if longest > MAX_JOB_ID:
+        errors.append(
+            f"$.job_id: a distributed job's id may have at most "
+            f"{MAX_JOB_ID - (longest - len(job.job_id))} characters for {dist.nodes} nodes "
+            f"(its ranks are <job_id>{RANK_SUFFIX}<R>)"
+        )
+    return errors
 
 
 def lifecycle_errors(job: JobRequest) -> list[str]:

@@ -523,11 +523,6 @@ class _Plan:
             return f"{self.acc} is {level} in the support matrix for {self.mode_name} jobs"
         if dist is not None and not self.cpu_ok and not self.candidates:
             return "distributed jobs are not schedulable for any accelerator in the support matrix"
-        if dist is not None and dist.nodes > 1:
-            return (
-                f"distributed.nodes = {dist.nodes}: jobs spanning several nodes are not placed "
-                "yet (the matcher places one node)"
-            )
         if self.acc == "cpu" and (self.n > 0 or self.device_rules):
             return "a cpu job cannot ask for GPU devices or GPU memory"
         for field, spec in (("python", self.python), ("driver", self.driver)):

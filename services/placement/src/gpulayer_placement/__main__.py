@@ -43,6 +43,7 @@ async def _amain() -> None:
         batch_size=env_int(env, "GPULAYER_PLACEMENT_BATCH", 256),
         admins=_admins(env_str(env, "GPULAYER_ADMINS", "admin")),
         profiles=_profiles(env_str(env, "GPULAYER_PROFILES", "")),
+        rendezvous_ports=_ports(env_str(env, "GPULAYER_RENDEZVOUS_PORTS", "29500-29999")),
     )
     signer = signer_from_env(env)
     log.info(
@@ -96,6 +97,20 @@ def _admins(raw: str) -> frozenset[str]:
         if any(c in name for c in ".*> \t"):
             raise ConfigError(f"GPULAYER_ADMINS: {name!r} is not a valid identity name")
     return names
+
+
+def _ports(raw: str) -> tuple[int, int]:
+    """``first-last``: the rendezvous ports placement may reserve for distributed jobs."""
+    first, sep, last = raw.strip().partition("-")
+    try:
+        lo, hi = int(first), int(last if sep else first)
+    except ValueError:
+        raise ConfigError(f"GPULAYER_RENDEZVOUS_PORTS: {raw!r} is not FIRST-LAST") from None
+    if not 1024 <= lo <= hi <= 65535:
+        raise ConfigError(
+            f"GPULAYER_RENDEZVOUS_PORTS: {raw!r}: want 1024 <= FIRST <= LAST <= 65535"
+        )
+    return lo, hi
 
 
 def _profiles(path: str) -> Profiles:

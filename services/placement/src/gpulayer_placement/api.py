@@ -40,6 +40,7 @@ from gpulayer_contracts.subjects import (
     api_caller,
 )
 from gpulayer_matching import NodeView
+from gpulayer_matching.gang import explain_gang, is_gang
 from gpulayer_matching.resources import CPU, GB, MEMORY, SLOTS
 from gpulayer_placement import dependencies, quotas
 from gpulayer_placement.fleet import Fleet
@@ -265,7 +266,18 @@ class Api:
         ):
             request["env"] = dict.fromkeys(request["env"], REDACTED)
         row["request"] = request
-        return {k: _iso(v) for k, v in row.items()}
+        out = {k: _iso(v) for k, v in row.items()}
+        if row.get("is_gang"):  # a distributed job: each rank's node, devices, state, exit
+            async with self.pool.acquire() as conn:
+                ranks = await Store.fetch(conn, "gang_ranks", q.job_id)
+            out["ranks"] = [
+                {**{k: _iso(v) for k, v in dict(r).items() if k != "gang"}, "devices": r["devices"]}
+                for r in ranks
+            ]
+            gang = msgspec.json.decode(ranks[0]["gang"]) if ranks and ranks[0]["gang"] else None
+            if gang is not None:
+                out["rendezvous"] = f"{gang['master_addr']}:{gang['master_port']}"
+        return out
 
     async def explain(self, data: bytes, caller: str = ANONYMOUS) -> Any:
         q = msgspec.json.decode(data, type=_JobQuery)
@@ -275,12 +287,20 @@ class Api:
             out["summary"] = f"rejected: {row['reason']}"
             return out
         job = job_request_decoder.decode(row["request"])
-        decision = matcher.explain(job, self.fleet.views())
+        views = self.fleet.views()
+        decision = explain_gang(job, views) if is_gang(job) else matcher.explain(job, views)
         out.update(
             summary=decision.summary, reasons=decision.reasons, unsatisfiable=decision.unsatisfiable
         )
         out["policy"] = self._policy_note(row, decision.can_run_now > 0)
-        if row["state"] in ("placed", "running"):
+        if row["state"] in ("placed", "running") and row.get("is_gang"):
+            async with self.pool.acquire() as conn:
+                ranks = await Store.fetch(conn, "gang_ranks", q.job_id)
+            out["ranks"] = [
+                {"rank": r["rank"], "node_id": r["node_id"], "devices": list(r["devices"] or [])}
+                for r in ranks
+            ]
+        elif row["state"] in ("placed", "running"):
             out["node_id"] = row["node_id"]
             out["devices"] = list(row["devices"])
         view = self.fleet.get(row["node_id"]) if row["state"] == "placed" else None
@@ -305,8 +325,14 @@ class Api:
         for _ in range(3):
             async with self.pool.acquire() as conn, conn.transaction():
                 done = await Store.fetchrow(conn, "cancel_pending", q.job_id, q.reason)
+                ranks = None
                 if done is not None:
                     _, cascaded = await dependencies.release(conn, [(q.job_id, "cancelled")])
+                    stopping = None
+                elif row.get("is_gang"):
+                    # A distributed job: every rank still active is cancelled; the job ends
+                    # 'cancelled' once they all reported (gang_status).
+                    ranks = await Store.fetch(conn, "stop_gang", q.job_id)
                     stopping = None
                 else:
                     stopping = await Store.fetchrow(conn, "request_stop", q.job_id)
@@ -315,6 +341,18 @@ class Api:
                 cancelled = Cancelled(job_id=q.job_id, reason=q.reason, owner=owner)
                 await self.publisher.publish_events([cancelled, *cascaded])
                 return {"job_id": q.job_id, "state": "cancelled"}
+            if ranks:
+                items = [
+                    self.publisher.cancel_item(
+                        r["node_id"],
+                        CancelJob(job_id=r["job_id"], reason=q.reason, grant_id=r["grant_id"]),
+                    )
+                    for r in ranks
+                ]
+                if not await self.publisher.publish(items):
+                    raise ApiError(f"the cancels of job {q.job_id}'s ranks were not all sent")
+                nodes = sorted({r["node_id"] for r in ranks})
+                return {"job_id": q.job_id, "state": "cancelling", "nodes": nodes}
             if stopping is not None:
                 grant_id = stopping["grant_id"]
                 cancel = CancelJob(job_id=q.job_id, reason=q.reason, grant_id=grant_id)

@@ -32,7 +32,7 @@ import msgspec
 
 from gpulayer_contracts import Cancelled, JobEvent, Requeued, Restart
 from gpulayer_contracts.subjects import ANONYMOUS
-from gpulayer_placement import dependencies
+from gpulayer_placement import dependencies, gang_status
 from gpulayer_placement.publisher import Publisher
 from gpulayer_placement.store import Store
 from gpulayer_placement.wake import Wake
@@ -123,6 +123,8 @@ class Settled:
     requeued: list[Requeue] = field(default_factory=list)
     cancelled: list[Cancelled] = field(default_factory=list)
     unblocked: list[str] = field(default_factory=list)
+    # Distributed jobs whose ranks decided their state (gang_status).
+    gangs: gang_status.GangSettled = field(default_factory=gang_status.GangSettled)
 
     def events(self) -> list[JobEvent]:
         return [*(r.event for r in self.requeued), *self.cancelled]
@@ -145,6 +147,8 @@ class Lifecycle:
         what waits again, release the dependents of what ended for good. On ``conn``, in the
         caller's transaction."""
         out = Settled()
+        rows = list(rows)
+        out.gangs = await gang_status.settle(conn, rows)
         # ``pending``: a preempted job its executor stopped, already waiting again (queue
         # policy requeues it in apply_status): not an end, for retries or for its dependents.
         ended = {r["job_id"]: r for r in rows if r.get("state") not in ("running", "pending")}
@@ -171,8 +175,8 @@ class Lifecycle:
     async def announce(self, settled: Settled) -> None:
         """After commit: the events, the scheduler woken for what may be placed now, and a
         timer for each restart's backoff."""
-        if settled.unblocked:
-            self.wake.jobs(settled.unblocked)
+        if settled.unblocked or settled.gangs.unblocked:
+            self.wake.jobs([*settled.unblocked, *settled.gangs.unblocked])
         if settled.requeued:
             self.wake.capacity()
         loop = asyncio.get_running_loop()
@@ -187,6 +191,22 @@ class Lifecycle:
         events = settled.events()
         if events and self.publisher is not None:
             await self.publisher.publish_events(events)
+        await self._announce_gangs(settled.gangs)
+
+    async def _announce_gangs(self, gangs: gang_status.GangSettled) -> None:
+        """A distributed job's state change, once (named by job and state), and the signed
+        cancels of the ranks still running when it ended."""
+        if self.publisher is None or not (gangs.events or gangs.cancels):
+            return
+        pub = self.publisher
+        items = [
+            pub.event_item(e, f"{e.job_id}:{type(e).__struct_config__.tag}") for e in gangs.events
+        ]
+        items += [pub.cancel_item(node, cancel) for node, cancel in gangs.cancels]
+        for e in gangs.events:
+            log.info("distributed job %s: %s", e.job_id, type(e).__struct_config__.tag)
+        if not await pub.publish(items):
+            log.warning("distributed jobs' events or rank cancels not all sent")
 
     def _backoff_over(self) -> None:
         now = asyncio.get_running_loop().time()

@@ -8,6 +8,7 @@ from typing import Any
 
 from gpulayer_contracts import Cancelled, Grant, JobRequest
 from gpulayer_contracts.capabilities import MIG_INDEX_BASE, AcceleratorDevice, grant_devices
+from gpulayer_contracts.events import GangRank, Placed, RankPlacement
 from gpulayer_contracts.subjects import ANONYMOUS
 from gpulayer_contracts.validation import visibility_env
 from gpulayer_matching import NoPlacement, Placement
@@ -24,6 +25,9 @@ class PlacedJob:
     owner: str = ANONYMOUS  # who submitted it (the submit subject)
     # What it holds besides devices (resources.reservations): cores, RAM, a slot, GPU memory.
     held: list[tuple[str, int]] = field(default_factory=list)
+    # A rank of a distributed job (issue 14): its rendezvous, filled once the port is reserved.
+    gang: GangRank | None = None
+    gang_id: str | None = None
 
 
 @dataclass
@@ -40,6 +44,9 @@ class Outcome:
     # PostgreSQL marked (rows of ``mark_preempted``), whose cancels go out after the commit.
     preempt: list[tuple[str, int, list[str]]] = field(default_factory=list)
     cancels: list[Any] = field(default_factory=list)
+    # Distributed jobs placed whole (gangs.py): gang id -> (request, owner, master_addr); their
+    # ranks are in ``placements`` (``gang`` set once the rendezvous port is reserved).
+    gangs: dict[str, tuple[JobRequest, str, str]] = field(default_factory=dict)
 
 
 def mode(p: Placement) -> str:
@@ -55,6 +62,7 @@ def make_grant(
     devices: list[int],
     owner: str = ANONYMOUS,
     accelerators: list[AcceleratorDevice] | None = None,
+    gang: GangRank | None = None,
 ) -> Grant:
     """The grant an executor receives: the job, its devices and the visibility env for them.
 
@@ -74,4 +82,40 @@ def make_grant(
         visible_env=visibility_env(accelerator, devices, granted, instances),
         owner=owner,
         instance_uuids=instances,
+        gang=gang,
     )
+
+
+def gang_placed(outcome: Outcome) -> list[Placed]:
+    """The ``placed`` event of each distributed job placed whole in ``outcome``, on the job's
+    own subject: rank 0's node and devices, and every rank (each rank's own ``placed`` goes on
+    its rank job's subject with its grant)."""
+    events: list[Placed] = []
+    for gang_id, (job, owner, _) in outcome.gangs.items():
+        ranks = sorted(
+            (pl for pl in outcome.placements if pl.gang_id == gang_id and pl.gang is not None),
+            key=lambda pl: pl.gang.rank if pl.gang is not None else 0,
+        )
+        if not ranks:
+            continue
+        first = ranks[0].placement
+        events.append(
+            Placed(
+                job_id=gang_id,
+                node_id=first.node_id,
+                accelerator=first.accelerator,
+                devices=first.devices,
+                owner=owner,
+                profile=job.profile,
+                ranks=[
+                    RankPlacement(
+                        rank=r,
+                        node_id=pl.placement.node_id,
+                        job_id=pl.job.job_id,
+                        devices=pl.placement.devices,
+                    )
+                    for r, pl in enumerate(ranks)
+                ],
+            )
+        )
+    return events

@@ -42,6 +42,13 @@ class Reservation:
     node_id: str
     until: float
     priority: int = 0  # a job of higher priority is ahead of it: the reservation doesn't hold it
+    # A distributed job keeps N nodes (``node_id`` among them): ``until`` is when the last of
+    # them frees up (gangs.py).
+    nodes: frozenset[str] = frozenset()
+
+    def kept(self) -> frozenset[str]:
+        """Every node kept for the job."""
+        return self.nodes | {self.node_id}
 
 
 class _Tally:
@@ -188,6 +195,13 @@ class Policy:
         held = t.held if t is not None else {}
         return q.over_quota(self.quotas, owner, held, q.job_need(gpus, accelerator, millicores))
 
+    def over_quota_need(self, owner: str, need: dict[str, int]) -> str | None:
+        """``over_quota`` for a need given whole (a distributed job's ranks together)."""
+        if not self.quotas:
+            return None
+        t = self._tally.get(owner)
+        return q.over_quota(self.quotas, owner, t.held if t is not None else {}, need)
+
     # --- No starvation ---
 
     def new_pass(self) -> bool:
@@ -223,6 +237,10 @@ class Policy:
                 best = (until, view.node_id)
         self.reservation = None if best is None else Reservation(job_id, best[1], best[0], priority)
 
+    def mark_reserved(self) -> None:
+        """A reservation was computed now (found or not): the next waits RESERVATION_EVERY_S."""
+        self._reserved_at = time.monotonic()
+
     def clear_reservation(self, job_id: str) -> None:
         """``job_id`` was placed or ended: its reservation goes, and the next full pass may
         compute one for the job now first in order."""
@@ -237,7 +255,9 @@ class Policy:
         reserved for another job of at least its priority, and then only when its timeout ends
         before the reservation's job can start."""
         r = self.reservation
-        if r is None or r.node_id != node_id or r.job_id == job_id or devices == 0:
+        if r is None or r.job_id == job_id or devices == 0:
+            return True
+        if r.node_id != node_id and node_id not in r.nodes:
             return True
         if priority > r.priority:
             return True

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
+import msgspec
 from nats.js import JetStreamContext
 
 from gpulayer_contracts import (
@@ -31,6 +32,7 @@ from gpulayer_contracts import (
 from gpulayer_contracts.bounds import MAX_EVENT_BYTES, bound_event
 from gpulayer_contracts.capabilities import AcceleratorDevice
 from gpulayer_contracts.codec import job_request_decoder
+from gpulayer_contracts.events import GangRank
 from gpulayer_contracts.subjects import (
     ANONYMOUS,
     MSG_ID_HEADER,
@@ -39,7 +41,7 @@ from gpulayer_contracts.subjects import (
     node_control,
     node_grants,
 )
-from gpulayer_placement.outcome import Outcome, PlacedJob, make_grant
+from gpulayer_placement.outcome import Outcome, PlacedJob, gang_placed, make_grant
 from gpulayer_placement.settings import Settings
 from gpulayer_placement.store import Store
 from gpulayer_runtime.logs import job_context
@@ -57,6 +59,8 @@ log = logging.getLogger("gpulayer_placement.service")
 ANNOUNCE_AGAIN_WITHIN_S = next(s for s in STREAMS if s.name == "JOB_EVENTS").duplicate_window_s / 2
 
 Item = tuple[str, bytes, dict[str, str]]  # subject, payload, headers
+
+gang_rank_decoder = msgspec.json.Decoder(GangRank)
 
 
 class Publisher:
@@ -211,6 +215,7 @@ class Publisher:
                 pl.placement.devices,
                 pl.owner,
                 self.devices_of(pl.placement.node_id),
+                pl.gang,
             )
             for pl in outcome.placements
         ]
@@ -226,6 +231,8 @@ class Publisher:
         ]
         items = [self.event_item(e) for e in (*owed, *before)]
         items += [self.placed_item(g) for g in grants]
+        # A distributed job's own "placed", once: named by the job (every rank placed at once).
+        items += [self.event_item(e, f"{e.job_id}:placed") for e in gang_placed(outcome)]
         items += [self.event_item(e) for e in waiting]
         if not self.tel.enabled:
             # No spans here, but the submitter's context still travels on to the executor.
@@ -345,6 +352,7 @@ class Publisher:
             extra=job_context(r["job_id"], r["node_id"], r["traceparent"]),
         )
         owner = r.get("owner") or ANONYMOUS
+        gang = r.get("gang")
         grant = make_grant(
             job,
             r["node_id"],
@@ -353,6 +361,8 @@ class Publisher:
             list(r["devices"]),
             owner,
             self.devices_of(r["node_id"]),
+            # A rank of a distributed job: its rendezvous, as first sent.
+            gang_rank_decoder.decode(gang) if gang else None,
         )
         items = [
             self.placed_item(grant),

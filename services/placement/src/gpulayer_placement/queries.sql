@@ -46,6 +46,7 @@ WITH lost AS (
     UPDATE jobs SET state = 'lost', reason = $2, updated_at = now()
     WHERE node_id = ANY($1::text[]) AND state IN ('placed', 'running')
     RETURNING jobs.job_id, jobs.node_id, jobs.owner, jobs.state, jobs.reason,
+       jobs.gang_id, jobs.rank,
        -- lifecycle: what lifecycle.plan needs to requeue a retried job or a restarting service,
        -- NULL for the rest (most jobs: nothing to decode); has_dependents: a job waits for it.
        CASE WHEN jobs.kind = 'service' OR coalesce(jobs.request->>'retries', '0') <> '0'
@@ -61,7 +62,8 @@ WITH lost AS (
 ), freed AS (
     DELETE FROM reservations r USING lost WHERE r.job_id = lost.job_id
 )
-SELECT job_id, node_id, owner, state, reason, lifecycle, has_dependents FROM lost;
+SELECT job_id, node_id, owner, state, reason, lifecycle, has_dependents, gang_id, rank
+FROM lost;
 
 -- name: insert_jobs
 -- $6: owners; NULL (a caller of an older version) is 'anonymous'. Priority and preemptible
@@ -157,7 +159,8 @@ WITH s AS (
     WHERE jobs.job_id = s.job_id AND jobs.grant_id = s.grant_id AND jobs.node_id = s.node_id
       AND jobs.state IN ('placed', 'running')
       AND NOT (s.state = 'running' AND jobs.state = 'running')
-    RETURNING jobs.job_id, jobs.node_id, jobs.state, jobs.owner, jobs.reason,
+    RETURNING jobs.job_id, jobs.node_id, jobs.state, jobs.owner, jobs.reason, jobs.exit_code,
+       jobs.gang_id, jobs.rank,
        -- lifecycle: what lifecycle.plan needs to requeue a retried job or a restarting service,
        -- NULL for the rest (most jobs: nothing to decode); has_dependents: a job waits for it.
        CASE WHEN jobs.kind = 'service' OR coalesce(jobs.request->>'retries', '0') <> '0'
@@ -178,7 +181,7 @@ WITH s AS (
     RETURNING r.node_id
 )
 SELECT c.job_id, c.node_id, c.state, r.device_index, r.mode,
-       c.owner, c.reason, c.lifecycle, c.has_dependents,
+       c.owner, c.reason, c.lifecycle, c.has_dependents, c.exit_code, c.gang_id, c.rank,
        (SELECT pg_notify('gpulayer_allocations', $7 || '|' || string_agg(DISTINCT node_id, ','))
         FROM (SELECT node_id FROM released UNION SELECT node_id FROM freed) AS gone
         HAVING count(*) > 0) AS notified
@@ -187,10 +190,11 @@ FROM changed c LEFT JOIN released r ON r.job_id = c.job_id;
 -- name: stale_placed
 -- Placed jobs whose executor never said "running": re-send the grant (executors start a grant
 -- at most once, so this is safe).
+-- A gang row has no grant of its own (its ranks do): left out; a rank's grant carries its gang.
 SELECT job_id, request::text AS request, node_id, grant_id, accelerator, devices, traceparent,
-       owner, extract(epoch FROM now() - submitted_at)::float8 AS age_s
+       owner, extract(epoch FROM now() - submitted_at)::float8 AS age_s, gang::text AS gang
 FROM jobs
-WHERE state = 'placed' AND updated_at < now() - make_interval(secs => $1);
+WHERE state = 'placed' AND updated_at < now() - make_interval(secs => $1) AND NOT is_gang;
 
 -- name: job_ages
 -- Seconds since each job was stored (a redelivered submit re-announces only young jobs).
@@ -214,14 +218,16 @@ RETURNING job_id;
 -- name: get_job
 SELECT job_id, request::text AS request, state, submitted_at, updated_at, node_id, grant_id,
        accelerator, devices, exit_code, reason, unsatisfiable, attempt, owner,
-       requeues, blocked, not_before, kind, array_id, priority, preemptible, preempted_for
+       requeues, blocked, not_before, kind, array_id, priority, preemptible, preempted_for,
+       is_gang, gang_id, rank, stop_requested
 FROM jobs WHERE job_id = $1;
 
 -- name: list_jobs
 SELECT job_id, state, submitted_at, updated_at, node_id, accelerator, devices, exit_code, reason,
-       owner, kind, array_id, requeues, priority
+       owner, kind, array_id, requeues, priority, is_gang
 FROM jobs
-WHERE ($1::text IS NULL OR state = $1)
+-- A distributed job's ranks are shown under it (gpulayer job), not as jobs of their own.
+WHERE ($1::text IS NULL OR state = $1) AND gang_id IS NULL
 ORDER BY submitted_at DESC, job_id
 LIMIT $2;
 
@@ -317,7 +323,8 @@ SELECT j.job_id, j.node_id, j.owner, j.accelerator, j.devices, j.priority, j.pre
        coalesce(h.millicores, 0) AS millicores,
        (SELECT min(a.mode) FROM allocations a WHERE a.job_id = j.job_id) AS mode
 FROM jobs j LEFT JOIN owner_holds h ON h.job_id = j.job_id
-WHERE j.state IN ('placed', 'running') AND ($1::text[] IS NULL OR j.node_id = ANY($1::text[]));
+WHERE j.state IN ('placed', 'running') AND ($1::text[] IS NULL OR j.node_id = ANY($1::text[]))
+  AND NOT j.is_gang;
 
 -- name: load_policy
 -- Quotas ('quota': owner, resource, max) and each owner's ended GPU-seconds decayed to now
@@ -370,7 +377,7 @@ WITH hit AS (
 ), lost AS (
     UPDATE jobs j SET state = 'lost', reason = $3, updated_at = now()
     FROM hit WHERE j.job_id = hit.job_id AND j.state IN ('placed', 'running')
-    RETURNING j.job_id, j.node_id, j.owner, j.grant_id, j.state, j.reason,
+    RETURNING j.job_id, j.node_id, j.owner, j.grant_id, j.state, j.reason, j.gang_id, j.rank,
        -- lifecycle, as in lose_node_jobs: a retry or a restart, or the dependents released.
        CASE WHEN j.kind = 'service' OR coalesce(j.request->>'retries', '0') <> '0'
             THEN jsonb_build_object(
@@ -385,4 +392,79 @@ WITH hit AS (
 ), freed AS (
     DELETE FROM reservations r USING lost WHERE r.job_id = lost.job_id
 )
-SELECT job_id, node_id, owner, grant_id, state, reason, lifecycle, has_dependents FROM lost;
+SELECT job_id, node_id, owner, grant_id, state, reason, lifecycle, has_dependents, gang_id, rank
+FROM lost;
+
+-- --- Distributed jobs (issue 14): gangs and their ranks (gangs.py, gang_status.py) ---
+
+-- name: reserve_gang_port
+-- The lowest port of $3..$4 no active gang holds on node $2, for gang $1; no row when all are
+-- taken. Two replicas choosing the same port at once: the unique index fails one's commit.
+INSERT INTO gang_ports (gang_id, node_id, port)
+SELECT $1, $2, p FROM generate_series($3::int, $4::int) AS p
+WHERE NOT EXISTS (SELECT 1 FROM gang_ports g WHERE g.node_id = $2 AND g.port = p)
+ORDER BY p LIMIT 1
+RETURNING port;
+
+-- name: insert_ranks
+-- The rank jobs of gangs placed in this transaction: inserted waiting, then placed by
+-- place_jobs in the same transaction (no other replica ever sees them waiting). Never
+-- preemptible; their priority is the gang's.
+INSERT INTO jobs (job_id, request, state, traceparent, owner, priority, preemptible, gang_id,
+                  rank, gang)
+SELECT r.job_id, r.request::jsonb, 'pending', r.traceparent, r.owner, r.priority, false,
+       r.gang_id, r.rank, r.gang::jsonb
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int[], $6::text[], $7::int[],
+            $8::text[]) AS r(job_id, request, traceparent, owner, priority, gang_id, rank, gang);
+
+-- name: place_gangs
+-- Gang rows whose every rank was placed in this transaction.
+UPDATE jobs SET state = 'placed', attempt = jobs.attempt + 1, reason = NULL,
+    unsatisfiable = false, updated_at = now()
+WHERE job_id = ANY($1::text[]) AND state = 'pending';
+
+-- name: lock_gangs
+-- Gang rows $1 still placed or running, locked: replicas settling reports of one gang take
+-- turns. Their ranks are read by the next statement, whose snapshot sees what the replica
+-- that held the lock before committed.
+SELECT job_id, state, owner, stop_requested FROM jobs
+WHERE job_id = ANY($1::text[]) AND is_gang AND state IN ('placed', 'running')
+ORDER BY job_id
+FOR UPDATE;
+
+-- name: gang_rank_states
+SELECT gang_id, job_id, rank, state, node_id, grant_id, exit_code, reason
+FROM jobs WHERE gang_id = ANY($1::text[])
+ORDER BY gang_id, rank;
+
+-- name: set_gangs
+-- Gangs whose state the ranks decided ($2: running, succeeded, failed, lost, cancelled); an
+-- ended one gives its rendezvous port back.
+WITH s AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::int[], $4::text[])
+         AS s(job_id, state, exit_code, reason)
+), upd AS (
+    UPDATE jobs SET state = s.state, exit_code = s.exit_code, reason = s.reason, updated_at = now()
+    FROM s WHERE jobs.job_id = s.job_id AND jobs.state IN ('placed', 'running')
+    RETURNING jobs.job_id, jobs.state
+), freed AS (
+    DELETE FROM gang_ports p USING upd WHERE p.gang_id = upd.job_id AND upd.state <> 'running'
+)
+SELECT job_id, state FROM upd;
+
+-- name: stop_gang
+-- gpulayer cancel of a placed or running gang: its ranks still active, to cancel; the gang
+-- ends 'cancelled' when they report.
+WITH g AS (
+    UPDATE jobs SET stop_requested = true
+    WHERE job_id = $1 AND is_gang AND state IN ('placed', 'running')
+    RETURNING job_id
+)
+SELECT r.job_id, r.node_id, r.grant_id
+FROM jobs r JOIN g ON r.gang_id = g.job_id
+WHERE r.state IN ('placed', 'running');
+
+-- name: gang_ranks
+-- Every rank of gang $1, for gpulayer job.
+SELECT rank, job_id, state, node_id, devices, exit_code, reason, gang::text AS gang
+FROM jobs WHERE gang_id = $1 ORDER BY rank;

@@ -49,12 +49,14 @@ class Gate:
             return decision
         r = self.policy.reservation
         assert r is not None
-        others = [v for v in self.fleet.views() if v.node_id != r.node_id]
+        kept = r.kept()
+        others = [v for v in self.fleet.views() if v.node_id not in kept]
         again = match(job, others)
         if isinstance(again, Placement):
             return again
+        where = f"node {r.node_id}" if not r.nodes else f"nodes {', '.join(sorted(kept))}"
         why = (
-            f"node {r.node_id} is kept for job {r.job_id}, waiting longer for its devices; "
+            f"{where} {'is' if not r.nodes else 'are'} kept for job {r.job_id}, waiting longer for its devices; "
             "this job's timeout_s does not end before that job can start"
         )
         return NoPlacement(summary=why, reasons=[why, *again.reasons], unsatisfiable=False)

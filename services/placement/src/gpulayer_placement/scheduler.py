@@ -28,9 +28,11 @@ from gpulayer_contracts.codec import job_request_decoder
 from gpulayer_contracts.subjects import ANONYMOUS
 from gpulayer_contracts.validation import requested_gpu_count
 from gpulayer_matching import NodeView, NoPlacement, Placement, match
+from gpulayer_matching.gang import is_gang
 from gpulayer_matching.resources import job_millicores, reservations
 from gpulayer_placement import dependencies, waiting
 from gpulayer_placement.fleet import Fleet
+from gpulayer_placement.gangs import Gangs
 from gpulayer_placement.outcome import Outcome, PlacedJob, mode
 from gpulayer_placement.policy import Policy, load_policy
 from gpulayer_placement.preemption import Active
@@ -65,6 +67,7 @@ class Scheduler:
         self.pool = pool
         self.policy = policy if policy is not None else Policy()
         self.gate = Gate(fleet=fleet, policy=self.policy, publisher=publisher)
+        self.gangs = Gangs(fleet=fleet, policy=self.policy, ports=settings.rendezvous_ports)
         self._may_reserve = False
         self.fleet = fleet
         self.wake = wake
@@ -215,6 +218,7 @@ class Scheduler:
             self.policy.preempting.pop(job_id, None)
         outcome.placements.clear()
         outcome.preempt.clear()
+        outcome.gangs.clear()
 
     def match_rows(
         self, rows: list[asyncpg.Record], failed: dict[bytes, NoPlacement], outcome: Outcome
@@ -235,6 +239,9 @@ class Scheduler:
             except Exception as err:  # a stored row this version can't read
                 outcome.owners[job_id] = owner
                 self._isolate_job(job_id, err, outcome)
+                continue
+            if is_gang(job):
+                self._gang(row, job, owner, outcome, failed, key)
                 continue
             tel = self.tel.enabled
             t0 = time.time_ns() if tel else 0
@@ -263,6 +270,41 @@ class Scheduler:
                 if decision.summary != row["reason"]:
                     outcome.waiting.append((job_id, decision))
                     outcome.owners[job_id] = owner
+
+    def _gang(
+        self,
+        row: asyncpg.Record,
+        job: JobRequest,
+        owner: str,
+        outcome: Outcome,
+        failed: dict[bytes, NoPlacement],
+        key: bytes,
+    ) -> None:
+        """A distributed job: placed whole (all its ranks) or waiting, with why (gangs.py)."""
+        job_id = row["job_id"]
+        try:
+            why = self.gangs.match_row(
+                row,
+                job,
+                owner,
+                outcome,
+                self._placed,
+                reserve=self._may_reserve,
+                failed=failed,
+                key=key,
+            )
+        except Exception as err:
+            outcome.owners[job_id] = owner
+            self._isolate_job(job_id, err, outcome)
+            return
+        if why is None:  # placed: its ranks' rows take it from here
+            self.forget(job_id)
+            return
+        if requested_gpu_count(job) == 0:
+            self._deviceless_waiting.add(job_id)
+        if why.summary != row["reason"]:
+            outcome.waiting.append((job_id, why))
+            outcome.owners[job_id] = owner
 
     def _placed(
         self,
@@ -357,6 +399,8 @@ class Scheduler:
         """Allocations and job rows of ``outcome`` in one statement each, on ``conn``."""
         for job_id, priority, victims in outcome.preempt:
             outcome.cancels += await Store.fetch(conn, "mark_preempted", victims, job_id, priority)
+        for gang_id in await self.gangs.persist(conn, outcome):
+            self.gangs.unplace(gang_id, outcome)
         if outcome.placements:
             alloc: tuple[list[str], list[str], list[int], list[str]] = ([], [], [], [])
             for pl in outcome.placements:
@@ -366,7 +410,7 @@ class Scheduler:
                     alloc[2].append(d)
                     alloc[3].append(mode(pl.placement))
             ps = outcome.placements
-            held = self._reservation_rows(ps)
+            held = _reservation_rows(self.fleet, ps)
             await Store.execute(
                 conn,
                 "place_jobs",
@@ -399,32 +443,33 @@ class Scheduler:
                 [d.unsatisfiable for _, d in outcome.waiting],
             )
 
-    def _reservation_rows(
-        self, placed: list[PlacedJob]
-    ) -> tuple[list[str], list[str], list[str], list[int], list[int | None]]:
-        """``place_jobs``' reservation columns: job, node, resource, amount, and the capacity
-        this replica matched against (the database's trigger checks the sum against it)."""
-        rows: tuple[list[str], list[str], list[str], list[int], list[int | None]] = (
-            [],
-            [],
-            [],
-            [],
-            [],
-        )
-        capacities: dict[str, dict[str, int | None]] = {}
-        for pl in placed:
-            node = pl.placement.node_id
-            cap = capacities.get(node)
-            if cap is None:
-                view = self.fleet.get(node)
-                cap = capacities[node] = Fleet.capacities(view) if view else {}
-            for resource, amount in pl.held:
-                rows[0].append(pl.job.job_id)
-                rows[1].append(node)
-                rows[2].append(resource)
-                rows[3].append(amount)
-                rows[4].append(cap.get(resource))
-        return rows
+
+def _reservation_rows(
+    fleet: Fleet, placed: list[PlacedJob]
+) -> tuple[list[str], list[str], list[str], list[int], list[int | None]]:
+    """``place_jobs``' reservation columns: job, node, resource, amount, and the capacity
+    this replica matched against (the database's trigger checks the sum against it)."""
+    rows: tuple[list[str], list[str], list[str], list[int], list[int | None]] = (
+        [],
+        [],
+        [],
+        [],
+        [],
+    )
+    capacities: dict[str, dict[str, int | None]] = {}
+    for pl in placed:
+        node = pl.placement.node_id
+        cap = capacities.get(node)
+        if cap is None:
+            view = fleet.get(node)
+            cap = capacities[node] = Fleet.capacities(view) if view else {}
+        for resource, amount in pl.held:
+            rows[0].append(pl.job.job_id)
+            rows[1].append(node)
+            rows[2].append(resource)
+            rows[3].append(amount)
+            rows[4].append(cap.get(resource))
+    return rows
 
 
 def _requirement_key(job: JobRequest) -> bytes:

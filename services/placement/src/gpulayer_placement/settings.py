@@ -21,3 +21,6 @@ class Settings:
     admins: frozenset[str] = frozenset({"admin"})
     # Runtime profiles jobs may name (``GPULAYER_PROFILES``, read once at start): none by default.
     profiles: Profiles = field(default_factory=Profiles)
+    # Ports a distributed job's rendezvous may get on its rank 0's node, first and last
+    # (``GPULAYER_RENDEZVOUS_PORTS``, e.g. 29500-29999): one per active gang on a node.
+    rendezvous_ports: tuple[int, int] = (29500, 29999)

@@ -174,7 +174,7 @@ class ExecutorStatus:
             for r in changed:
                 if r["device_index"] is not None:
                     self.fleet.release(r["node_id"], [r["device_index"]], r["mode"])
-            for job_id in finished:
+            for job_id in [*finished, *settled.gangs.ended]:
                 self.fleet.unreserve(job_id)
                 self.forget(job_id)
             if finished:

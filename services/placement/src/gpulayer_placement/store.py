@@ -32,10 +32,12 @@ DATA_ERRORS: tuple[type[BaseException], ...] = (
 
 # Another replica got there first: a device already held (the allocations' exclusion
 # constraint) or a node's cores, RAM, slots or shared GPU memory full (the reservations
-# trigger raises check_violation). Reload the fleet's holds and match again.
+# trigger raises check_violation), or a distributed job's rendezvous port on a node (the
+# gang_ports unique index). Reload the fleet's holds and match again.
 CONFLICTS: tuple[type[BaseException], ...] = (
     asyncpg.ExclusionViolationError,
     asyncpg.CheckViolationError,
+    asyncpg.UniqueViolationError,
 )
 
 log = logging.getLogger(__name__)
