@@ -3,6 +3,7 @@ the rendezvous environment, the advertise address bound."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from typing import Any
 
@@ -215,3 +216,21 @@ def test_advertise_address_bound(value: str, ok: bool) -> None:
     else:
         assert found == [address_error(value)]
         assert found[0].startswith("$.host.advertise_address: ")
+
+
+def test_gpulayer_matrix_shows_the_distributed_levels(capsys: pytest.CaptureFixture[str]) -> None:
+    from gpulayer_cli.main import main
+
+    assert main(["matrix", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert {acc: modes["distributed"] for acc, modes in shown.items()} == {
+        "cpu": "tested",
+        "cuda": "implemented",
+        "mps": "unsupported",
+        "rocm": "detection-only",
+    }
+    assert main(["matrix"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["│", "cpu", "│", "tested", "│", "tested", "│"] in rows
+    assert ["│", "cuda", "│", "hardware-validated", "│", "implemented", "│"] in rows
+    assert ["│", "mps", "│", "implemented", "│", "unsupported", "│"] in rows
