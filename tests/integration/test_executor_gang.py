@@ -225,3 +225,49 @@ async def test_a_failing_rank_fails_and_a_cancel_ends_every_worker_of_the_other(
         connect_args=connect_args(),
     )
     assert "exitcode  : 3" in out.getvalue()
+
+
+SLEEPER = """\
+import os, time
+from pathlib import Path
+
+Path(f"pid-{os.environ['LOCAL_RANK']}").write_text(str(os.getpid()))
+time.sleep(600)
+"""
+
+
+async def test_a_timeout_ends_torchrun_and_its_workers(
+    nc: Client, js: JetStreamContext, tmp_path: Path, workload_venv: Workload
+) -> None:
+    """A one-node rank whose 2 workers sleep: at timeout_s, torchrun and both workers go."""
+    workload_venv.need_torch()
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    dist = Distributed(nodes=1, processes_per_node=2, backend="gloo", launcher="torchrun")
+    job = JobRequest(
+        job_id=rank_job_id("sleepy", 0),
+        command=[workload_venv.python, str(script)],
+        distributed=dist,
+        timeout_s=30,  # torchrun imports torch first: a few seconds, more on a busy machine
+    )
+    gang = GangRank(
+        job_id="sleepy",
+        rank=0,
+        nnodes=1,
+        nproc_per_node=2,
+        master_addr="127.0.0.1",
+        master_port=free_port(),
+    )
+    grant = Grant(grant_id="g-sleepy", job=job, node_id=NODES[0], accelerator="cpu", gang=gang)
+    async with two_executors(nc, tmp_path, workload_venv) as executors:
+        await publish_grant(js, grant)
+        folder = executors[NODES[0]].store.job_dir(grant.grant_id)
+        pid_files = [folder / "pid-0", folder / "pid-1"]
+        await eventually(lambda: all(p.exists() and p.read_text() for p in pid_files), 60)
+        workers = [int(p.read_text()) for p in pid_files]
+        events = await events_of(js, job.job_id, 120)
+        assert tags(events) == ["running", "failed"]
+        assert "timeout" in str(getattr(events[-1], "reason", ""))
+        launcher = getattr(events[0], "pid", None)
+        assert launcher is not None
+        await eventually(lambda: not any(pid_alive(p) for p in [launcher, *workers]), 10)

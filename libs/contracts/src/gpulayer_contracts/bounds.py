@@ -27,6 +27,7 @@ from gpulayer_contracts.health import NodeObservations
 from gpulayer_contracts.jobs import (
     JOB_ID_PATTERN,
     PROFILE_REF_PATTERN,
+    RANK_SUFFIX,
     GpuUsage,
     JobRequest,
     rank_job_id,
@@ -74,6 +75,7 @@ MAX_PRIORITY: Final = 1_000_000
 
 # --- Capabilities, heartbeats and executor status (per message) ---
 MAX_NODE_ID_BYTES: Final = 128
+MAX_JOB_ID_CHARS: Final = 128  # JOB_ID_PATTERN's bound, for messages
 MAX_DEVICES_PER_NODE: Final = 1024
 MAX_DEVICE_INDEX: Final = 65535
 MAX_DEVICE_MEMORY_MIB: Final = 1 << 26  # 64 TiB: holds MAX_GPU_MEMORY_GB
@@ -372,17 +374,24 @@ def _rank_id_error(job: JobRequest) -> str | None:
         or not 1 <= dist.nodes <= MAX_DISTRIBUTED_NODES
     ):
         return None  # reported by the check of nodes
-    job_id: object = job.job_id
+    if not isinstance(job.job_id, str) or not _JOB_ID.fullmatch(job.job_id):
+        return None  # reported by the check of the id
+    base, shape, of = job.job_id, "<job_id>", ""
     if a is not None and a.index is None and isinstance(a.count, int) and a.count >= 1:
-        job_id = f"{job.job_id}-{a.count - 1}"
-    if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id):
-        return None  # reported by the checks of the id and of the array
-    last = rank_job_id(job_id, dist.nodes - 1)
+        base, shape, of = (
+            f"{job.job_id}-{a.count - 1}",
+            "<job_id>-<i>",
+            f" in an array of {a.count}",
+        )
+        if not _JOB_ID.fullmatch(base):
+            return None  # reported by the check of the array
+    last = rank_job_id(base, dist.nodes - 1)
     if _JOB_ID.fullmatch(last):
         return None
+    most = MAX_JOB_ID_CHARS - (len(last) - len(job.job_id))
     return (
-        f"$.job_id: the distributed job's last rank id {_show(last)} is {len(last)} characters, "
-        f"over the job id's 128 ({JOB_ID_PATTERN}): use a shorter job_id"
+        f"$.job_id: a distributed job's id may have at most {most} characters for {dist.nodes} "
+        f"nodes{of} (its ranks are {shape}{RANK_SUFFIX}<R>)"
     )
 
 

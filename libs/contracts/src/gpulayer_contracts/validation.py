@@ -273,11 +273,10 @@ def distributed_errors(job: JobRequest) -> list[str]:
     # placing a whole gang again is not built (yet).
     if job.retries:
         errors.append(
-            "$.retries: a distributed job is not retried (a gang is never placed again); "
-            "leave retries unset"
+            "$.retries: a distributed job is not retried (its ranks are placed once, together)"
         )
     if job.kind == "service":
-        errors.append("$.kind: a distributed job cannot be a service (it is never restarted)")
+        errors.append('$.kind: a distributed job cannot be a "service" (no gang restarts)')
     return errors
 
 
