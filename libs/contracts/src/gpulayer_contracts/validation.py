@@ -18,12 +18,9 @@ from gpulayer_contracts.jobs import (
     GpuUsage,
     GpuUse,
     JobRequest,
-    rank_job_id,
 )
 from gpulayer_contracts.matrix import is_schedulable, support_level
 from gpulayer_contracts.version import __version__
-
-MAX_JOB_ID = 128  # JOB_ID_PATTERN's bound
 
 KNOWN_GPU_APIS = frozenset({"cuda", "rocm", "vulkan", "opencl", "directml", "metal"})
 GPU_ACCELERATORS: frozenset[Accelerator] = frozenset({"cuda", "mps", "rocm"})
@@ -269,15 +266,7 @@ def distributed_errors(job: JobRequest) -> list[str]:
             f"$.distributed.launcher: {dist.launcher!r} is not a launcher the executor can start "
             f"({', '.join(LAUNCHERS)}; unset: the command runs once per node)"
         )
-    # A gang is placed, run and ended as one; a rank is never retried or restarted alone, and
-    # placing a whole gang again is not built (yet).
-    if job.retries:
-        errors.append(
-            "$.retries: a distributed job is not retried (its ranks are placed once, together)"
-        )
-    if job.kind == "service":
-        errors.append('$.kind: a distributed job cannot be a "service" (no gang restarts)')
-    return errors
+    return errors  # retries, services: gang_errors
 
 
 def rank_env(gang: GangRank, launcher: str | None) -> dict[str, str]:
@@ -314,13 +303,7 @@ def gang_errors(job: JobRequest) -> list[str]:
         )
     if job.kind == "service":
         errors.append('$.kind: a distributed job cannot be a "service" (no gang restarts)')
-    longest = len(rank_job_id(job.job_id, dist.nodes - 1))
-    if longest > MAX_JOB_ID:
-        errors.append(
-            f"$.job_id: a distributed job's id may have at most "
-            f"{MAX_JOB_ID - (longest - len(job.job_id))} characters for {dist.nodes} nodes "
-            f"(its ranks are <job_id>{RANK_SUFFIX}<R>)"
-        )
+    # The id's room for its ranks' suffix: bounds (_rank_id_error, arrays included).
     return errors
 
 
