@@ -282,6 +282,7 @@ def render() -> str:
             logs_stream=_stream_of(JOB_WILDCARD_LOGS),
         ),
         LIFECYCLE.format(),
+        DISTRIBUTED,
         "## Job request",
         "",
     ]
@@ -316,6 +317,72 @@ def render() -> str:
     out += PROFILES_AND_CONFORM.splitlines()
     out += _schemas_section()
     return "\n".join(out).rstrip("\n") + "\n"
+
+
+# Hand-written: a distributed job, as the executor runs its ranks.
+DISTRIBUTED = """\
+## Distributed jobs
+
+A job with `distributed` set (even `nodes = 1`) runs on `nodes` distinct nodes at once, all
+placed together or not at all ([placement rules](placement-rules.md#distributed-jobs-gangs)):
+
+```toml
+job_id = "train"
+command = ["python", "train.py"]
+requirements = {accelerator = "cpu"}
+distributed = {nodes = 2, processes_per_node = 2, backend = "gloo", launcher = "torchrun"}
+```
+
+- **Fields.** `nodes`: how many nodes (1 .. 4096); `processes_per_node`: processes on each
+  (1 .. 1024); `backend`: the torch.distributed backend each node must report
+  (`distributed_backends`: `gloo`, `nccl`, `mpi`); `launcher`: `torchrun`, or unset.
+- **Rules (at submit).** What the [support matrix](placement-rules.md#accelerators-and-the-support-matrix)
+  allows: `cpu` (tested: gloo, 2 nodes x 2 processes on one host, every CI run) and `cuda`
+  (implemented: placed and launched the same way, NCCL never run); `mps` and `rocm` are
+  rejected naming `$.distributed`. `backend = "nccl"` only with `accelerator = "cuda"`. A cuda
+  job runs one process per GPU: `processes_per_node` at most the devices each node gets
+  (`gpu_count`, one when unset); a cpu job any number. `launcher` is `torchrun` or unset (the
+  executor starts nothing else). No `retries`, no `kind = "service"`: a distributed job is
+  placed once. A job's `env` may not set the variables below.
+- **Ranks.** Each node's part is a rank, run as a job of its own with the id
+  `<job_id>-rank<R>` (R = 0 .. nodes - 1; rank 0's node hosts the rendezvous): its grant, its
+  `running` and end events (carrying `rank`) on its own subject `gpulayer.job.<job_id>-rank<R>.events`,
+  its output (`gpulayer logs <job_id>-rank<R>`). So no submitted `job_id` may end in
+  `-rank<digits>`, and a distributed job's id must leave room for its ranks' suffix
+  (`-rank` and the digits of `nodes - 1`; `-<i>` too in an array). The job itself (what
+  `gpulayer job <job_id>` shows, with its ranks) is `running` once every rank runs,
+  `succeeded` once every rank exited 0, and `failed` naming the rank and node when one fails,
+  times out or is lost (the others are cancelled).
+- **Environment of each rank** (besides [the executor's usual one](executor.md#environment)):
+
+  | variable | value |
+  |---|---|
+  | `MASTER_ADDR` | rank 0's node's advertise address (its probe's `GPULAYER_ADVERTISE_ADDRESS`, else detected) |
+  | `MASTER_PORT` | a port placement reserved for the job on rank 0's node (`GPULAYER_RENDEZVOUS_PORTS`) |
+  | `WORLD_SIZE` | `nodes` x `processes_per_node` |
+  | `NODE_RANK` | this node's rank R |
+  | `NNODES`, `NPROC_PER_NODE` | `nodes`, `processes_per_node` |
+  | `GPULAYER_JOB_ID` | the distributed job's id (`train`), not the rank's |
+  | `RANK`, `LOCAL_RANK` | without a launcher and with one process per node: R and `0`; torchrun sets them per worker |
+
+  `CUDA_VISIBLE_DEVICES` follows each node's own grant.
+- **With `launcher = "torchrun"`** each node runs
+
+  ```
+  torchrun --nnodes N --nproc-per-node P --node-rank R --master-addr MASTER_ADDR
+           --master-port MASTER_PORT --no-python -- <command>
+  ```
+
+  A **static rendezvous**: placement already knows every rank and which node is rank 0, so
+  c10d's dynamic rendezvous (nodes joining and being numbered as they arrive) would buy
+  nothing. `--no-python`: `command` stays an argv, as for any job (`python train.py`).
+  `torchrun` is the one next to the node's workload interpreter (`GPULAYER_WORKLOAD_PYTHON`),
+  else the one on the job's `PATH`; neither: the rank fails saying so. torchrun's workers are
+  the rank's processes: a cancel or timeout ends them with it. A worker's failure makes
+  torchrun exit 1 (the worker's own code is in the rank's output).
+- **Without a launcher** the command runs once on each node with the variables above; with
+  `processes_per_node` > 1 it starts its processes itself.
+"""
 
 
 # Hand-written: how a job names a runtime profile, and how a workload is checked per node class.

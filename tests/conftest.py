@@ -24,6 +24,7 @@ import asyncpg
 import pytest
 from nats.aio.client import Client
 from tests import helpers
+from tests.workload import Workload, make_workload_venv
 
 from gpulayer_runtime.auth import AuthStore
 from gpulayer_runtime.nats import connect
@@ -231,3 +232,10 @@ async def secure_nats(tmp_path: Path, auth_store: AuthStore) -> AsyncIterator[Se
         yield SecureNats(server, auth_store)
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def workload_venv(tmp_path_factory: pytest.TempPathFactory) -> Workload:
+    """A throwaway venv with numpy, and torch==2.13.0 where pip can install it (tests/workload.py),
+    once per session."""
+    return make_workload_venv(tmp_path_factory.mktemp("workload") / "venv")

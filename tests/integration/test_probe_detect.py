@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from tests.workload import Workload
 
 from gpulayer_detection.cli import main as probe_main
 from gpulayer_detection.registry import detect_capabilities
@@ -152,49 +152,6 @@ async def test_missing_workload_interpreter(tmp_path: Path) -> None:
 
 
 # -- a real workload interpreter ---------------------------------------------------------------
-
-
-class Workload:
-    def __init__(self, python: str, numpy: str, torch: str | None, torch_skip: str) -> None:
-        self.python, self.numpy, self.torch, self.torch_skip = python, numpy, torch, torch_skip
-
-
-def _pip(python: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
-@pytest.fixture(scope="session")
-def workload_venv(tmp_path_factory: pytest.TempPathFactory) -> Workload:
-    """A throwaway venv with numpy, and torch==2.13.0 where pip can install it."""
-    root = tmp_path_factory.mktemp("workload") / "venv"
-    made = subprocess.run(
-        [sys.executable, "-m", "venv", str(root)], capture_output=True, text=True, timeout=120
-    )
-    if made.returncode != 0:
-        pytest.skip(f"could not create a venv: {made.stderr.strip()[-300:]}")
-    python = root / "bin" / "python"
-    got = _pip(python, "numpy")
-    if got.returncode != 0:
-        pytest.skip(f"pip install numpy failed (offline?): {got.stderr.strip()[-300:]}")
-    numpy = subprocess.run(
-        [str(python), "-c", "import numpy; print(numpy.__version__)"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    ).stdout.strip()
-    torch, why = None, ""
-    got = _pip(python, "torch==2.13.0")
-    if got.returncode == 0:
-        torch = "2.13.0"
-    else:
-        why = f"pip install torch==2.13.0 failed (not available offline here?): {got.stderr.strip()[-300:]}"
-    return Workload(str(python), numpy, torch, why)
 
 
 @pytest.mark.timeout(900)

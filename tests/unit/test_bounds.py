@@ -345,6 +345,7 @@ FULL: dict[str, Any] = {
     "name": "train",
     "env": {"SEED": "1"},
     "requirements": {
+        "accelerator": "cuda",  # nccl needs it
         "min_cuda_compute_capability": "8.0",
         "frameworks": {"torch": ">=2"},
         "framework_capabilities": ["torch.cuda"],

@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import msgspec
 import pytest
 from tests.unit.executor.fakes import NODE, FakeJetStream, grant
 
 from gpulayer_contracts.codec import event_decoder, status_decoder
-from gpulayer_contracts.events import Cancelled, Failed, Lost, Running, Succeeded
+from gpulayer_contracts.events import Cancelled, Failed, GangRank, Lost, Running, Succeeded
 from gpulayer_contracts.subjects import job_events, node_status
 from gpulayer_executor import state as st
 from gpulayer_executor.reporter import Reporter, status_for
@@ -50,6 +51,20 @@ def test_a_finished_record_becomes_its_status_and_event(
     )
     assert isinstance(event, event_type)
     assert event.at == outcome.at
+    assert getattr(event, "rank", 0) is None  # no distributed job
+
+
+@pytest.mark.parametrize("state", ["running", "succeeded", "failed", "cancelled", "lost"])
+def test_a_ranks_events_name_the_rank(state: str) -> None:
+    gang = GangRank(
+        job_id="d", rank=1, nnodes=2, nproc_per_node=1, master_addr="h", master_port=29500
+    )
+    g = msgspec.structs.replace(grant("g1"), gang=gang)
+    rec = st.running(st.starting(st.received(g)), PROC)
+    if state != "running":
+        rec = st.finished(rec, st.Outcome(state=state, exit_code=3 if state == "failed" else 0))  # type: ignore[arg-type]
+    _, event = status_for(rec, NODE)
+    assert (event.__struct_config__.tag, event.rank) == (state, 1)  # type: ignore[attr-defined]
 
 
 def test_a_running_record_reports_its_pid_and_start_time() -> None:

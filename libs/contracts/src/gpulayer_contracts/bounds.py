@@ -13,6 +13,7 @@ decides what to do (reject the job, drop the capabilities report and keep the la
 from __future__ import annotations
 
 import functools
+import ipaddress
 import math
 import re
 from collections.abc import Iterator, Sized
@@ -23,7 +24,14 @@ import msgspec
 from gpulayer_contracts.capabilities import Heartbeat, WorkerCapabilities
 from gpulayer_contracts.events import JobEvent, JobStatus
 from gpulayer_contracts.health import NodeObservations
-from gpulayer_contracts.jobs import JOB_ID_PATTERN, PROFILE_REF_PATTERN, GpuUsage, JobRequest
+from gpulayer_contracts.jobs import (
+    JOB_ID_PATTERN,
+    PROFILE_REF_PATTERN,
+    RANK_SUFFIX,
+    GpuUsage,
+    JobRequest,
+    rank_job_id,
+)
 
 KIB: Final = 1024
 
@@ -67,6 +75,7 @@ MAX_PRIORITY: Final = 1_000_000
 
 # --- Capabilities, heartbeats and executor status (per message) ---
 MAX_NODE_ID_BYTES: Final = 128
+MAX_JOB_ID_CHARS: Final = 128  # JOB_ID_PATTERN's bound, for messages
 MAX_DEVICES_PER_NODE: Final = 1024
 MAX_DEVICE_INDEX: Final = 65535
 MAX_DEVICE_MEMORY_MIB: Final = 1 << 26  # 64 TiB: holds MAX_GPU_MEMORY_GB
@@ -78,6 +87,7 @@ MAX_PATH_BYTES: Final = 4096  # workload_python
 MAX_CAP_FRAMEWORKS: Final = 1024  # framework name -> version entries a node reports
 MAX_GRANT_ID_BYTES: Final = 256
 MAX_REASON_BYTES: Final = 4096  # an executor's reason for a job's end
+MAX_HOSTNAME_BYTES: Final = 253  # an advertise address given as a DNS name (RFC 1035)
 
 # --- Device observations (per message, gpulayer.node.<node>.observations) ---
 MIN_TEMPERATURE_C: Final = -273
@@ -108,6 +118,9 @@ _ENV_NAME = re.compile(ENV_NAME_PATTERN)
 _JOB_ID = re.compile(JOB_ID_PATTERN)
 _IDENT = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _PROFILE_REF = re.compile(PROFILE_REF_PATTERN.removeprefix("^").removesuffix("$"))
+# A DNS name: dot-separated labels of letters, digits, ``-`` (``_`` too, as container names
+# have), none starting or ending with ``-``. Never a leading ``-``: it ends in torchrun's argv.
+_HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9_-]{1,63}(?<!-))*\.?")
 
 
 def clip_text(text: str, max_chars: int = MAX_MESSAGE_CHARS) -> str:
@@ -330,6 +343,8 @@ def _lifecycle_fits(job: JobRequest) -> bool:
             return False
         if a.index is not None and _range("", a.index, 0, MAX_ARRAY_COUNT - 1):
             return False
+    if _rank_id_error(job):
+        return False
     after = job.after
     return len(after) <= MAX_AFTER and all(
         isinstance(x, str) and _JOB_ID.fullmatch(x) for x in after
@@ -346,6 +361,37 @@ def _array_id_error(job_id: object, count: int) -> str | None:
     return (
         f"$.array.count: the array's last job id {_show(last)} is {len(last)} characters, "
         f"over the job id's 128 ({JOB_ID_PATTERN}): use a shorter job_id"
+    )
+
+
+def _rank_id_error(job: JobRequest) -> str | None:
+    """A distributed job's last rank id, ``<job_id>-rank<nodes - 1>`` (of the array's last job
+    for an array), must still be a job id: a distributed job's id is that much shorter."""
+    dist, a = job.distributed, job.array
+    if (
+        dist is None
+        or not isinstance(dist.nodes, int)
+        or not 1 <= dist.nodes <= MAX_DISTRIBUTED_NODES
+    ):
+        return None  # reported by the check of nodes
+    if not isinstance(job.job_id, str) or not _JOB_ID.fullmatch(job.job_id):
+        return None  # reported by the check of the id
+    base, shape, of = job.job_id, "<job_id>", ""
+    if a is not None and a.index is None and isinstance(a.count, int) and a.count >= 1:
+        base, shape, of = (
+            f"{job.job_id}-{a.count - 1}",
+            "<job_id>-<i>",
+            f" in an array of {a.count}",
+        )
+        if not _JOB_ID.fullmatch(base):
+            return None  # reported by the check of the array
+    last = rank_job_id(base, dist.nodes - 1)
+    if _JOB_ID.fullmatch(last):
+        return None
+    most = MAX_JOB_ID_CHARS - (len(last) - len(job.job_id))
+    return (
+        f"$.job_id: a distributed job's id may have at most {most} characters for {dist.nodes} "
+        f"nodes{of} (its ranks are {shape}{RANK_SUFFIX}<R>)"
     )
 
 
@@ -373,6 +419,9 @@ def _lifecycle_bounds(job: JobRequest) -> Iterator[str]:
             error = _range("$.array.index", a.index, 0, MAX_ARRAY_COUNT - 1)
             if error:
                 yield error
+    error = _rank_id_error(job)
+    if error:
+        yield error
     yield from _count("$.after", job.after, MAX_AFTER)
     for i, dep in enumerate(job.after[: MAX_AFTER + 1]):
         if not isinstance(dep, str) or not _JOB_ID.fullmatch(dep):
@@ -562,6 +611,23 @@ def node_id_errors(node_id: str, path: str = "$.node_id") -> list[str]:
     return errors
 
 
+def address_error(value: str, path: str = "$.host.advertise_address") -> str | None:
+    """Why ``value`` is not an address other nodes can be told to connect to (an IPv4 or IPv6
+    address, or a host name), or None. Rank 0's becomes every rank's MASTER_ADDR."""
+    if isinstance(value, str) and len(value) <= MAX_HOSTNAME_BYTES and _is_address(value):
+        return None
+    return f"{path}: {_show(value)} is neither an IP address nor a host name"
+
+
+@functools.lru_cache(maxsize=4096)  # short strings only: a fleet reports one each
+def _is_address(value: str) -> bool:
+    try:
+        ipaddress.ip_address(value)
+        return True
+    except ValueError:
+        return bool(_HOSTNAME.fullmatch(value))
+
+
 def validate_capabilities(caps: WorkerCapabilities) -> list[str]:
     """Every hard bound a capabilities report breaks. Placement drops a report with errors and
     keeps the node's last good capabilities (a report is all or nothing)."""
@@ -585,6 +651,8 @@ def _capabilities_within_bounds(caps: WorkerCapabilities) -> bool:
         and _in(host.memory_bytes, 0, MAX_HOST_BYTES)
         and _in(host.disk_free_bytes, 0, MAX_HOST_BYTES)
     ):
+        return False
+    if host.advertise_address is not None and address_error(host.advertise_address):
         return False
     apis = caps.gpu_apis
     short = [
@@ -682,6 +750,10 @@ def _capabilities(caps: WorkerCapabilities) -> Iterator[str]:
     yield from _opt_range("$.host.cpu_cores", host.cpu_cores, 0, MAX_CPU_CORES)
     yield from _opt_range("$.host.memory_bytes", host.memory_bytes, 0, MAX_HOST_BYTES)
     yield from _opt_range("$.host.disk_free_bytes", host.disk_free_bytes, 0, MAX_HOST_BYTES)
+    if host.advertise_address is not None:
+        error = address_error(host.advertise_address)
+        if error:
+            yield error
 
     yield from _count("$.accelerators", caps.accelerators, MAX_DEVICES_PER_NODE)
     for i, d in enumerate(caps.accelerators[: MAX_DEVICES_PER_NODE + 1]):

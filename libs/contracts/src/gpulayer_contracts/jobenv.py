@@ -3,7 +3,8 @@
 
 Order, last one wins: a minimal base environment, the job's own ``env`` (checked first: it may
 not touch a protected variable), then what gpulayer owns: device visibility,
-``GPULAYER_JOB_ID``, ``GPULAYER_GRANT_ID`` and ``GPULAYER_DEVICES``. The executor's
+``GPULAYER_JOB_ID``, ``GPULAYER_GRANT_ID``, ``GPULAYER_DEVICES`` and, for a rank of a
+distributed job (``gang``), the rendezvous variables (``validation.rank_env``). The executor's
 ``gpulayer_executor.env`` applies the same rules to a grant; tests/unit/test_jobenv.py checks
 that the two agree.
 """
@@ -12,8 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from gpulayer_contracts.events import GangRank
 from gpulayer_contracts.jobs import Accelerator, JobRequest
-from gpulayer_contracts.validation import protected_env_names, visibility_env
+from gpulayer_contracts.validation import protected_env_names, rank_env, visibility_env
 
 __all__ = [
     "DEFAULT_PATH",
@@ -40,9 +42,10 @@ def base_environment(source: Mapping[str, str], *, user: str, home: str) -> dict
     return env
 
 
-def job_env_error(env: Mapping[str, str]) -> str | None:
-    """Why a job's own ``env`` can't be honoured, or None."""
-    protected = protected_env_names(env)
+def job_env_error(env: Mapping[str, str], *, distributed: bool = False) -> str | None:
+    """Why a job's own ``env`` can't be honoured, or None (``distributed``: a distributed job's,
+    which may not set the rendezvous variables either)."""
+    protected = protected_env_names(env, distributed=distributed)
     if len(protected) == 1:
         return f"env: {protected[0]} is set by gpulayer, a job may not set it"
     if protected:
@@ -62,10 +65,13 @@ def job_environment(
     devices: list[int],
     grant_id: str,
     base: Mapping[str, str],
+    gang: GangRank | None = None,
 ) -> dict[str, str]:
-    """The complete environment of a job given ``devices`` of ``accelerator``. Raises
-    ValueError (``job_env_error``'s reason) when the job's env can't be honoured."""
-    error = job_env_error(job.env)
+    """The complete environment of a job given ``devices`` of ``accelerator`` (and, for a rank
+    of a distributed job, its ``gang``). Raises ValueError (``job_env_error``'s reason) when
+    the job's env can't be honoured."""
+    dist = job.distributed
+    error = job_env_error(job.env, distributed=dist is not None or gang is not None)
     if error is not None:
         raise ValueError(error)
     env = dict(base)
@@ -73,4 +79,6 @@ def job_environment(
     env.update(visibility_env(accelerator, devices, job.sandbox.devices.gpu == "compute"))
     env["GPULAYER_JOB_ID"] = job.job_id
     env["GPULAYER_GRANT_ID"] = grant_id
+    if gang is not None:
+        env.update(rank_env(gang, dist.launcher if dist is not None else None))
     return env

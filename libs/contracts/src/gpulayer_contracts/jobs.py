@@ -155,9 +155,19 @@ class Sandbox(Input, frozen=True):
 
 class Distributed(Input, frozen=True):
     nodes: Annotated[int, msgspec.Meta(ge=1, description="Number of nodes")] = 1
-    processes_per_node: Annotated[int, msgspec.Meta(ge=1, description="Processes on each node")] = 1
-    backend: Annotated[str | None, _doc("Distributed backend, e.g. gloo or nccl")] = None
-    launcher: Annotated[str | None, _doc("Launcher, e.g. torchrun")] = None
+    processes_per_node: Annotated[
+        int,
+        msgspec.Meta(
+            ge=1,
+            description="Processes on each node (cuda: at most the GPUs each node gets, one each)",
+        ),
+    ] = 1
+    backend: Annotated[
+        str | None, _doc("Distributed backend each node must offer: gloo, or nccl (cuda only)")
+    ] = None
+    launcher: Annotated[str | None, _doc("torchrun, or unset: the command runs once per node")] = (
+        None
+    )
 
 
 # --- Lifecycle (issue 15, part B): retries, services, arrays, dependencies ---

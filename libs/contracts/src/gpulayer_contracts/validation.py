@@ -3,6 +3,7 @@ compute-capability parsing and the device visibility environment. Pure functions
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import msgspec
@@ -10,18 +11,16 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from gpulayer_contracts.bounds import bound_messages, env_path, job_bound_errors
+from gpulayer_contracts.events import GangRank
 from gpulayer_contracts.jobs import (
     RANK_SUFFIX,
     Accelerator,
     GpuUsage,
     GpuUse,
     JobRequest,
-    rank_job_id,
 )
 from gpulayer_contracts.matrix import is_schedulable, support_level
 from gpulayer_contracts.version import __version__
-
-MAX_JOB_ID = 128  # JOB_ID_PATTERN's bound
 
 KNOWN_GPU_APIS = frozenset({"cuda", "rocm", "vulkan", "opencl", "directml", "metal"})
 GPU_ACCELERATORS: frozenset[Accelerator] = frozenset({"cuda", "mps", "rocm"})
@@ -44,6 +43,23 @@ PROTECTED_ENV_EXACT = frozenset(
     }
 )
 PROTECTED_ENV_PREFIXES = ("GPULAYER_",)
+# What the executor sets for a rank of a distributed job (``rank_env``; torchrun derives RANK
+# and LOCAL_RANK per worker from them): protected in a distributed job only, so a one-node job
+# that sets up its own torch.distributed (MASTER_ADDR=localhost ...) keeps working.
+RENDEZVOUS_ENV = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "NODE_RANK",
+    "NNODES",
+    "NPROC_PER_NODE",
+    "RANK",
+    "LOCAL_RANK",
+)
+# Launchers the executor can start a rank through (None: the command runs once per node).
+LAUNCHERS = ("torchrun",)
+# A submitted job id of this shape would name a rank of another job (``rank_job_id``).
+_RANK_ID = re.compile(re.escape(RANK_SUFFIX) + r"[0-9]+$")
 
 
 class Validation(msgspec.Struct, frozen=True):
@@ -55,11 +71,14 @@ class Validation(msgspec.Struct, frozen=True):
         return not self.errors
 
 
-def protected_env_names(env: Iterable[str]) -> list[str]:
+def protected_env_names(env: Iterable[str], *, distributed: bool = False) -> list[str]:
+    """The names in ``env`` gpulayer sets itself; with ``distributed``, the rendezvous ones too."""
     return sorted(
         name
         for name in env
-        if name in PROTECTED_ENV_EXACT or name.startswith(PROTECTED_ENV_PREFIXES)
+        if name in PROTECTED_ENV_EXACT
+        or name.startswith(PROTECTED_ENV_PREFIXES)
+        or (distributed and name in RENDEZVOUS_ENV)
     )
 
 
@@ -114,8 +133,13 @@ def validate_job(job: JobRequest, core_version: str = __version__) -> Validation
     if any(not arg for arg in job.command[:1]):
         errors.append("$.command[0]: the program name is empty")
 
-    for name in protected_env_names(job.env):
+    for name in protected_env_names(job.env, distributed=job.distributed is not None):
         errors.append(f"{env_path(name)}: set by gpulayer, a job may not set it")
+    if isinstance(job.job_id, str) and _RANK_ID.search(job.job_id):
+        errors.append(
+            f"$.job_id: {job.job_id!r} ends in {RANK_SUFFIX}<digits>, the shape of the ids gpulayer "
+            "gives the ranks of a distributed job (<job_id>-rank<R>): choose another id"
+        )
 
     if req.accelerator == "cpu":
         if req.gpu_count > 0:
@@ -197,14 +221,7 @@ def validate_job(job: JobRequest, core_version: str = __version__) -> Validation
                     "no node will report it until one does"
                 )
 
-    if job.distributed is not None:
-        if req.accelerator == "mps":
-            errors.append("$.distributed: mps jobs cannot be distributed")
-        elif req.accelerator is not None and not is_schedulable(req.accelerator, "distributed"):
-            level = support_level(req.accelerator, "distributed")
-            errors.append(
-                f"$.distributed: distributed {req.accelerator} jobs are {level} in the support matrix"
-            )
+    errors += distributed_errors(job)
     if req.accelerator is not None and not is_schedulable(req.accelerator, "independent"):
         level = support_level(req.accelerator, "independent")
         errors.append(
@@ -214,6 +231,62 @@ def validate_job(job: JobRequest, core_version: str = __version__) -> Validation
     errors += lifecycle_errors(job)
     errors += gang_errors(job)
     return Validation(errors=bound_messages(errors), warnings=bound_messages(warnings))
+
+
+def distributed_errors(job: JobRequest) -> list[str]:
+    """What the support matrix and the executor make of a distributed job (docs/jobs.md)."""
+    dist, req = job.distributed, job.requirements
+    if dist is None:
+        return []
+    errors: list[str] = []
+    if req.accelerator == "mps":
+        errors.append(
+            "$.distributed: mps jobs cannot be distributed (requirements.accelerator = mps is "
+            "unsupported for distributed jobs in the support matrix)"
+        )
+    elif req.accelerator is not None and not is_schedulable(req.accelerator, "distributed"):
+        level = support_level(req.accelerator, "distributed")
+        errors.append(
+            f"$.distributed: distributed {req.accelerator} jobs are {level} in the support matrix"
+        )
+    if dist.backend == "nccl" and req.accelerator != "cuda":
+        errors.append(
+            '$.distributed.backend: "nccl" runs on NVIDIA GPUs only: set '
+            'requirements.accelerator = "cuda" (or use "gloo")'
+        )
+    gpus = requested_gpu_count(job)
+    if req.accelerator == "cuda" and dist.processes_per_node > gpus:
+        errors.append(
+            f"$.distributed.processes_per_node: {dist.processes_per_node} processes on each node, "
+            f"but each node gets {gpus} cuda device{'s' if gpus != 1 else ''} "
+            "(requirements.gpu_count): one GPU per process"
+        )
+    if dist.launcher is not None and dist.launcher not in LAUNCHERS:
+        errors.append(
+            f"$.distributed.launcher: {dist.launcher!r} is not a launcher the executor can start "
+            f"({', '.join(LAUNCHERS)}; unset: the command runs once per node)"
+        )
+    return errors  # retries, services: gang_errors
+
+
+def rank_env(gang: GangRank, launcher: str | None) -> dict[str, str]:
+    """The rendezvous variables of one rank (node) of a distributed job, as the executor sets
+    them. Without a launcher the command is the node's only process, so it is also RANK (its
+    node rank) and LOCAL_RANK 0 when there is one process per node; torchrun sets both per
+    worker itself."""
+    env = {
+        "MASTER_ADDR": gang.master_addr,
+        "MASTER_PORT": str(gang.master_port),
+        "WORLD_SIZE": str(gang.world_size),
+        "NODE_RANK": str(gang.rank),
+        "NNODES": str(gang.nnodes),
+        "NPROC_PER_NODE": str(gang.nproc_per_node),
+        "GPULAYER_JOB_ID": gang.job_id,
+    }
+    if launcher is None and gang.nproc_per_node == 1:
+        env["RANK"] = str(gang.rank)
+        env["LOCAL_RANK"] = "0"
+    return env
 
 
 def gang_errors(job: JobRequest) -> list[str]:
@@ -230,13 +303,7 @@ def gang_errors(job: JobRequest) -> list[str]:
         )
     if job.kind == "service":
         errors.append('$.kind: a distributed job cannot be a "service" (no gang restarts)')
-    longest = len(rank_job_id(job.job_id, dist.nodes - 1))
-    if longest > MAX_JOB_ID:
-        errors.append(
-            f"$.job_id: a distributed job's id may have at most "
-            f"{MAX_JOB_ID - (longest - len(job.job_id))} characters for {dist.nodes} nodes "
-            f"(its ranks are <job_id>{RANK_SUFFIX}<R>)"
-        )
+    # The id's room for its ranks' suffix: bounds (_rank_id_error, arrays included).
     return errors
 
 

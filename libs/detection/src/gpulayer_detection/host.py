@@ -8,6 +8,7 @@ import platform
 import shutil
 import socket
 
+import msgspec
 import psutil
 
 from gpulayer_contracts.capabilities import HostInfo
@@ -18,6 +19,7 @@ _ARCH = {"amd64": "x86_64", "x64": "x86_64", "aarch64": "arm64"}
 # A documentation address (RFC 5737): connecting a UDP socket to it sends nothing, but makes the
 # kernel pick the interface that carries the default route.
 _ROUTE_PROBE = ("192.0.2.1", 9)
+LOOPBACK = "127.0.0.1"
 
 
 def platform_tag(system: str, machine: str) -> str:
@@ -88,13 +90,14 @@ class HostProbe:
         for fact in ("cpu_cores", "memory_bytes", "disk_free_bytes"):
             if getattr(host, fact) is None:
                 found.note(f"{fact} could not be read; unknown")
-        if ctx.advertise_address:
-            found.advertise_address = ctx.advertise_address
-        else:
-            found.advertise_address = usable_address(route_address())
-            if found.advertise_address is None:
-                found.note(
-                    "no advertise address: no default route with a non-loopback address "
-                    "(set GPULAYER_ADVERTISE_ADDRESS)"
-                )
+        found.advertise_address = ctx.advertise_address or usable_address(route_address())
+        if found.advertise_address is None:
+            # Rank 0 of a distributed job here still needs an address for its rendezvous: the
+            # loopback one serves ranks on this machine only.
+            found.advertise_address = LOOPBACK
+            found.note(
+                "advertise address 127.0.0.1: no default route with a non-loopback address; "
+                "other nodes can't reach ranks here (set GPULAYER_ADVERTISE_ADDRESS)"
+            )
+        found.host = msgspec.structs.replace(host, advertise_address=found.advertise_address)
         return found

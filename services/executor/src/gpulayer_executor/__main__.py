@@ -253,6 +253,7 @@ def settings(env: Mapping[str, str], *, euid: int | None = None) -> ExecutorConf
         placement_public_keys=public_keys_from_env(env),
         require_signatures=signing_required(env),
         grant_max_age_s=env_float(env, MAX_AGE_SETTING, DEFAULT_MAX_AGE_S),
+        workload_python=env.get("GPULAYER_WORKLOAD_PYTHON", "").strip() or None,
     )
     if config.grant_max_age_s >= config.retain_s:
         # Past the retention, a grant's record is pruned and only its age stops a replay.

@@ -59,3 +59,6 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
     # A signed grant issued longer ago than this is refused (a replay whose record was pruned);
     # keep it below ``retain_s``.
     grant_max_age_s: float = DEFAULT_MAX_AGE_S
+    # The node's workload interpreter (GPULAYER_WORKLOAD_PYTHON, as the probe's): a rank of a
+    # distributed job with launcher torchrun runs the torchrun next to it, else the one on PATH.
+    workload_python: str | None = None

@@ -2,8 +2,9 @@
 
 Order, last one wins: the executor's minimal base environment, the job's own ``env`` (checked
 first: it may not touch a protected variable), then what gpulayer owns: device visibility,
-``GPULAYER_JOB_ID``, ``GPULAYER_GRANT_ID``, ``GPULAYER_DEVICES`` and, for a job of an array,
-``GPULAYER_ARRAY_INDEX``.
+``GPULAYER_JOB_ID``, ``GPULAYER_GRANT_ID``, ``GPULAYER_DEVICES``, for a job of an array
+``GPULAYER_ARRAY_INDEX``, and for a rank of a distributed job the rendezvous variables
+(``rank_env``: MASTER_ADDR, WORLD_SIZE, ...; GPULAYER_JOB_ID is then the distributed job's id).
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ from pathlib import Path
 import msgspec
 
 from gpulayer_contracts.events import Grant
-from gpulayer_contracts.validation import array_env, protected_env_names, visibility_env
+from gpulayer_contracts.validation import (
+    array_env,
+    protected_env_names,
+    rank_env,
+    visibility_env,
+)
 
 # Passed through from the executor's own environment when set there. Everything else the
 # executor was started with (credentials, NATS URLs, proxies, LD_* ...) stays out of jobs.
@@ -74,9 +80,10 @@ def device_env(grant: Grant) -> dict[str, str]:
     )
 
 
-def check_job_env(env: Mapping[str, str]) -> None:
-    """Raise EnvRefused naming the first problem in a job's own ``env``."""
-    protected = protected_env_names(env)
+def check_job_env(env: Mapping[str, str], *, distributed: bool = False) -> None:
+    """Raise EnvRefused naming the first problem in a job's own ``env`` (``distributed``: the
+    rendezvous variables are gpulayer's too)."""
+    protected = protected_env_names(env, distributed=distributed)
     if len(protected) == 1:
         raise EnvRefused(f"env: {protected[0]} is set by gpulayer, a job may not set it")
     if protected:
@@ -90,11 +97,14 @@ def check_job_env(env: Mapping[str, str]) -> None:
 
 def job_environment(grant: Grant, base: Mapping[str, str]) -> dict[str, str]:
     """The complete environment of the job's process. Raises EnvRefused."""
-    check_job_env(grant.job.env)
+    dist = grant.job.distributed
+    check_job_env(grant.job.env, distributed=dist is not None or grant.gang is not None)
     env = dict(base)
     env.update(grant.job.env)
     env.update(device_env(grant))
     env["GPULAYER_JOB_ID"] = grant.job.job_id
     env["GPULAYER_GRANT_ID"] = grant.grant_id
     env.update(array_env(grant.job))
+    if grant.gang is not None:
+        env.update(rank_env(grant.gang, dist.launcher if dist is not None else None))
     return env

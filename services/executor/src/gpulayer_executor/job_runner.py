@@ -24,7 +24,15 @@ from gpulayer_contracts.events import Grant
 from gpulayer_executor import state as st
 from gpulayer_executor.cgroups import Hierarchy
 from gpulayer_executor.config import ExecutorConfig
-from gpulayer_executor.env import EnvRefused, RunAs, account_env, device_env, job_environment
+from gpulayer_executor.env import (
+    DEFAULT_PATH,
+    EnvRefused,
+    RunAs,
+    account_env,
+    device_env,
+    job_environment,
+)
+from gpulayer_executor.gang import LaunchRefused, job_argv
 from gpulayer_executor.limits import JobLimits, NvidiaNodes, job_limits
 from gpulayer_executor.output import LogSink
 from gpulayer_executor.reporter import Reporter
@@ -251,6 +259,15 @@ class JobRunner:
         env = self._environment(job, run_as, cwd)
         if isinstance(env, st.Outcome):
             return env
+        try:
+            argv = job_argv(
+                grant,
+                workload_python=self._config.workload_python,
+                path=env.get("PATH", DEFAULT_PATH),
+            )
+        except LaunchRefused as err:
+            log.warning("job %s refused: %s", grant.job.job_id, err, extra=self._ctx(job.rec))
+            return st.Outcome(state="failed", reason=str(err))
         self._prepare_dir(cwd, run_as)  # no disk flush: cheaper than a thread hand-off
         await self._save(job, st.starting(job.rec))
         sink = self._sink(grant)
@@ -258,7 +275,7 @@ class JobRunner:
         job.spawn_ns = time.time_ns()
         try:
             return await self._launch_process(
-                grant.job.command,
+                argv,
                 env=env,
                 cwd=cwd,
                 run_as=run_as,

@@ -43,6 +43,8 @@ def status_for(rec: st.GrantRecord, node_id: str) -> tuple[JobStatus, JobEvent]:
     """The status message and job event reporting the record's latest state. Pure."""
     job_id, grant_id = rec.job_id, rec.grant_id
     owner = valid_owner(rec.grant.owner)
+    # A rank of a distributed job: its events say which rank they are about.
+    rank = rec.grant.gang.rank if rec.grant.gang is not None else None
     out = rec.outcome
     if out is None:
         proc = rec.process
@@ -52,7 +54,7 @@ def status_for(rec: st.GrantRecord, node_id: str) -> tuple[JobStatus, JobEvent]:
             JobStatus(
                 job_id=job_id, grant_id=grant_id, node_id=node_id, state="running", pid=pid, at=at
             ),
-            Running(job_id=job_id, node_id=node_id, pid=pid, at=at, owner=owner),
+            Running(job_id=job_id, node_id=node_id, pid=pid, at=at, owner=owner, rank=rank),
         )
     status = JobStatus(
         job_id=job_id,
@@ -68,7 +70,12 @@ def status_for(rec: st.GrantRecord, node_id: str) -> tuple[JobStatus, JobEvent]:
     event: JobEvent
     if out.state == "succeeded":
         event = Succeeded(
-            job_id=job_id, node_id=node_id, exit_code=out.exit_code or 0, at=out.at, owner=owner
+            job_id=job_id,
+            node_id=node_id,
+            exit_code=out.exit_code or 0,
+            at=out.at,
+            owner=owner,
+            rank=rank,
         )
     elif out.state == "failed":
         event = Failed(
@@ -79,11 +86,16 @@ def status_for(rec: st.GrantRecord, node_id: str) -> tuple[JobStatus, JobEvent]:
             reason=out.reason,
             at=out.at,
             owner=owner,
+            rank=rank,
         )
     elif out.state == "cancelled":
-        event = Cancelled(job_id=job_id, node_id=node_id, reason=out.reason, at=out.at, owner=owner)
+        event = Cancelled(
+            job_id=job_id, node_id=node_id, reason=out.reason, at=out.at, owner=owner, rank=rank
+        )
     else:
-        event = Lost(job_id=job_id, node_id=node_id, reason=out.reason, at=out.at, owner=owner)
+        event = Lost(
+            job_id=job_id, node_id=node_id, reason=out.reason, at=out.at, owner=owner, rank=rank
+        )
     return status, event
 
 

@@ -3,8 +3,8 @@
 GPULAYER_NATS_URL, GPULAYER_NODE_ID (default: hostname), GPULAYER_WORKLOAD_PYTHON (default: this
 interpreter), GPULAYER_PROBE_REFRESH_S (60), GPULAYER_PROBE_REPUBLISH_S (600),
 GPULAYER_HEARTBEAT_S (5), GPULAYER_PROBE_TIMEOUT_S
-(10, each source), GPULAYER_PROBE_TORCH_TIMEOUT_S (60), GPULAYER_ADVERTISE_ADDRESS (default:
-detected), GPULAYER_PROBE_OBSERVE_S (5), GPULAYER_PROBE_RECOVER_AFTER (3
+(10, each source), GPULAYER_PROBE_TORCH_TIMEOUT_S (60), GPULAYER_ADVERTISE_ADDRESS (an IP address or host name;
+default: detected), GPULAYER_PROBE_OBSERVE_S (5), GPULAYER_PROBE_RECOVER_AFTER (3
 clean observations before a device is healthy again), GPULAYER_PROBE_DEVICE_DIR (/dev),
 GPULAYER_LOG_FORMAT (text|json).
 """
@@ -18,9 +18,11 @@ import signal
 import sys
 from collections.abc import Mapping
 
+from gpulayer_contracts.bounds import address_error
 from gpulayer_probe.service import ProbeService, ProbeSettings
 from gpulayer_runtime.nats import connect, wait_for_streams
 from gpulayer_runtime.settings import (
+    ConfigError,
     NatsSettings,
     env_float,
     env_int,
@@ -34,6 +36,17 @@ from gpulayer_runtime.telemetry import setup_telemetry
 log = logging.getLogger("gpulayer_probe")
 
 
+def advertise_address(env: Mapping[str, str]) -> str | None:
+    """GPULAYER_ADVERTISE_ADDRESS (an IP address or a host name), or None: detected."""
+    value = env.get("GPULAYER_ADVERTISE_ADDRESS", "").strip()
+    if not value:
+        return None
+    error = address_error(value, "GPULAYER_ADVERTISE_ADDRESS")
+    if error:
+        raise ConfigError(error)
+    return value
+
+
 def read_settings(env: Mapping[str, str]) -> tuple[NatsSettings, str, ProbeSettings]:
     """NATS settings, node id and probe settings from ``env``. Raises ConfigError on bad
     values."""
@@ -44,7 +57,7 @@ def read_settings(env: Mapping[str, str]) -> tuple[NatsSettings, str, ProbeSetti
         heartbeat_s=env_float(env, "GPULAYER_HEARTBEAT_S", 5.0),
         timeout=env_float(env, "GPULAYER_PROBE_TIMEOUT_S", 10.0),
         torch_timeout=env_float(env, "GPULAYER_PROBE_TORCH_TIMEOUT_S", 60.0),
-        advertise_address=env.get("GPULAYER_ADVERTISE_ADDRESS", "").strip() or None,
+        advertise_address=advertise_address(env),
         observe_s=env_float(env, "GPULAYER_PROBE_OBSERVE_S", 5.0),
         recover_after=env_int(env, "GPULAYER_PROBE_RECOVER_AFTER", 3),
         dev_dir=env_str(env, "GPULAYER_PROBE_DEVICE_DIR", "/dev"),
