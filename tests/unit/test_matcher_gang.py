@@ -36,12 +36,13 @@ def node(
     busy: tuple[int, ...] = (),
     backends: tuple[str, ...] = ("gloo", "nccl"),
     online: bool = True,
+    hostname: str | None = None,
 ) -> NodeView:
     caps = WorkerCapabilities(
         node_id=node_id,
         agent_version="0",
         detected_at=datetime(2026, 1, 1, tzinfo=UTC),
-        host=HostInfo(platform="linux-x86_64", advertise_address=addr),
+        host=HostInfo(platform="linux-x86_64", advertise_address=addr, hostname=hostname),
         accelerators=[gpu(i) for i in range(n)],
         distributed_backends=list(backends),
         launchers=["torchrun"],
@@ -95,6 +96,28 @@ def test_no_node_with_an_address_for_rank0_places_nothing() -> None:
     d = match_gang(gang_job(), [node("a", addr=None), node("b", addr=None)])
     assert isinstance(d, NoPlacement)
     assert "advertises an address" in d.summary
+
+
+def test_a_loopback_address_serves_only_ranks_on_its_own_host() -> None:
+    """A probe without a route advertises 127.0.0.1: rank 0 there reaches no other host, so the
+    gang goes on nodes of one host (two agents on one machine), never across hosts."""
+    across = [
+        node("a", addr="127.0.0.1", hostname="h1"),
+        node("b", addr="127.0.0.1", hostname="h2"),
+    ]
+    d = match_gang(gang_job(), across)
+    assert isinstance(d, NoPlacement)
+    assert "127.0.0.1 serves one host only" in d.summary
+    one_host = [*across, node("c", addr="127.0.0.1", hostname="h1")]
+    g = match_gang(gang_job(), one_host)
+    assert isinstance(g, GangPlacement)
+    assert [p.node_id for p in g.ranks] == ["a", "c"]
+    assert g.master_addr == "127.0.0.1"
+    # A routable address wins over loopback ones, whichever comes first.
+    g = match_gang(gang_job(), [*one_host, node("d", addr="10.0.0.4", hostname="h3")])
+    assert isinstance(g, GangPlacement)
+    assert g.ranks[0].node_id == "d"
+    assert g.master_addr == "10.0.0.4"
 
 
 def test_a_single_node_gang_uses_loopback_without_an_address() -> None:

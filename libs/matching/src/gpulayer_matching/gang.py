@@ -3,7 +3,9 @@ distinct nodes at once, each satisfying every requirement of the job on its own 
 memory, frameworks, the backend, the launcher), or not at all.
 
 Rank 0 hosts the rendezvous, so when N > 1 it goes on a node that advertises an address other
-nodes can reach (``host.advertise_address``). Pure, like the matcher: node views in, a
+nodes can reach (``host.advertise_address``). A loopback address (a probe that found no route
+falls back to 127.0.0.1) reaches only nodes on the same host: such a gang is placed only on
+nodes reporting one host name, where it can still meet. Pure, like the matcher: node views in, a
 ``GangPlacement`` (rank 0 first) or the reasons why not out. The per-node rules are the
 matcher's own (``_capability``, ``_host_miss``, ``_place``), so a gang's rank and a
 single-node job are judged alike.
@@ -11,6 +13,7 @@ single-node job are judged alike.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Sequence
 
 import msgspec
@@ -31,7 +34,14 @@ from gpulayer_matching.matcher import (
     _Plan,
 )
 
-__all__ = ["GangPlacement", "advertise_address", "fitting_nodes", "is_gang", "match_gang"]
+__all__ = [
+    "GangPlacement",
+    "advertise_address",
+    "fitting_nodes",
+    "is_gang",
+    "is_loopback",
+    "match_gang",
+]
 
 # A single-node gang's rank 0 needs no address other nodes reach: its ranks talk over loopback.
 LOOPBACK = "127.0.0.1"
@@ -53,6 +63,16 @@ def is_gang(job: JobRequest) -> bool:
 def advertise_address(caps: WorkerCapabilities) -> str | None:
     """The address a node's probe advertises for rendezvous (``host`` first)."""
     return caps.host.advertise_address or caps.advertise_address
+
+
+def is_loopback(addr: str) -> bool:
+    """True for an address only its own host reaches (127.0.0.0/8, ::1, localhost)."""
+    if addr.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
 
 
 def _fits(plan: _Plan, view: NodeView) -> Placement | None:
@@ -87,22 +107,31 @@ def match_gang(job: JobRequest, nodes: Sequence[NodeView]) -> GangPlacement | No
     if plan.failure is not None:
         return _explain(plan, nodes)
     fits: list[tuple[Placement, str | None]] = []
+    hosts: dict[str, list[int]] = {}  # host name -> indices in fits (loopback rendezvous)
     master: int | None = None
     for view in nodes:
         placed = _fits(plan, view)
         if placed is None:
             continue
         addr = advertise_address(view.capabilities)
-        if master is None and addr:
+        if master is None and addr and not is_loopback(addr):
             master = len(fits)
+        if view.capabilities.host.hostname:
+            hosts.setdefault(view.capabilities.host.hostname, []).append(len(fits))
         fits.append((placed, addr))
         if len(fits) >= want and (want == 1 or master is not None):
             break
-    if len(fits) >= want and (want == 1 or master is not None):
-        first = master if master is not None and want > 1 else 0
-        rank0, addr0 = fits[first]
-        others = [p for i, (p, _) in enumerate(fits) if i != first][: want - 1]
+    if want == 1 and fits:
+        placed, addr = fits[0]
+        return GangPlacement(ranks=[placed], master_addr=addr or LOOPBACK)
+    if master is not None and len(fits) >= want:
+        rank0, addr0 = fits[master]
+        others = [p for i, (p, _) in enumerate(fits) if i != master][: want - 1]
         return GangPlacement(ranks=[rank0, *others], master_addr=addr0 or LOOPBACK)
+    # No address other hosts reach: N nodes of one host can still meet over loopback.
+    for members in hosts.values():
+        if len(members) >= want:
+            return GangPlacement(ranks=[fits[i][0] for i in members[:want]], master_addr=LOOPBACK)
     return explain_gang(job, nodes, found=len(fits), plan=plan)
 
 
@@ -128,8 +157,9 @@ def explain_gang(
     if found >= want and want > 1:
         # Enough nodes fit, but none of them advertises an address for rank 0's rendezvous.
         why = (
-            f"none of the {found} nodes that fit advertises an address for the rendezvous "
-            "(rank 0 needs one: GPULAYER_ADVERTISE_ADDRESS on its probe)"
+            f"none of the {found} nodes that fit advertises an address other hosts reach for "
+            "the rendezvous, and fewer than the gang share one host (rank 0 needs one: "
+            "GPULAYER_ADVERTISE_ADDRESS on its probe; 127.0.0.1 serves one host only)"
         )
         reasons.insert(1, why)
         need = f"{need}; {why}"
