@@ -142,3 +142,74 @@ def test_cuda_job_through_the_whole_stack(tmp_path: Path) -> None:
     truth = {t["index"]: t for t in smi_truth()}
     assert visible in truth, f"granted {visible!r}, nvidia-smi knows {sorted(truth)}"
     assert lines["NAME"] == truth[visible]["name"]
+
+
+def _torchrun_for(python: str) -> str | None:
+    """torchrun where the executor looks for it: next to the workload interpreter, else PATH."""
+    beside = Path(python).parent / "torchrun"
+    return str(beside) if beside.exists() else shutil.which("torchrun")
+
+
+@requires_nvidia
+@pytest.mark.skipif(
+    not Path(GPULAYER).exists() or not os.environ.get("GPULAYER_NATS_URL"),
+    reason="whole-stack part: needs the gpulayer CLI and a running stack (GPULAYER_NATS_URL)",
+)
+@pytest.mark.timeout(600)
+def test_nccl_rank_through_the_whole_stack(tmp_path: Path) -> None:
+    """A one-node distributed CUDA job (torchrun, nccl, one process on one GPU) is placed as a
+    gang, launched by torchrun with the rendezvous placement chose, and its NCCL all_reduce
+    runs on the granted GPU. One rank only: a single GPU can't show NCCL between ranks."""
+    python = os.environ.get("GPULAYER_WORKLOAD_PYTHON", sys.executable)
+    if _torchrun_for(python) is None:
+        pytest.skip(f"no torchrun next to {python} or on PATH")
+    job_id = f"hw-nccl-{uuid.uuid4().hex[:8]}"
+    script = (
+        "import os, torch, torch.distributed as dist; "
+        "torch.cuda.set_device(int(os.environ['LOCAL_RANK'])); "
+        "dist.init_process_group('nccl'); "
+        "x = torch.tensor([float(dist.get_rank() + 41)], device='cuda'); dist.all_reduce(x); "
+        "print('SUM', int(x.item())); print('COUNT', dist.get_world_size()); "
+        "print('NAME', dist.get_backend()); "
+        "print('VISIBLE', os.environ.get('CUDA_VISIBLE_DEVICES')); dist.destroy_process_group()"
+    )
+    job = tmp_path / "job.json"
+    job.write_text(
+        json.dumps(
+            {
+                "job_id": job_id,
+                "command": [python, "-c", script],
+                "timeout_s": 300,
+                "requirements": {"accelerator": "cuda", "gpu_count": 1},
+                "sandbox": {"devices": {"gpu": "compute"}},
+                "distributed": {
+                    "nodes": 1,
+                    "processes_per_node": 1,
+                    "backend": "nccl",
+                    "launcher": "torchrun",
+                },
+            }
+        )
+    )
+    try:
+        done = subprocess.run(
+            [GPULAYER, "submit", str(job), "--wait"], capture_output=True, text=True, timeout=360
+        )
+    finally:
+        why = subprocess.run([GPULAYER, "job", job_id], capture_output=True, text=True, timeout=60)
+        print(why.stdout, why.stderr)
+    print(done.stdout, done.stderr)
+    assert done.returncode == 0, done.stderr
+    logs = subprocess.run(
+        [GPULAYER, "logs", f"{job_id}-rank0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    print(logs)
+    lines = {m["key"]: m["value"].strip() for m in MARKED.finditer(logs)}
+    assert lines["SUM"] == "41"
+    assert lines["COUNT"] == "1"
+    assert lines["NAME"] == "nccl"
+    assert lines["VISIBLE"] in {t["index"] for t in smi_truth()}
