@@ -346,8 +346,9 @@ distributed = {nodes = 2, processes_per_node = 2, backend = "gloo", launcher = "
   placed once. A job's `env` may not set the variables below.
 - **Ranks.** Each node's part is a rank, run as a job of its own with the id
   `<job_id>-rank<R>` (R = 0 .. nodes - 1; rank 0's node hosts the rendezvous): its grant, its
-  `running` and end events (carrying `rank`) on its own subject `gpulayer.job.<job_id>-rank<R>.events`,
-  its output (`gpulayer logs <job_id>-rank<R>`). So no submitted `job_id` may end in
+  `running` and end events (carrying `rank`) on its own subject `gpulayer.job.<owner>.<job_id>-rank<R>.events`,
+  its output (`gpulayer logs <job_id>-rank<R>`; `gpulayer logs <job_id>` prints every rank's,
+  each line prefixed `[rank R]`). So no submitted `job_id` may end in
   `-rank<digits>`, and a distributed job's id must leave room for its ranks' suffix
   (`-rank` and the digits of `nodes - 1`; `-<i>` too in an array). The job itself (what
   `gpulayer job <job_id>` shows, with its ranks) is `running` once every rank runs,

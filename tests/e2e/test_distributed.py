@@ -172,6 +172,13 @@ async def test_two_nodes_torchrun_gloo_all_reduce(
             assert (r["world"], r["NODE_RANK"], r["LOCAL_RANK"]) == (4, str(rank), str(local))
             assert r["MASTER_ADDR"] == "127.0.0.1"
             assert r["GPULAYER_JOB_ID"] == "dist-sum"
+    # `gpulayer logs` of the job shows its ranks' output, each line naming its rank (node rank
+    # R ran global ranks 2R and 2R + 1), stored and followed alike.
+    want = {f"[rank {r // 2}] rank {r}: sum {all_reduce_sum(4)}" for r in range(4)}
+    for args in (("logs", "dist-sum"), ("logs", "-f", "dist-sum")):
+        code, out, err = await gpulayer(*args, env=stack.env)
+        assert code == 0, err
+        assert want <= set(out.splitlines()), out
 
 
 async def test_a_rank_exiting_3_fails_the_job_naming_it(

@@ -2,6 +2,10 @@
 
 Without ``-f`` it prints what is stored now. With ``-f`` it keeps printing until the job's events
 subject shows a terminal event, then prints the lines stored before that event and returns.
+
+A distributed job's output is its ranks' (each rank job, ``<job_id>-rank<R>``, has its own
+subject): found from the job's ``placed`` event, printed with a ``[rank R]`` prefix, rank by
+rank without ``-f``, as they come with it.
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ DRAIN_S = 10.0
 class _Printer:
     """Writes each log line once, in stream order, and says when a given sequence is reached."""
 
-    def __init__(self, out: TextIO) -> None:
+    def __init__(self, out: TextIO, prefix: str = "") -> None:
         self.out = out
+        self.prefix = prefix
         self.seq = 0
         self.target: int | None = None
         self.reached = asyncio.Event()
@@ -56,7 +61,7 @@ class _Printer:
         except (msgspec.DecodeError, msgspec.ValidationError):
             line = None
         if line is not None:
-            self.out.write(line + "\n")
+            self.out.write(self.prefix + line + "\n")
             self.out.flush()
         if self.target is not None and seq >= self.target:
             self.reached.set()
@@ -110,6 +115,12 @@ async def run_logs(
     try:
         printer = _Printer(out)
         try:
+            if not follow and (ranks := await _gang_ranks(nc, events_subject)):
+                for rank, rank_id in ranks:
+                    subject = job_logs(rank_id, owner)
+                    if (last := await _last_seq(nc, LOGS_STREAM, subject)) is not None:
+                        await _print_until(nc, subject, _Printer(out, f"[rank {rank}] "), last)
+                return 0
             last = await _last_seq(nc, LOGS_STREAM, logs_subject)
             if not follow:
                 if last is None:
@@ -119,7 +130,7 @@ async def run_logs(
                     return 0
                 await _print_until(nc, logs_subject, printer, last)
                 return 0
-            return await _follow(nc, logs_subject, events_subject, printer)
+            return await _follow(nc, logs_subject, events_subject, printer, owner)
         except nats.js.errors.NotFoundError:
             err.write(
                 "gpulayer logs: the LOGS and JOB_EVENTS streams do not exist (is gpulayer running?)\n"
@@ -128,6 +139,50 @@ async def run_logs(
     finally:
         with contextlib.suppress(Exception):
             await nc.close()
+
+
+def _placed_ranks(data: bytes) -> list[tuple[int, str]] | None:
+    """(rank, rank job id) of a distributed job's ``placed`` event; None for any other."""
+    try:
+        raw = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(raw, dict) or raw.get("type") != "placed":
+        return None
+    ranks = raw.get("ranks")
+    if not isinstance(ranks, list) or not ranks:
+        return None
+    found = [
+        (r["rank"], r["job_id"])
+        for r in ranks
+        if isinstance(r, dict)
+        and isinstance(r.get("rank"), int)
+        and isinstance(r.get("job_id"), str)
+    ]
+    return sorted(found) or None
+
+
+async def _gang_ranks(nc: Client, events_subject: str) -> list[tuple[int, str]] | None:
+    """The ranks of a distributed job from its stored events (the last ``placed`` naming them),
+    None for a job that is no gang or not placed yet."""
+    last = await _last_seq(nc, EVENTS_STREAM, events_subject)
+    if last is None:
+        return None
+    found: list[tuple[int, str]] | None = None
+    done = asyncio.Event()
+
+    async def cb(msg: Msg) -> None:
+        nonlocal found
+        found = _placed_ranks(msg.data) or found
+        if msg.metadata.sequence.stream >= last:
+            done.set()
+
+    sub, _ = await read_subject(nc, EVENTS_STREAM, events_subject, cb)
+    try:
+        await asyncio.wait_for(done.wait(), 10)
+    finally:
+        await sub.unsubscribe()
+    return found
 
 
 async def _print_until(nc: Client, subject: str, printer: _Printer, last: int) -> None:
@@ -139,27 +194,43 @@ async def _print_until(nc: Client, subject: str, printer: _Printer, last: int) -
         await sub.unsubscribe()
 
 
-async def _follow(nc: Client, logs_subject: str, events_subject: str, printer: _Printer) -> int:
+async def _follow(
+    nc: Client, logs_subject: str, events_subject: str, printer: _Printer, owner: str
+) -> int:
     ended = asyncio.Event()
+    # The subjects followed: the job's own, and each rank's once its placed event names them.
+    followed: dict[str, tuple[_Printer, Any]] = {}
+
+    async def follow(subject: str, p: _Printer) -> None:
+        if subject not in followed:
+            followed[subject] = (p, None)
+            sub, _ = await read_subject(nc, LOGS_STREAM, subject, p.on_msg)
+            followed[subject] = (p, sub)
 
     async def on_event(msg: Msg) -> None:
+        for rank, rank_id in _placed_ranks(msg.data) or []:
+            with contextlib.suppress(ValueError):  # a rank id that names no subject
+                await follow(job_logs(rank_id, owner), _Printer(printer.out, f"[rank {rank}] "))
         with contextlib.suppress(msgspec.DecodeError):
             raw = msgspec.json.decode(msg.data)
             if isinstance(raw, dict) and raw.get("type") in TERMINAL_EVENT_TYPES:
                 ended.set()
 
-    logs_sub, _ = await read_subject(nc, LOGS_STREAM, logs_subject, printer.on_msg)
+    await follow(logs_subject, printer)
     events_sub, _ = await read_subject(nc, EVENTS_STREAM, events_subject, on_event)
     try:
         await ended.wait()
         # The executor publishes a job's lines before its terminal event: print up to the last
-        # line stored now, then stop.
-        last = await _last_seq(nc, LOGS_STREAM, logs_subject)
-        if last is not None:
-            printer.until(last)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(printer.reached.wait(), DRAIN_S)
+        # line stored now on each subject, then stop.
+        for subject, (p, _) in list(followed.items()):
+            last = await _last_seq(nc, LOGS_STREAM, subject)
+            if last is not None:
+                p.until(last)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(p.reached.wait(), DRAIN_S)
     finally:
         await events_sub.unsubscribe()
-        await logs_sub.unsubscribe()
+        for _, sub in followed.values():
+            if sub is not None:
+                await sub.unsubscribe()
     return 0
