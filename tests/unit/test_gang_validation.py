@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from gpulayer_contracts.jobs import JobRequest, rank_job_id
+from gpulayer_contracts.jobs import Distributed, JobRequest, rank_job_id
 from gpulayer_contracts.validation import validate_job
 
 
@@ -42,3 +42,21 @@ def test_an_id_leaves_room_for_its_ranks() -> None:
         "$.job_id: a distributed job's id may have at most 122 characters for 2 nodes "
         "(its ranks are <job_id>-rank<R>)"
     ]
+
+
+def test_a_preemptible_distributed_job_is_accepted_with_a_warning_that_it_is_never_preempted() -> (
+    None
+):
+    job = JobRequest(
+        job_id="g",
+        command=["true"],
+        preemptible=True,
+        distributed=Distributed(nodes=2),
+    )
+    v = validate_job(job)
+    assert v.ok, v.errors
+    assert any(
+        w.startswith("$.preemptible: a distributed job is never preempted") for w in v.warnings
+    )
+    plain = validate_job(msgspec.structs.replace(job, distributed=None))
+    assert not any(w.startswith("$.preemptible") for w in plain.warnings)

@@ -222,6 +222,11 @@ def validate_job(job: JobRequest, core_version: str = __version__) -> Validation
                 )
 
     errors += distributed_errors(job)
+    if job.distributed is not None and job.preemptible:
+        warnings.append(
+            "$.preemptible: a distributed job is never preempted (its ranks are placed and end "
+            "together); preemptible has no effect on it"
+        )
     if req.accelerator is not None and not is_schedulable(req.accelerator, "independent"):
         level = support_level(req.accelerator, "independent")
         errors.append(
