@@ -343,7 +343,8 @@ distributed = {nodes = 2, processes_per_node = 2, backend = "gloo", launcher = "
   job runs one process per GPU: `processes_per_node` at most the devices each node gets
   (`gpu_count`, one when unset); a cpu job any number. `launcher` is `torchrun` or unset (the
   executor starts nothing else). No `retries`, no `kind = "service"`: a distributed job is
-  placed once. A job's `env` may not set the variables below.
+  placed once; `preemptible` is accepted with a warning (a distributed job is never preempted).
+  A job's `env` may not set the variables below.
 - **Ranks.** Each node's part is a rank, run as a job of its own with the id
   `<job_id>-rank<R>` (R = 0 .. nodes - 1; rank 0's node hosts the rendezvous): its grant, its
   `running` and end events (carrying `rank`) on its own subject `gpulayer.job.<owner>.<job_id>-rank<R>.events`,
