@@ -130,11 +130,7 @@ class Gangs:
         again = match_gang(job, [v for v in self.fleet.rotated() if v.node_id not in kept])
         if isinstance(again, GangPlacement):
             return again
-        where = f"node {r.node_id} is" if not r.nodes else f"nodes {', '.join(sorted(kept))} are"
-        why = (
-            f"{where} kept for job {r.job_id}, waiting longer for its devices; this job's "
-            "timeout_s does not end before that job can start"
-        )
+        why = r.why()
         return NoPlacement(summary=why, reasons=[why, *again.reasons], unsatisfiable=False)
 
     def _reserve(self, job_id: str, job: JobRequest, priority: int) -> None:

@@ -50,6 +50,18 @@ class Reservation:
         """Every node kept for the job."""
         return self.nodes | {self.node_id}
 
+    def why(self) -> str:
+        """Why a job that would delay the reservation's job waits (explain, pending)."""
+        where = (
+            f"node {self.node_id} is"
+            if not self.nodes
+            else f"nodes {', '.join(sorted(self.kept()))} are"
+        )
+        return (
+            f"{where} kept for job {self.job_id}, waiting longer for its devices; this job's "
+            "timeout_s does not end before that job can start"
+        )
+
 
 class _Tally:
     __slots__ = ("gpu_started", "gpus", "held")

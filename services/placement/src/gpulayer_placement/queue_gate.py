@@ -54,11 +54,7 @@ class Gate:
         again = match(job, others)
         if isinstance(again, Placement):
             return again
-        where = f"node {r.node_id}" if not r.nodes else f"nodes {', '.join(sorted(kept))}"
-        why = (
-            f"{where} {'is' if not r.nodes else 'are'} kept for job {r.job_id}, waiting longer for its devices; "
-            "this job's timeout_s does not end before that job can start"
-        )
+        why = r.why()
         return NoPlacement(summary=why, reasons=[why, *again.reasons], unsatisfiable=False)
 
     def blocked(
