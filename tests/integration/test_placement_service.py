@@ -28,6 +28,7 @@ from gpulayer_contracts import (
 )
 from gpulayer_contracts.codec import event_decoder, grant_decoder
 from gpulayer_contracts.subjects import (
+    API_CANCEL,
     API_EXPLAIN,
     API_NODES,
     JOBS_SUBMIT,
@@ -396,6 +397,51 @@ async def test_job_announced_once_when_publishing_its_events_failed(
         service_log.removeHandler(resend)
         service_log.setLevel(level)
         await sub.unsubscribe()
+        await svc.close()
+        await pool.close()
+
+
+async def test_a_waiting_job_cancelled_while_nats_fails_over_still_says_so(
+    nc: Client, database_url: str
+) -> None:
+    """Cancelling a waiting job commits its end at once; its `cancelled` event, which no other
+    path would send, is retried until stored (JetStream answering nothing during a failover
+    lost it before: the fault run's job that never ended)."""
+    js = nc.jetstream()
+    await ensure_streams(js)
+    pool = await create_pool(database_url)
+    svc = PlacementService(nc, pool, Settings(node_timeout_s=30, resend_after_s=60))
+    real_publish = svc.publisher.publish
+    subject = "gpulayer.job.anonymous.wait-1.events"
+    refused = 0
+
+    async def failing_over(items: list[tuple[str, bytes, dict[str, str]]]) -> bool:
+        nonlocal refused
+        if refused < 3 and any(
+            s == subject and json.loads(d)["type"] == "cancelled" for s, d, _ in items
+        ):
+            refused += 1
+            return False
+        return await real_publish(items)
+
+    svc.publisher.publish = failing_over  # type: ignore[method-assign]
+    await svc.start()
+    try:
+        body = json.dumps({"job_id": "wait-1", "command": ["true"]}).encode()
+        await js.publish(JOBS_SUBMIT, body, headers={MSG_ID_HEADER: "wait-1"})
+        async with pool.acquire() as conn, asyncio.timeout(10):
+            while True:  # stored, waiting: no node at all
+                if await conn.fetchval("SELECT state FROM jobs WHERE job_id = 'wait-1'"):
+                    break
+                await asyncio.sleep(0.02)
+        reply = await api(nc, API_CANCEL, {"job_id": "wait-1"}, timeout=30)
+        assert reply == {"job_id": "wait-1", "state": "cancelled"}
+        assert refused == 3
+        psub = await js.pull_subscribe(subject, stream="JOB_EVENTS")
+        stored = [json.loads(m.data)["type"] for m in await psub.fetch(10, timeout=2)]
+        await psub.unsubscribe()
+        assert stored.count("cancelled") == 1, stored
+    finally:
         await svc.close()
         await pool.close()
 

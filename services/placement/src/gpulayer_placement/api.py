@@ -339,7 +339,9 @@ class Api:
             if done is not None:
                 self.forget(q.job_id)
                 cancelled = Cancelled(job_id=q.job_id, reason=q.reason, owner=owner)
-                await self.publisher.publish_events([cancelled, *cascaded])
+                # Committed: no other path says it, so it is retried through a failover.
+                items = [self.publisher.event_item(e) for e in (cancelled, *cascaded)]
+                await self.publisher.publish_committed(items, f"job {q.job_id}'s cancelled event")
                 return {"job_id": q.job_id, "state": "cancelled"}
             if ranks:
                 items = [
@@ -349,15 +351,16 @@ class Api:
                     )
                     for r in ranks
                 ]
-                if not await self.publisher.publish(items):
+                if not await self.publisher.publish_committed(items, f"job {q.job_id}'s cancels"):
                     raise ApiError(f"the cancels of job {q.job_id}'s ranks were not all sent")
                 nodes = sorted({r["node_id"] for r in ranks})
                 return {"job_id": q.job_id, "state": "cancelling", "nodes": nodes}
             if stopping is not None:
                 grant_id = stopping["grant_id"]
                 cancel = CancelJob(job_id=q.job_id, reason=q.reason, grant_id=grant_id)
-                subject, payload, headers = self.publisher.cancel_item(stopping["node_id"], cancel)
-                await self.js.publish(subject, payload, headers=headers)
+                item = self.publisher.cancel_item(stopping["node_id"], cancel)
+                if not await self.publisher.publish_committed([item], f"job {q.job_id}'s cancel"):
+                    raise ApiError(f"the cancel of job {q.job_id} was not sent: try again")
                 return {"job_id": q.job_id, "state": "cancelling", "node_id": stopping["node_id"]}
             row = await self._job_row(q.job_id)
             if row["state"] not in ("pending", "placed", "running"):

@@ -57,6 +57,9 @@ log = logging.getLogger("gpulayer_placement.service")
 # An event published again under its first message id is dropped by JetStream only within the
 # stream's duplicate window; half of it leaves room for clock skew and slow passes.
 ANNOUNCE_AGAIN_WITHIN_S = next(s for s in STREAMS if s.name == "JOB_EVENTS").duplicate_window_s / 2
+# How long messages of a committed change that nothing would send again (a cancel, a waiting
+# job's end) are retried: through a NATS server's failover (leader elections take seconds).
+RETRY_COMMITTED_S = 15.0
 
 Item = tuple[str, bytes, dict[str, str]]  # subject, payload, headers
 
@@ -127,6 +130,21 @@ class Publisher:
             log.warning("publishing %d messages failed: %r", len(items), err)
             return False
         return not too_big
+
+    async def publish_committed(self, items: list[Item], what: str) -> bool:
+        """``items`` of a change already committed that nothing else would send again (a cancel,
+        the end of a job that never ran): retried with backoff for RETRY_COMMITTED_S, each time
+        under the same message ids, so a copy already stored is dropped. False, logged, when
+        they still were not stored."""
+        deadline = time.monotonic() + RETRY_COMMITTED_S
+        delay = 0.1
+        while not await self.publish(items):
+            if time.monotonic() + delay > deadline:
+                log.error("%s: not stored after %.0f s of retries", what, RETRY_COMMITTED_S)
+                return False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+        return True
 
     def _fits(self, item: Item) -> bool:
         subject, data, headers = item
