@@ -26,11 +26,13 @@ sync: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/gpulayer dev up
 
+# The whole suite but the fault run (its 70-115 s took the suite past its 10-minute aim once
+# the distributed e2e tests came in): `make faults` runs it.
 test: $(STAMP)
-	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q --deselect tests/faults/test_fault_run.py::test_fault_run $(PYTEST_ARGS)
 
-# The fault run alone, its counts shown (it is also part of `make test`): NATS, placement, an
-# executor killed with -9 and PostgreSQL restarted under steady submits (tests/faults).
+# The fault run alone, its counts shown: NATS, placement, an executor killed with -9 and
+# PostgreSQL restarted under steady submits (tests/faults).
 faults: $(STAMP)
 	$(VENV)/bin/pytest -q -s tests/faults/test_fault_run.py $(PYTEST_ARGS)
 
