@@ -97,6 +97,8 @@ def check(
     for job in sorted(submitted):
         types = events.get(job, [])
         if "accepted" not in types:
+            # Named, with what did arrive: a job can run and end with its announcement lost.
+            c.problems.append(f"{job}: no accepted event ({types})")
             continue
         c.accepted += 1
         ends = [t for t in types if t in TERMINAL]

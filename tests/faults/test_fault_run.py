@@ -202,7 +202,7 @@ async def test_fault_run(
         line = f"fault run: {counts.line()}"
         print(line)
         (tmp_path / "fault-run.txt").write_text(line + "\n" + "\n".join(counts.problems) + "\n")
-        assert counts.accepted == counts.submitted == len(expected), line
+        assert counts.accepted == counts.submitted == len(expected), (line, counts.problems[:20])
         assert counts.ended == counts.accepted, (line, counts.problems[:20])
         assert counts.lost == counts.duplicated == counts.double_booked == 0, (
             line,

@@ -74,3 +74,10 @@ def test_each_fault_is_counted() -> None:
     assert c.lost_gone_node == 1
     assert c.wrong_outcome == 1
     assert any("open: never ended" in p for p in c.problems)
+
+
+def test_a_job_without_its_accepted_event_is_named_with_what_did_arrive() -> None:
+    events = {"j1": ["accepted", "succeeded"], "j2": ["placed", "running", "succeeded"]}
+    c = check({"j1", "j2"}, {"j1": "succeeded", "j2": "succeeded"}, events, [])
+    assert (c.submitted, c.accepted, c.ended) == (2, 1, 1)
+    assert c.problems == ["j2: no accepted event (['placed', 'running', 'succeeded'])"]
