@@ -19,6 +19,7 @@ A job's cgroup is ``gpulayer/<grant id>`` under the executor's own one, in each 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import functools
@@ -178,6 +179,19 @@ class Hierarchy:
         if not any((p / name).is_dir() for p in self.parents):
             return None
         return self.create(name)
+
+    async def clear_leftover(self, name: str) -> None:
+        """Kill what is left in ``name``'s cgroup (children that left the job's group included)
+        and remove it, if a previous run left one."""
+        cgroup = self.leftover(name)
+        if cgroup is None:
+            return
+        for _ in range(50):  # SIGKILLed processes go when the kernel next runs them
+            cgroup.signal_all(signal.SIGKILL)
+            if not cgroup.members():
+                break
+            await asyncio.sleep(0.02)
+        cgroup.remove()
 
 
 def enforcement(found: Hierarchy | None) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Literal
@@ -129,13 +128,5 @@ class Reconciler:
     async def _clear_cgroup(self, grant_id: str) -> None:
         """Kill what is left in the orphan's cgroup (children that left its group included)
         and remove it, so a crash leaves no cgroup behind."""
-        hier = self._runner.hierarchy
-        cgroup = hier.leftover(grant_id) if hier is not None else None
-        if cgroup is None:
-            return
-        for _ in range(50):  # SIGKILLed processes go when the kernel next runs them
-            cgroup.signal_all(signal.SIGKILL)
-            if not cgroup.members():
-                break
-            await asyncio.sleep(0.02)
-        cgroup.remove()
+        if self._runner.hierarchy is not None:
+            await self._runner.hierarchy.clear_leftover(grant_id)

@@ -371,15 +371,8 @@ class Follower:
         if info is not None and procs.owns_group(info.pgid, info.start_ticks, info.boot_id):
             log.warning("grant %s: its shim died; killing group %s", self.grant_id, info.pgid)
             procs.signal_group(info.pgid, signal.SIGKILL)
-        cgroup = self.hierarchy.leftover(self.grant_id) if self.hierarchy is not None else None
-        if cgroup is None:
-            return
-        for _ in range(50):  # SIGKILLed processes go when the kernel next runs them
-            cgroup.signal_all(signal.SIGKILL)
-            if not cgroup.members():
-                break
-            await asyncio.sleep(0.02)
-        cgroup.remove()
+        if self.hierarchy is not None:
+            await self.hierarchy.clear_leftover(self.grant_id)
 
     def _send_stop(self, request: StopRequest, shim_pid: int | None) -> None:
         write_atomic(self.run / STOP_FILE, msgspec.json.encode(request))
