@@ -207,6 +207,45 @@ async def test_a_job_runs_as_the_job_user_with_none_of_the_executors_secrets(
         assert value not in env_text
 
 
+async def test_a_job_keeps_no_way_back_to_root(
+    js: JetStreamContext, start_executor: StartExecutor
+) -> None:
+    """The shim takes on the job's account around the spawn and keeps root's saved ids to come
+    back (shim_job._credentials): the job itself must have the account's ids in all four
+    places (real, effective, saved, filesystem) and no supplementary group, or it could
+    setuid(0) its way back."""
+    nobody = _nobody()
+    executor = await start_executor({"GPULAYER_EXECUTOR_JOB_USER": "nobody"})
+    assert executor.config.shim
+    grant = make_grant(["sh", "-c", "grep -E '^(Uid|Gid|Groups):' /proc/self/status > ids.txt"])
+    assert (await run_job(js, grant)).__struct_config__.tag == "succeeded"
+    lines = (executor.store.job_dir(grant.grant_id) / "ids.txt").read_text().splitlines()
+    fields = {k: v.split() for k, v in (line.split(":", 1) for line in lines)}
+    assert fields["Uid"] == [str(nobody.pw_uid)] * 4
+    assert fields["Gid"] == [str(nobody.pw_gid)] * 4
+    assert fields["Groups"] == []
+    # and the shim that spawned it is root again: the next job (as another owner) starts too
+    second = make_grant(["sh", "-c", "id -u > id.txt"])
+    assert (await run_job(js, second)).__struct_config__.tag == "succeeded"
+    assert (executor.store.job_dir(second.grant_id) / "id.txt").read_text().strip() == str(
+        nobody.pw_uid
+    )
+
+
+async def test_a_program_the_job_user_may_not_execute_fails_the_start_naming_it(
+    js: JetStreamContext, start_executor: StartExecutor, tmp_path: Path
+) -> None:
+    await start_executor({"GPULAYER_EXECUTOR_JOB_USER": "nobody"})
+    program = tmp_path / "root-only"
+    program.write_text("#!/bin/sh\nexit 0\n")
+    program.chmod(0o700)  # root's alone
+    ended = await run_job(js, make_grant([str(program)]))
+    assert ended.__struct_config__.tag == "failed"
+    reason = getattr(ended, "reason", "")
+    assert "root-only" in reason
+    assert "Permission denied" in reason
+
+
 async def test_owners_get_uids_of_their_own_by_default(
     nats_url: str, js: JetStreamContext, start_executor: StartExecutor
 ) -> None:

@@ -24,8 +24,9 @@ from types import FrameType
 
 import msgspec
 
-from gpulayer_executor import procs
+from gpulayer_executor import procs, users
 from gpulayer_executor.cgroups import Hierarchy, JobCgroup, LimitError
+from gpulayer_executor.env import RunAs
 from gpulayer_executor.limits import JobLimits
 from gpulayer_executor.lines import CHUNK, LineSplitter, Stream, consume, offer, widen_pipe
 from gpulayer_executor.runner import (
@@ -37,6 +38,7 @@ from gpulayer_executor.runner import (
     _exit_outcome,
     _limit_resources,
     _memory_outcome,
+    _resolve,
     _start,
     _stopped_outcome,
 )
@@ -375,8 +377,16 @@ def _spawn(spec: ShimSpec, cgroup: JobCgroup | None, limits: JobLimits) -> tuple
     stdin from /dev/null, fresh pipes), with ``posix_spawn``: no Python runs between the fork
     and the exec, where ``subprocess`` runs a lot of it in a process that pays for every page it
     touches. The shim's own cwd and umask become the job's (the shim has no other use for
-    them). Where the account can only be changed by Popen itself (no setpriv), Popen it is."""
-    argv, kwargs = _as_account(spec.argv, spec.env, spec.run_as)
+    them). The account is changed by the shim itself around the spawn (``users.switched_to``) where
+    it runs as root; elsewhere as ``runner`` does (setpriv, or Popen)."""
+    run_as = spec.run_as
+    own = run_as is not None and users.may_switch()
+    if own:
+        assert run_as is not None
+        argv = [_resolve(spec.argv[0], spec.env.get("PATH", os.defpath), run_as), *spec.argv[1:]]
+        kwargs: dict[str, object] = {}
+    else:
+        argv, kwargs = _as_account(spec.argv, spec.env, run_as)
     if kwargs:
         proc, out_r, err_r = _start(
             spec.argv, spec.env, Path(spec.cwd), spec.run_as, cgroup, limits
@@ -386,7 +396,7 @@ def _spawn(spec: ShimSpec, cgroup: JobCgroup | None, limits: JobLimits) -> tuple
     try:
         if cgroup is not None:
             cgroup.limit_devices(limits)
-        return _posix_spawn(argv, spec, cgroup)
+        return _posix_spawn(argv, spec, cgroup, run_as if own else None)
     except (OSError, ValueError, LimitError) as err:
         if cgroup is not None:
             cgroup.remove()
@@ -394,7 +404,9 @@ def _spawn(spec: ShimSpec, cgroup: JobCgroup | None, limits: JobLimits) -> tuple
         raise SpawnError(f"could not {what} {spec.argv[0]!r}: {err}") from err
 
 
-def _posix_spawn(argv: list[str], spec: ShimSpec, cgroup: JobCgroup | None) -> tuple[int, int, int]:
+def _posix_spawn(
+    argv: list[str], spec: ShimSpec, cgroup: JobCgroup | None, run_as: RunAs | None = None
+) -> tuple[int, int, int]:
     program = argv[0]
     if os.sep not in program:
         found = shutil.which(program, path=spec.env.get("PATH", os.defpath))
@@ -412,8 +424,12 @@ def _posix_spawn(argv: list[str], spec: ShimSpec, cgroup: JobCgroup | None) -> t
         (os.POSIX_SPAWN_DUP2, err_w, 2),
     ]
     try:
-        # In the job's cgroup before its first instruction (see cgroups.JobCgroup.spawning).
-        with cgroup.spawning() if cgroup is not None else contextlib.nullcontext(False) as inside:
+        # In the job's cgroup before its first instruction (see cgroups.JobCgroup.spawning);
+        # the cgroup is joined as root, then the account taken on for the spawn alone.
+        with (
+            cgroup.spawning() if cgroup is not None else contextlib.nullcontext(False) as inside,
+            users.switched_to(run_as) if run_as is not None else contextlib.nullcontext(),
+        ):
             pid = os.posix_spawn(program, argv, spec.env, file_actions=actions, setsid=True)
         if cgroup is not None and not inside:
             cgroup.add(pid)

@@ -7,15 +7,18 @@ When the executor runs as root, every job runs as an unprivileged account: the c
 user, ``nobody`` when none is configured, or the account the per-owner mapping names. Running
 jobs as root is refused unless explicitly allowed. When the executor is not root it can't
 switch users, so jobs run as its own account, which is no boundary at all (docs/security.md).
+A shim running as root takes on the job's account for the moment of the spawn
+(:func:`switched_to`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import stat
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from gpulayer_contracts.events import Grant
@@ -124,3 +127,37 @@ def readable_by(path: Path, users: list[RunAs]) -> list[str]:
         ):
             readers.append(user.name)
     return readers
+
+
+def may_switch() -> bool:
+    """Whether this shim can take on a job's account for a spawn and come back: it runs as
+    root (real, effective and saved)."""
+    return os.getresuid() == (0, 0, 0)
+
+
+@contextlib.contextmanager
+def switched_to(run_as: RunAs) -> Iterator[None]:
+    """The job's account for the moment of a spawn: real and effective ids the job's, no
+    supplementary groups; the saved ids stay root's, so the shim can come back. The spawned
+    process execs with these ids and so keeps only them (exec copies the effective ids into the
+    saved ones). This replaces exec'ing setpriv before each job, the most expensive part of a
+    short job's start (about 1.1 ms of CPU against 0.45 ms for the spawn itself).
+
+    The window is safe from the job's account: a process whose ids change is made
+    non-dumpable by the kernel, and ptrace also needs the saved id to match. The shim is
+    single-threaded, so no other code runs with these ids meanwhile; signals only set flags."""
+    groups = os.getgroups()
+    rgid, egid, _ = os.getresgid()
+    os.setgroups([])
+    try:
+        os.setresgid(run_as.gid, run_as.gid, -1)
+        try:
+            os.setresuid(run_as.uid, run_as.uid, -1)
+            try:
+                yield
+            finally:
+                os.setresuid(0, 0, -1)  # first: setting the gids back needs root again
+        finally:
+            os.setresgid(rgid, egid, -1)
+    finally:
+        os.setgroups(groups)
