@@ -176,3 +176,40 @@ async def test_jobs_waiting_for_a_job_that_cannot_be_matched_are_cancelled() -> 
     ]
     await scheduler.publisher.publish_outcome(outcome)
     assert any(b'"cancelled"' in payload and b'"b"' in payload for _, payload, _ in js.sent)
+
+
+def _decoded(scheduler: Scheduler, *rows: dict[str, Any]) -> None:
+    """The requests of ``rows`` known to the scheduler, as after their intake."""
+    outcome = Outcome()
+    scheduler.match_rows(cast(Any, list(rows)), {}, outcome)
+    scheduler.release(outcome)
+
+
+def test_a_pass_after_a_release_passes_over_jobs_that_can_only_wait_once_the_fleet_is_full() -> (
+    None
+):
+    scheduler, _, _, _ = build()
+    rows = [gpu_row("j1"), gpu_row("j2", reason="stale"), gpu_row("j3", reason="stale")]
+    _decoded(scheduler, *rows)
+    thorough = Outcome()
+    scheduler.match_rows(cast(Any, rows), {}, thorough)
+    assert [j for j, _ in thorough.waiting] == ["j2", "j3"]
+    scheduler.release(thorough)
+    skimmed = Outcome()
+    scheduler.match_rows(cast(Any, rows), {}, skimmed, skim=True)
+    assert [pl.job.job_id for pl in skimmed.placements] == ["j1"]
+    # j2, the first that found no room, still goes through the gate (its reservation, its
+    # reason); j3 behind it is passed over: its stored reason waits for the thorough pass.
+    assert [j for j, _ in skimmed.waiting] == ["j2"]
+
+
+def test_a_skimming_pass_never_passes_over_a_job_it_has_not_decoded_or_a_shared_one() -> None:
+    scheduler, _, _, _ = build()
+    shared = gpu_row("s1", reason="stale")
+    request = msgspec.json.decode(shared["request"])
+    shared["request"] = msgspec.json.encode({**request, "gpu": {"use": "shared"}}).decode()
+    _decoded(scheduler, gpu_row("j1"), gpu_row("j2", reason="stale"), shared)
+    rows = [gpu_row("j1"), gpu_row("j2", reason="stale"), shared, gpu_row("new", reason="x")]
+    outcome = Outcome()
+    scheduler.match_rows(cast(Any, rows), {}, outcome, skim=True)
+    assert [j for j, _ in outcome.waiting] == ["j2", "s1", "new"]

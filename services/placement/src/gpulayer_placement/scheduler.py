@@ -30,17 +30,18 @@ from gpulayer_contracts.validation import requested_gpu_count
 from gpulayer_matching import NodeView, NoPlacement, Placement, match
 from gpulayer_matching.gang import is_gang
 from gpulayer_matching.resources import job_millicores, reservations
-from gpulayer_placement import dependencies, waiting
+from gpulayer_placement import waiting
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.gangs import Gangs
 from gpulayer_placement.outcome import Outcome, PlacedJob, mode
+from gpulayer_placement.persist import persist
 from gpulayer_placement.policy import Policy, load_policy
 from gpulayer_placement.preemption import Active
 from gpulayer_placement.publisher import Publisher
 from gpulayer_placement.queue_gate import Gate
 from gpulayer_placement.replica_sync import ReplicaSync
 from gpulayer_placement.settings import Settings
-from gpulayer_placement.store import CONFLICTS, DB_ERRORS, Store
+from gpulayer_placement.store import CONFLICTS, DB_ERRORS
 from gpulayer_placement.wake import Wake
 from gpulayer_runtime.telemetry import DISABLED, Telemetry
 
@@ -149,7 +150,7 @@ class Scheduler:
         size = self.settings.page_size
         while not self.stop.is_set():
             take = functools.partial(waiting.take_page, size=size, after=after)
-            page = await self._schedule_batch(take, failed)
+            page = await self._schedule_batch(take, failed, skim=early_stop)
             if page is None:
                 return
             after, taken = page
@@ -165,17 +166,18 @@ class Scheduler:
         await self._schedule_batch(functools.partial(waiting.take_ids, ids=ids), {})
 
     async def _schedule_batch(
-        self, take: Take, failed: dict[bytes, NoPlacement]
+        self, take: Take, failed: dict[bytes, NoPlacement], *, skim: bool = False
     ) -> tuple[waiting.Cursor, int] | None:
         """Lock a batch of waiting jobs, match them, commit the outcome in one transaction, then
-        publish grants and events. Returns the batch's last (submitted_at, job_id) and size."""
+        publish grants and events. Returns the batch's last (submitted_at, job_id) and size.
+        ``skim``: see ``match_rows``."""
         outcome = Outcome()
         try:
             async with self.pool.acquire() as conn, conn.transaction():
                 rows = await take(conn)
                 if not rows:
                     return None
-                self.match_rows(rows, failed, outcome)
+                self.match_rows(rows, failed, outcome, skim=skim)
                 t0 = time.time_ns()
                 await self.persist(conn, outcome)
             outcome.commit_ns = (t0, time.time_ns())
@@ -221,14 +223,23 @@ class Scheduler:
         outcome.gangs.clear()
 
     def match_rows(
-        self, rows: list[asyncpg.Record], failed: dict[bytes, NoPlacement], outcome: Outcome
+        self,
+        rows: list[asyncpg.Record],
+        failed: dict[bytes, NoPlacement],
+        outcome: Outcome,
+        *,
+        skim: bool = False,
     ) -> None:
         """Match locked rows, in order, against the fleet into ``outcome``; each placement holds
         its devices at once. ``failed`` remembers requirement sets that found no node in this
         pass: capacity only shrinks during a pass, so an equal job behind them can't fit
-        either."""
+        either. With ``skim``, once the fleet is full, see ``_only_waits``."""
+        full = False
+        checked = -1  # placements in the outcome when ``full`` was last checked
         for row in self.policy.order(rows):
             job_id = row["job_id"]
+            if full and self._only_waits(row):
+                continue
             owner = row.get("owner") or ANONYMOUS
             try:
                 job = self._jobs.get(job_id)
@@ -259,17 +270,47 @@ class Scheduler:
                 decision = self.gate.admit(job_id, job, decision, owner, row.get("priority") or 0)
             if isinstance(decision, Placement):
                 self._placed(row, job, decision, owner, (t0, t1), outcome)
-            else:
-                if not gated:
-                    # Capacity only shrinks in a pass; a quota or reservation stops this job,
-                    # not its equals.
-                    failed[key] = decision
-                if requested_gpu_count(job) == 0:
-                    self._deviceless_waiting.add(job_id)
-                decision = self.gate.blocked(row, job, decision, outcome, reserve=self._may_reserve)
-                if decision.summary != row["reason"]:
-                    outcome.waiting.append((job_id, decision))
-                    outcome.owners[job_id] = owner
+                continue
+            if skim and not full and checked != len(outcome.placements):
+                # capacity shrinks only by this pass's placements: checked once after each
+                checked = len(outcome.placements)
+                full = not self.fleet.any_room() or not self.fleet.any_free_device()
+            if not gated:
+                # Capacity only shrinks in a pass; a quota or reservation stops this job, not
+                # its equals.
+                failed[key] = decision
+            self._waits(row, job, owner, decision, outcome)
+
+    def _waits(
+        self, row: asyncpg.Record, job: JobRequest, owner: str, why: NoPlacement, outcome: Outcome
+    ) -> None:
+        """A job that stays waiting: the queue gate's word (reservation, preemption), and its
+        reason written when it changed."""
+        job_id = row["job_id"]
+        if requested_gpu_count(job) == 0:
+            self._deviceless_waiting.add(job_id)
+        why = self.gate.blocked(row, job, why, outcome, reserve=self._may_reserve)
+        if why.summary != row["reason"]:
+            outcome.waiting.append((job_id, why))
+            outcome.owners[job_id] = owner
+
+    def _only_waits(self, row: asyncpg.Record) -> bool:
+        """Whether, with the fleet full (no free device, or no node with room), this waiting
+        job can only be told again that it waits: it needs devices for itself alone (no shared
+        use, no per-platform variant, no gang), already has a reason, and neither takes the
+        pass's reservation nor may preempt. A pass after a release (``skim``) passes such jobs
+        over without the queue gate: after a few devices are freed in front of a long queue,
+        most of a page is such jobs (issue 19: a quarter of placement's CPU). Their stored
+        reasons are refreshed by the next thorough pass. A job not decoded yet is never passed
+        over."""
+        job = self._jobs.get(row["job_id"])
+        if job is None or row["reason"] is None or job.variants or is_gang(job):
+            return False
+        if requested_gpu_count(job) == 0 or (job.gpu is not None and job.gpu.use == "shared"):
+            return False
+        if self._may_reserve and self.policy.reservation is None:
+            return False
+        return not self.policy.may_preempt(row["job_id"], row.get("priority") or 0)
 
     def _gang(
         self,
@@ -397,79 +438,9 @@ class Scheduler:
 
     async def persist(self, conn: Any, outcome: Outcome) -> None:
         """Allocations and job rows of ``outcome`` in one statement each, on ``conn``."""
-        for job_id, priority, victims in outcome.preempt:
-            outcome.cancels += await Store.fetch(conn, "mark_preempted", victims, job_id, priority)
-        for gang_id in await self.gangs.persist(conn, outcome):
-            self.gangs.unplace(gang_id, outcome)
-        if outcome.placements:
-            alloc: tuple[list[str], list[str], list[int], list[str]] = ([], [], [], [])
-            for pl in outcome.placements:
-                for d in pl.placement.devices:
-                    alloc[0].append(pl.job.job_id)
-                    alloc[1].append(pl.placement.node_id)
-                    alloc[2].append(d)
-                    alloc[3].append(mode(pl.placement))
-            ps = outcome.placements
-            held = _reservation_rows(self.fleet, ps)
-            await Store.execute(
-                conn,
-                "place_jobs",
-                [pl.job.job_id for pl in ps],
-                [pl.placement.node_id for pl in ps],
-                [pl.grant_id for pl in ps],
-                [pl.placement.accelerator for pl in ps],
-                ["{" + ",".join(map(str, pl.placement.devices)) + "}" for pl in ps],
-                *alloc,
-                self.sync.replica_id,
-                *held,
-                [pl.owner for pl in ps],
-                [len(pl.placement.devices) for pl in ps],
-                [job_millicores(pl.job) for pl in ps],
-            )
-        if outcome.failed:
-            await Store.execute(
-                conn, "fail_pending", [j for j, _ in outcome.failed], [r for _, r in outcome.failed]
-            )
-            # Jobs waiting for one that failed here are cancelled naming it, as for any failure.
-            _, outcome.cancelled = await dependencies.release(
-                conn, [(j, "failed") for j, _ in outcome.failed]
-            )
-        if outcome.waiting:
-            await Store.execute(
-                conn,
-                "mark_waiting",
-                [j for j, _ in outcome.waiting],
-                [d.summary for _, d in outcome.waiting],
-                [d.unsatisfiable for _, d in outcome.waiting],
-            )
-
-
-def _reservation_rows(
-    fleet: Fleet, placed: list[PlacedJob]
-) -> tuple[list[str], list[str], list[str], list[int], list[int | None]]:
-    """``place_jobs``' reservation columns: job, node, resource, amount, and the capacity
-    this replica matched against (the database's trigger checks the sum against it)."""
-    rows: tuple[list[str], list[str], list[str], list[int], list[int | None]] = (
-        [],
-        [],
-        [],
-        [],
-        [],
-    )
-    capacities: dict[str, dict[str, int | None]] = {}
-    for pl in placed:
-        node = pl.placement.node_id
-        cap = capacities.get(node)
-        if cap is None:
-            view = fleet.get(node)
-            cap = capacities[node] = Fleet.capacities(view) if view else {}
-        for resource, amount in pl.held:
-            rows[0].append(pl.job.job_id)
-            rows[1].append(node)
-            rows[2].append(resource)
-            rows[3].append(amount)
-            rows[4].append(cap.get(resource))
-    return rows
+        await persist(
+            conn, outcome, gangs=self.gangs, fleet=self.fleet, replica_id=self.sync.replica_id
+        )
 
 
 def _requirement_key(job: JobRequest) -> bytes:
