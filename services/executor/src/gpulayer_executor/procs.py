@@ -96,6 +96,15 @@ def group_members(pgid: int) -> list[int]:
 
 
 def group_alive(pgid: int) -> bool:
+    """Whether a live (non-zombie) process of the group is left. Most often none at all is,
+    which one ``killpg(pgid, 0)`` tells; only when some process exists is /proc walked (a
+    zombie counts for killpg), so a job's end costs no walk over every process of the node."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
     return bool(group_members(pgid))
 
 
