@@ -240,12 +240,12 @@ async def loop_group(run: Run) -> None:
     ]
 
     async def work() -> None:
-        if harness.CPROFILE_DIR is None:  # a profiled run measures the loop alone
+        if harness.CPROFILE_DIR is None and SHIM_AB:  # a profiled run measures the loop alone
             await _shim_ab(run)
         async with run.scenario("loop") as s:
             burst, paced = run.loop_size()
             limit = 120.0 if sz.full or burst > sz.loop_jobs else 40.0
-            fl = await full_loop(s, burst, paced, limit)
+            fl = await full_loop(s, burst, paced, limit, LOOP_ENV or None)
             note = f"{fl.completed}/{fl.submitted} finished, {fl.failed} not succeeded"
             run.add(Figure("full_loop_jobs_per_s", fl.rate, "jobs/s", note=note))
             if fl.failed or fl.completed < fl.submitted:
@@ -266,6 +266,9 @@ async def loop_group(run: Run) -> None:
 
 # Rounds of the shim A/B: each is two full loops (about 20 s).
 SHIM_ROUNDS = 3
+# --no-shim-ab: the full loop alone; --loop-env: added to its executor's environment.
+SHIM_AB = True
+LOOP_ENV: dict[str, str] = {}
 
 
 async def _shim_ab(run: Run) -> None:
@@ -785,7 +788,29 @@ def main(argv: list[str] | None = None) -> int:
         help="run placement and the executor under cProfile; one .prof file per process in DIR",
     )
     p.add_argument("--profile", metavar="DIR", help="attach py-spy to placement; raw stacks in DIR")
+    p.add_argument(
+        "--no-shim-ab",
+        action="store_true",
+        help="the full loop alone, without the shim on/off runs before it (2 minutes less)",
+    )
+    p.add_argument(
+        "--loop-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help=(
+            "added to the full loop's executor environment (repeatable), to measure what one "
+            "feature costs, e.g. GPULAYER_EXECUTOR_ENFORCE=off"
+        ),
+    )
     args = p.parse_args(argv)
+    global SHIM_AB
+    SHIM_AB = not args.no_shim_ab
+    for item in args.loop_env:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            p.error(f"--loop-env {item!r}: expected NAME=VALUE")
+        LOOP_ENV[name] = value
     if args.cprofile:
         harness.CPROFILE_DIR = Path(args.cprofile).resolve()
         harness.CPROFILE_DIR.mkdir(parents=True, exist_ok=True)
