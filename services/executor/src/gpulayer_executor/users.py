@@ -145,7 +145,9 @@ def switched_to(run_as: RunAs) -> Iterator[None]:
 
     The window is safe from the job's account: a process whose ids change is made
     non-dumpable by the kernel, and ptrace also needs the saved id to match. The shim is
-    single-threaded, so no other code runs with these ids meanwhile; signals only set flags."""
+    single-threaded, so no other code runs with these ids meanwhile; signals only set flags.
+    What the window does allow: the account's own processes may signal the shim (kill's rule
+    uses the real id), which they could already do to that account's jobs themselves."""
     groups = os.getgroups()
     rgid, egid, _ = os.getresgid()
     os.setgroups([])
