@@ -379,14 +379,13 @@ def _spawn(spec: ShimSpec, cgroup: JobCgroup | None, limits: JobLimits) -> tuple
     touches. The shim's own cwd and umask become the job's (the shim has no other use for
     them). The account is changed by the shim itself around the spawn (``users.switched_to``) where
     it runs as root; elsewhere as ``runner`` does (setpriv, or Popen)."""
-    run_as = spec.run_as
-    own = run_as is not None and users.may_switch()
-    if own:
-        assert run_as is not None
-        argv = [_resolve(spec.argv[0], spec.env.get("PATH", os.defpath), run_as), *spec.argv[1:]]
+    # The account this shim takes on itself for the spawn; None: none, or not ours to take.
+    switch = spec.run_as if spec.run_as is not None and users.may_switch() else None
+    if switch is not None:
+        argv = [_resolve(spec.argv[0], spec.env.get("PATH", os.defpath), switch), *spec.argv[1:]]
         kwargs: dict[str, object] = {}
     else:
-        argv, kwargs = _as_account(spec.argv, spec.env, run_as)
+        argv, kwargs = _as_account(spec.argv, spec.env, spec.run_as)
     if kwargs:
         proc, out_r, err_r = _start(
             spec.argv, spec.env, Path(spec.cwd), spec.run_as, cgroup, limits
@@ -396,7 +395,7 @@ def _spawn(spec: ShimSpec, cgroup: JobCgroup | None, limits: JobLimits) -> tuple
     try:
         if cgroup is not None:
             cgroup.limit_devices(limits)
-        return _posix_spawn(argv, spec, cgroup, run_as if own else None)
+        return _posix_spawn(argv, spec, cgroup, switch)
     except (OSError, ValueError, LimitError) as err:
         if cgroup is not None:
             cgroup.remove()
