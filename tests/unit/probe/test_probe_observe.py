@@ -128,10 +128,21 @@ def test_gpu_is_lost_names_the_device_by_its_bus_id() -> None:
 
 
 def test_requires_reset() -> None:
+    # As public notes show it: some fields of the row read "[GPU requires reset]" while others
+    # still answer (memory.used 0); one such field is enough, and what did answer is kept.
     reset, ok = parse_observations(text("requires-reset", "observe.txt")).devices
     assert reset.state == "reset_required"
     assert classify(reset) == ("unhealthy", "nvidia-smi: GPU requires reset")
-    assert ok.state == "ok"
+    assert reset.memory_used_mib == 0
+    assert (reset.utilization_pct, reset.temperature_c, reset.power_w) == (None, None, None)
+    assert reset.retired_pages_pending is None
+    assert (ok.state, ok.memory_used_mib, ok.utilization_pct, ok.temperature_c) == (
+        "ok",
+        61210,
+        97,
+        71,
+    )
+    assert classify(ok) == ("healthy", None)
 
 
 def test_detection_skips_a_lost_gpu_and_keeps_the_others() -> None:
