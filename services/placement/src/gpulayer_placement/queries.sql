@@ -47,15 +47,9 @@ WITH lost AS (
     WHERE node_id = ANY($1::text[]) AND state IN ('placed', 'running')
     RETURNING jobs.job_id, jobs.node_id, jobs.owner, jobs.state, jobs.reason,
        jobs.gang_id, jobs.rank,
-       -- lifecycle: what lifecycle.plan needs to requeue a retried job or a restarting service,
-       -- NULL for the rest (most jobs: nothing to decode); has_dependents: a job waits for it.
-       CASE WHEN jobs.kind = 'service' OR coalesce(jobs.request->>'retries', '0') <> '0'
-            THEN jsonb_build_object(
-                'kind', jobs.kind, 'retries', jobs.request->'retries',
-                'retry_on_failure', jobs.request->'retry_on_failure',
-                'restart', jobs.request->'restart', 'requeues', jobs.requeues,
-                'stop_requested', jobs.stop_requested)::text
-       END AS lifecycle,
+       -- lifecycle: what lifecycle.plan needs for a retry or a restart, NULL for most jobs
+       -- (migrations/0021); has_dependents: a job waits for it.
+       gpulayer_job_lifecycle(jobs) AS lifecycle,
        EXISTS (SELECT 1 FROM job_dependencies d WHERE d.after_id = jobs.job_id) AS has_dependents
 ), released AS (
     DELETE FROM allocations a USING lost WHERE a.job_id = lost.job_id
@@ -161,15 +155,9 @@ WITH s AS (
       AND NOT (s.state = 'running' AND jobs.state = 'running')
     RETURNING jobs.job_id, jobs.node_id, jobs.state, jobs.owner, jobs.reason, jobs.exit_code,
        jobs.gang_id, jobs.rank,
-       -- lifecycle: what lifecycle.plan needs to requeue a retried job or a restarting service,
-       -- NULL for the rest (most jobs: nothing to decode); has_dependents: a job waits for it.
-       CASE WHEN jobs.kind = 'service' OR coalesce(jobs.request->>'retries', '0') <> '0'
-            THEN jsonb_build_object(
-                'kind', jobs.kind, 'retries', jobs.request->'retries',
-                'retry_on_failure', jobs.request->'retry_on_failure',
-                'restart', jobs.request->'restart', 'requeues', jobs.requeues,
-                'stop_requested', jobs.stop_requested)::text
-       END AS lifecycle,
+       -- lifecycle: what lifecycle.plan needs for a retry or a restart, NULL for most jobs
+       -- (migrations/0021); has_dependents: a job waits for it.
+       gpulayer_job_lifecycle(jobs) AS lifecycle,
        EXISTS (SELECT 1 FROM job_dependencies d WHERE d.after_id = jobs.job_id) AS has_dependents
 ), released AS (
     DELETE FROM allocations a USING changed c
@@ -379,13 +367,7 @@ WITH hit AS (
     FROM hit WHERE j.job_id = hit.job_id AND j.state IN ('placed', 'running')
     RETURNING j.job_id, j.node_id, j.owner, j.grant_id, j.state, j.reason, j.gang_id, j.rank,
        -- lifecycle, as in lose_node_jobs: a retry or a restart, or the dependents released.
-       CASE WHEN j.kind = 'service' OR coalesce(j.request->>'retries', '0') <> '0'
-            THEN jsonb_build_object(
-                'kind', j.kind, 'retries', j.request->'retries',
-                'retry_on_failure', j.request->'retry_on_failure',
-                'restart', j.request->'restart', 'requeues', j.requeues,
-                'stop_requested', j.stop_requested)::text
-       END AS lifecycle,
+       gpulayer_job_lifecycle(j) AS lifecycle,
        EXISTS (SELECT 1 FROM job_dependencies d WHERE d.after_id = j.job_id) AS has_dependents
 ), released AS (
     DELETE FROM allocations a USING lost WHERE a.job_id = lost.job_id
