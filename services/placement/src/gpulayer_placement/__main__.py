@@ -41,9 +41,9 @@ async def _amain() -> None:
         node_timeout_s=env_float(env, "GPULAYER_NODE_TIMEOUT_S", 15.0),
         resend_after_s=env_float(env, "GPULAYER_GRANT_RESEND_S", 30.0),
         batch_size=env_int(env, "GPULAYER_PLACEMENT_BATCH", 256),
-        admins=_admins(env_str(env, "GPULAYER_ADMINS", "admin")),
+        admins=admin_names(env_str(env, "GPULAYER_ADMINS", "admin")),
         profiles=_profiles(env_str(env, "GPULAYER_PROFILES", "")),
-        rendezvous_ports=_ports(env_str(env, "GPULAYER_RENDEZVOUS_PORTS", "29500-29999")),
+        rendezvous_ports=rendezvous_ports(env_str(env, "GPULAYER_RENDEZVOUS_PORTS", "29500-29999")),
     )
     signer = signer_from_env(env)
     log.info(
@@ -91,21 +91,23 @@ async def _amain() -> None:
         log.info("stopping")
 
 
-def _admins(raw: str) -> frozenset[str]:
+def admin_names(raw: str) -> frozenset[str]:
+    """``GPULAYER_ADMINS``: comma-separated identity names; a name NATS could not carry stops
+    placement at start."""
     names = frozenset(n.strip() for n in raw.split(",") if n.strip())
     for name in names:
         if any(c in name for c in ".*> \t"):
-            raise ConfigError(f"GPULAYER_ADMINS: {name!r} is not a valid identity name")
+            raise ConfigError(f"GPULAYER_ADMINS: {name[:40]!r} is not a valid identity name")
     return names
 
 
-def _ports(raw: str) -> tuple[int, int]:
+def rendezvous_ports(raw: str) -> tuple[int, int]:
     """``first-last``: the rendezvous ports placement may reserve for distributed jobs."""
     first, sep, last = raw.strip().partition("-")
     try:
         lo, hi = int(first), int(last if sep else first)
     except ValueError:
-        raise ConfigError(f"GPULAYER_RENDEZVOUS_PORTS: {raw!r} is not FIRST-LAST") from None
+        raise ConfigError(f"GPULAYER_RENDEZVOUS_PORTS: {raw[:40]!r} is not FIRST-LAST") from None
     if not 1024 <= lo <= hi <= 65535:
         raise ConfigError(
             f"GPULAYER_RENDEZVOUS_PORTS: {raw!r}: want 1024 <= FIRST <= LAST <= 65535"
