@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import shutil
 import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -502,12 +503,15 @@ async def test_many_jobs_run_at_once(js: JetStreamContext, start_executor: Start
     # Each job waits until all of them have started: only possible if they run concurrently.
     barrier = Path(os.environ.get("TMPDIR", "/tmp")) / f"barrier-{uuid.uuid4().hex}"
     barrier.mkdir()
-    script = f'touch "{barrier}/$GPULAYER_JOB_ID"; while [ $(ls "{barrier}" | wc -l) -lt 8 ]; do sleep 0.02; done'
-    grants = [make_grant(["sh", "-c", script], timeout_s=15) for _ in range(8)]
-    for g in grants:
-        await publish_grant(js, g)
-    results = await asyncio.gather(*(job_events_until_terminal(js, g.job.job_id) for g in grants))
-    assert all(r[-1].__struct_config__.tag == "succeeded" for r in results)
+    try:
+        script = f'touch "{barrier}/$GPULAYER_JOB_ID"; while [ $(ls "{barrier}" | wc -l) -lt 8 ]; do sleep 0.02; done'
+        grants = [make_grant(["sh", "-c", script], timeout_s=15) for _ in range(8)]
+        for g in grants:
+            await publish_grant(js, g)
+        ends = await asyncio.gather(*(job_events_until_terminal(js, g.job.job_id) for g in grants))
+        assert all(r[-1].__struct_config__.tag == "succeeded" for r in ends)
+    finally:
+        shutil.rmtree(barrier, ignore_errors=True)
 
 
 async def test_logs_of_a_finished_job_and_following_a_running_one(
