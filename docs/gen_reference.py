@@ -381,7 +381,10 @@ distributed = {nodes = 2, processes_per_node = 2, backend = "gloo", launcher = "
   `torchrun` is the one next to the node's workload interpreter (`GPULAYER_WORKLOAD_PYTHON`),
   else the one on the job's `PATH`; neither: the rank fails saying so. torchrun's workers are
   the rank's processes: a cancel or timeout ends them with it. A worker's failure makes
-  torchrun exit 1 (the worker's own code is in the rank's output).
+  torchrun exit 1, so the job's reason also names the worker that failed first and its own
+  code or signal, read from the summary torchrun prints on the rank's stderr (`rank 1 on n2
+  exited with code 1 (torchrun: its worker of global rank 3 (local 1) exited with code 3)`);
+  a summary the sink dropped (output over its rate) leaves the reason at torchrun's code.
 - **Without a launcher** the command runs once on each node with the variables above; with
   `processes_per_node` > 1 it starts its processes itself.
 """

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -197,7 +198,14 @@ async def test_a_rank_exiting_3_fails_the_job_naming_it(
     assert getattr(failed, "rank", None) == 1
     node = getattr(failed, "node_id", None)
     assert node in NODES
-    assert f"rank 1 on {node}" in str(getattr(failed, "reason", "")), failed
+    reason = str(getattr(failed, "reason", ""))
+    assert f"rank 1 on {node}" in reason, failed
+    # torchrun's own exit code is 1 whatever its worker's: the reason also names the worker
+    # that failed first (node rank 1 runs global ranks 2 and 3) and its code, from torchrun's
+    # summary on the rank's stderr.
+    assert re.search(r"its worker of global rank [23] \(local [01]\) exited with code 3", reason), (
+        reason
+    )
     assert events.tags("dist-fail-rank1")[-1] == "failed"
     assert events.tags("dist-fail-rank0")[-1] == "cancelled"
     # No worker of rank 0 wrote a result: it never got past the rendezvous.

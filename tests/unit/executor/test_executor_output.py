@@ -1,9 +1,11 @@
-"""Splitting output into bounded lines, and the /proc stat parser (pure)."""
+"""Splitting output into bounded lines, the sink's watch, and the /proc stat parser (pure)."""
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 from gpulayer_executor.cgroups import _own_paths
-from gpulayer_executor.output import LineSplitter
+from gpulayer_executor.output import LineSplitter, LogSink
 from gpulayer_executor.procs import parse_stat
 from gpulayer_executor.runner import _exit_outcome
 
@@ -68,3 +70,24 @@ def test_feed_mixes_short_and_truncated_lines_in_one_chunk() -> None:
 def test_own_cgroup_paths() -> None:
     text = "9:name=systemd:/\n4:memory,pids:/a/b\n0::/svc\n"
     assert _own_paths(text) == {"name=systemd": "/", "memory": "/a/b", "pids": "/a/b", "": "/svc"}
+
+
+class Seen:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def feed(self, line: str) -> None:
+        self.lines.append(line)
+
+
+def test_the_sinks_watch_sees_the_stderr_lines_it_takes() -> None:
+    # Not started: nothing is published, only queued (NATS is never touched here).
+    sink = LogSink(cast(Any, None), cast(Any, None), "j", max_backlog_bytes=300)
+    sink.watch = seen = Seen()
+    sink.offer("stdout", "out")
+    sink.offer("stderr", "err 1")
+    assert sink.offer_marked("stderr", "err 2", 10)
+    sink.offer("stderr", "x" * 300)  # no room: dropped, never seen
+    sink.offer("stderr", "late")  # still no room for the marker and the line: dropped
+    assert seen.lines == ["err 1", "err 2"]
+    assert sink.dropped_total == 2

@@ -78,6 +78,32 @@ def test_a_lost_rank_loses_the_gang() -> None:
             [rank(0, "running"), rank(1, "cancelled", reason="by bob")],
             "rank 1 on n1 was cancelled: by bob",
         ),
+        # The executor's reason starts with the exit code, said once; what follows is kept:
+        # the worker that failed under torchrun, or any other reason.
+        (
+            [rank(0, "running"), rank(1, "failed", 1, "exit code 1")],
+            "rank 1 on n1 exited with code 1",
+        ),
+        (
+            [
+                rank(0, "running"),
+                rank(
+                    1,
+                    "failed",
+                    1,
+                    "exit code 1; torchrun: its worker of global rank 3 (local 1) exited with code 3",
+                ),
+            ],
+            "rank 1 on n1 exited with code 1 (torchrun: its worker of global rank 3 (local 1) exited with code 3)",
+        ),
+        (
+            [rank(0, "running"), rank(1, "failed", 1, "exit code 10")],
+            "rank 1 on n1 exited with code 1 (exit code 10)",
+        ),
+        (
+            [rank(0, "running"), rank(1, "failed", 137, "out of memory: 2 GB limit")],
+            "rank 1 on n1 exited with code 137 (out of memory: 2 GB limit)",
+        ),
     ],
 )
 def test_the_cause_named(ranks: list[Any], want: str) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+import msgspec
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
@@ -32,7 +33,7 @@ from gpulayer_executor.env import (
     device_env,
     job_environment,
 )
-from gpulayer_executor.gang import LaunchRefused, job_argv
+from gpulayer_executor.gang import LaunchRefused, RootCause, job_argv, under_torchrun
 from gpulayer_executor.limits import JobLimits, NvidiaNodes, job_limits
 from gpulayer_executor.output import LogSink
 from gpulayer_executor.reporter import Reporter
@@ -274,7 +275,7 @@ class JobRunner:
         on_started = self._on_started(job)
         job.spawn_ns = time.time_ns()
         try:
-            return await self._launch_process(
+            outcome = await self._launch_process(
                 argv,
                 env=env,
                 cwd=cwd,
@@ -288,6 +289,7 @@ class JobRunner:
                 hierarchy=self._hierarchy,
                 limits=self._limits(grant),
             )
+            return _explained(outcome, sink)
         except SpawnError as err:
             log.warning("job %s: %s", grant.job.job_id, err, extra=self._ctx(job.rec))
             return st.Outcome(state="failed", reason=f"spawn: {err}")
@@ -307,6 +309,8 @@ class JobRunner:
             owner=grant.owner,
             max_backlog_bytes=self._config.max_log_backlog_bytes,
         )
+        if under_torchrun(grant):
+            sink.watch = RootCause()
         sink.start()
         return sink
 
@@ -366,7 +370,7 @@ class JobRunner:
         on_started = self._on_started(job) if job.rec.phase == "starting" else None
         try:
             follower = Follower(run, job.rec.grant_id, sink, None, self.hierarchy)
-            return await follower.follow(job.stop, on_started, None)
+            return _explained(await follower.follow(job.stop, on_started, None), sink)
         except Detached:
             return None
         finally:
@@ -451,3 +455,16 @@ def trace_job(tel: Telemetry, node_id: str, job: Job, outcome: st.Outcome) -> No
     tel.count("gpulayer.executor.jobs", 1, labels)
     if job.started_ns:
         tel.record("gpulayer.executor.job.duration", (end - job.started_ns) / 1e9, labels)
+
+
+def _explained(outcome: st.Outcome | None, sink: LogSink) -> st.Outcome | None:
+    """A rank run by torchrun that failed with torchrun's exit code (1 whatever the worker's):
+    its reason also names the worker that failed first and how, from torchrun's summary."""
+    root = sink.watch
+    if outcome is None or outcome.exit_code is None or not isinstance(root, RootCause):
+        return outcome
+    why = root.summary()
+    if outcome.state != "failed" or why is None:
+        return outcome
+    reason = f"{outcome.reason}; {why}" if outcome.reason else why
+    return msgspec.structs.replace(outcome, reason=reason)

@@ -15,6 +15,7 @@ import collections
 import contextlib
 import logging
 import time
+from typing import Protocol
 
 from nats.aio.client import Client
 from nats.js import JetStreamContext
@@ -29,6 +30,10 @@ from gpulayer_executor.lines import PipeReader as PipeReader
 from gpulayer_executor.lines import Stream as Stream
 
 log = logging.getLogger(__name__)
+
+
+class LineWatch(Protocol):
+    def feed(self, line: str) -> None: ...
 
 
 class LogSink:
@@ -68,6 +73,8 @@ class LogSink:
         # stream has confirmed them.
         self.msg_prefix = ""
         self.acked_mark = -1
+        # Shown every stderr line the sink takes (the job runner's reader of torchrun's summary).
+        self.watch: LineWatch | None = None
         self._backlog = 0
         self._dropped = 0
         self.dropped_total = 0
@@ -98,6 +105,8 @@ class LogSink:
             self._tokens -= size
         self._queue.append((stream, line, mark))
         self._backlog += size
+        if self.watch is not None and stream == "stderr" and not marker:
+            self.watch.feed(line)
         return True
 
     def offer_marked(self, stream: Stream, line: str, mark: int) -> bool:

@@ -66,9 +66,13 @@ def _why(r: Row) -> str:
     where = f"rank {r['rank']} on {r['node_id']}"
     reason = r.get("reason")
     if r["state"] == "failed":
-        if r.get("exit_code") is not None:
-            text = f"{where} exited with code {r['exit_code']}"
-            return f"{text} ({reason})" if reason else text
+        if (code := r.get("exit_code")) is not None:
+            text = f"{where} exited with code {code}"
+            # The executor's reason starts with what the code already says ("exit code 1").
+            rest = reason or ""
+            if rest == f"exit code {code}" or rest.startswith(f"exit code {code}; "):
+                rest = rest[len(f"exit code {code}; ") :]
+            return f"{text} ({rest})" if rest else text
         return f"{where} failed: {reason}" if reason else f"{where} failed"
     verb = "was lost" if r["state"] == "lost" else "was cancelled"
     return f"{where} {verb}: {reason}" if reason else f"{where} {verb}"
