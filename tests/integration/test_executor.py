@@ -249,9 +249,12 @@ async def test_cpu_job_sees_no_gpu_and_a_minimal_env(
     assert env["GPULAYER_JOB_ID"] == grant.job.job_id
     assert env["GPULAYER_DEVICES"] == ""
     assert env["MY_SETTING"] == "x y"
+    # Its own temporary folder, inside its working folder.
+    assert env["TMPDIR"] == str(executor.store.job_dir(grant.grant_id) / "tmp")
     # Nothing of the executor's own environment leaks in beyond the chosen base.
     leaked = set(env) - {
         *executor.config.base_env,
+        "TMPDIR",
         "MY_SETTING",
         "CUDA_VISIBLE_DEVICES",
         "GPULAYER_JOB_ID",

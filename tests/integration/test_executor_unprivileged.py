@@ -7,8 +7,10 @@ import asyncio
 import io
 import os
 import pwd
+import shutil
 import stat
-from collections.abc import AsyncIterator, Awaitable, Callable
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +96,17 @@ async def start_executor(nc: Client, tmp_path: Path) -> AsyncIterator[StartExecu
     await asyncio.gather(*(task for _, task in running))
 
 
+@pytest.fixture
+def reachable_workdir() -> Iterator[Path]:
+    """An executor folder the job account can reach by its absolute path, as a node's
+    /var/lib/gpulayer is (pytest's temporary folders are 0700, root's alone): for what a job
+    uses by absolute path, its HOME and TMPDIR."""
+    root = Path(tempfile.mkdtemp(prefix="gpulayer-test-"))
+    root.chmod(0o711)
+    yield root / "executor"
+    shutil.rmtree(root, ignore_errors=True)
+
+
 async def run_job(js: JetStreamContext, grant: Grant) -> AnyJobEvent:
     await publish_grant(js, grant)
     return (await job_events_until_terminal(js, grant.job.job_id, owner=grant.owner))[-1]
@@ -175,7 +188,7 @@ async def test_a_job_cannot_read_another_owners_job_folder(
 
 
 async def test_a_job_runs_as_the_job_user_with_none_of_the_executors_secrets(
-    js: JetStreamContext, start_executor: StartExecutor
+    js: JetStreamContext, start_executor: StartExecutor, reachable_workdir: Path
 ) -> None:
     nobody = _nobody()
     secrets = {
@@ -184,14 +197,29 @@ async def test_a_job_runs_as_the_job_user_with_none_of_the_executors_secrets(
         "NATS_TOKEN": "nats-token-value",
         "AWS_SECRET_ACCESS_KEY": "aws-secret-value",
     }
-    executor = await start_executor({"GPULAYER_EXECUTOR_JOB_USER": "nobody", **secrets})
+    executor = await start_executor(
+        {
+            "GPULAYER_EXECUTOR_JOB_USER": "nobody",
+            "GPULAYER_EXECUTOR_WORKDIR": str(reachable_workdir),
+            **secrets,
+        }
+    )
     assert executor.config.run_as is not None
     assert executor.config.run_as.uid == nobody.pw_uid
     grant = make_grant(
-        ["sh", "-c", "id -u > id.txt; id -G >> id.txt; umask >> id.txt; env > env.txt"]
+        [
+            "sh",
+            "-c",
+            "id -u > id.txt; id -G >> id.txt; umask >> id.txt; env > env.txt;"
+            ' stat -c "%u %a" "$TMPDIR" > tmp.txt; mkdir -p "$TMPDIR/a/b"; touch "$TMPDIR/a/b/f"',
+        ]
     )
     assert (await run_job(js, grant)).__struct_config__.tag == "succeeded"
     folder = executor.store.job_dir(grant.grant_id)
+    # Its TMPDIR was its own (nobody's, 0700) inside its folder, and is gone once the end is
+    # reported, whatever the job left in it; its folder stays.
+    assert (folder / "tmp.txt").read_text().split() == [str(nobody.pw_uid), "700"]
+    assert not (folder / "tmp").exists()
     uid, groups, umask = (folder / "id.txt").read_text().splitlines()
     assert uid == str(nobody.pw_uid)
     assert groups.split() == [str(nobody.pw_gid)]  # supplementary groups dropped
@@ -202,6 +230,7 @@ async def test_a_job_runs_as_the_job_user_with_none_of_the_executors_secrets(
     assert (env["USER"], env["LOGNAME"]) == ("nobody", "nobody")
     # nobody's home doesn't exist: the job's own folder is its HOME, never the executor's.
     assert env["HOME"] == str(folder)
+    assert env["TMPDIR"] == str(folder / "tmp")
     for name, value in secrets.items():
         assert name not in env
         assert value not in env_text

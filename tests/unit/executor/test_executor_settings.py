@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import pwd
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 from tests.helpers import TEST_SIGNER
 
-from gpulayer_executor.__main__ import settings
+from gpulayer_executor.__main__ import _say_who_runs_jobs, settings
 from gpulayer_runtime.settings import ConfigError
 
 KEYS = {"GPULAYER_PLACEMENT_PUBLIC_KEYS": TEST_SIGNER.public_key}
@@ -207,3 +210,37 @@ def test_owners_get_their_own_uids_as_root_unless_a_job_user_is_named() -> None:
             settings({**base, "GPULAYER_EXECUTOR_OWNER_UIDS": bad}, euid=0)
     with pytest.raises(ConfigError, match="only when the executor runs as root"):
         settings({**base, "GPULAYER_EXECUTOR_OWNER_UIDS": "70000-70009"}, euid=4321)
+
+
+def test_a_workdir_jobs_cannot_reach_is_said_at_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # pytest's temporary folders are 0700, root's: nobody can't pass them.
+    blocked = settings(
+        {"GPULAYER_NODE_ID": "n1", "GPULAYER_EXECUTOR_WORKDIR": str(tmp_path / "w"), **KEYS},
+        euid=0,
+    )
+    assert blocked.run_as is not None
+    assert blocked.run_as.name == "nobody"
+    with caplog.at_level(logging.WARNING, logger="gpulayer_executor"):
+        _say_who_runs_jobs(blocked)
+    # As root, each owner's jobs run as a uid of its own by default: judged as "others".
+    assert blocked.owner_uids is not None
+    assert "is not passable for an owner's uid" in caplog.text
+    assert "jobs get no TMPDIR of their own" in caplog.text
+    assert not blocked.job_tmpdir  # a TMPDIR jobs can't reach would make their tools fail
+    caplog.clear()
+    # Under a folder others may pass (as /var/lib): nothing said.
+    top = Path(tempfile.mkdtemp(prefix="gpulayer-test-"))
+    try:
+        top.chmod(0o711)
+        fine = settings(
+            {"GPULAYER_NODE_ID": "n1", "GPULAYER_EXECUTOR_WORKDIR": str(top / "w"), **KEYS},
+            euid=0,
+        )
+        with caplog.at_level(logging.WARNING, logger="gpulayer_executor"):
+            _say_who_runs_jobs(fine)
+        assert "not passable" not in caplog.text
+        assert fine.job_tmpdir
+    finally:
+        shutil.rmtree(top, ignore_errors=True)

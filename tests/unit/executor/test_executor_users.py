@@ -16,6 +16,7 @@ from gpulayer_executor.users import (
     UserError,
     account,
     job_users,
+    not_passable,
     parse_user_map,
     readable_by,
     run_as_for,
@@ -145,3 +146,33 @@ def test_readable_by_follows_the_mode_bits(
     ]
     assert readable_by(secret, accounts) == readers
     assert readable_by(tmp_path / "missing", accounts) == []
+
+
+@pytest.mark.parametrize(
+    ("mode", "owner", "group", "blocked"),
+    [
+        (0o711, 0, 0, []),  # as the executor makes its workdir: others may pass
+        (0o700, 0, 0, ["nobody", "alice"]),  # a private home such as /root
+        (0o710, 0, 2001, ["nobody"]),  # alice's group may pass
+        (0o700, 65534, 0, ["alice"]),  # nobody's own
+    ],
+)
+def test_not_passable_follows_the_mode_bits(
+    tmp_path: Path, mode: int, owner: int, group: int, blocked: list[str]
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("giving a folder away needs root")
+    top = tmp_path / "top"
+    (top / "workdir").mkdir(parents=True)
+    top.chmod(mode)
+    os.chown(top, owner, group)
+    accounts = [
+        RunAs(name="nobody", uid=65534, gid=65534, home=""),
+        RunAs(name="alice", uid=2001, gid=2001, home=""),
+    ]
+    # Only the folder made here is judged (pytest's own folders above it are root's, 0700).
+    found = [name for name, folder in not_passable(top / "workdir", accounts) if folder == top]
+    assert found == blocked
+    # No accounts (owners' own uids): judged as others.
+    others = [f for _, f in not_passable(top / "workdir", []) if f == top]
+    assert others == ([] if mode & 0o001 else [top])

@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from gpulayer_contracts.bounds import MAX_EXECUTOR_SLOTS, MAX_JOB_CPU_CORES, MAX_JOB_MEMORY_GB
 from gpulayer_executor import users
 from gpulayer_executor.env import RunAs, base_environment
@@ -133,6 +135,8 @@ def job_accounts(
 
 
 def _say_who_runs_jobs(config: ExecutorConfig) -> None:
+    if config.owner_uids is not None or config.run_as is not None:
+        _say_what_jobs_cannot_reach(config)
     if config.owner_uids is not None:
         first, count = config.owner_uids
         log.info(
@@ -154,6 +158,36 @@ def _say_who_runs_jobs(config: ExecutorConfig) -> None:
             "jobs run as the executor's own account (uid %d): they can read its state and "
             "credentials; run the executor as root with a job user to separate them",
             os.geteuid(),
+        )
+
+
+def _unreachable(config: ExecutorConfig) -> tuple[str, Path] | None:
+    """A job account and a folder above the workdir it can't pass, if any: a job's folder (its
+    HOME where its account has none, its TMPDIR) is then not usable by its absolute path (a
+    workdir under /root, say)."""
+    if config.run_as is None and config.owner_uids is None:
+        return None  # jobs run as the executor's own account
+    accounts = [*config.user_map.values(), *([config.run_as] if config.run_as else [])]
+    if config.owner_uids is not None:
+        accounts = []  # owners' own uids: only what others may do counts
+    blocked = users.not_passable(config.workdir, accounts)
+    return blocked[0] if blocked else None
+
+
+def _say_what_jobs_cannot_reach(config: ExecutorConfig) -> None:
+    """Said once at start; jobs not using their folder by path run all the same."""
+    found = _unreachable(config)
+    if found is not None:
+        name, folder = found
+        log.warning(
+            "jobs can't reach their folders in %s by path: %s is not passable for %s (its mode "
+            "has no x for it), so jobs get no TMPDIR of their own (their tools use /tmp) and a "
+            "HOME in their folder won't resolve; pick a workdir under a folder others may pass "
+            "(/var/lib) or chmod o+x %s",
+            config.workdir,
+            folder,
+            name,
+            folder,
         )
 
 
@@ -255,6 +289,8 @@ def settings(env: Mapping[str, str], *, euid: int | None = None) -> ExecutorConf
         grant_max_age_s=env_float(env, MAX_AGE_SETTING, DEFAULT_MAX_AGE_S),
         workload_python=env.get("GPULAYER_WORKLOAD_PYTHON", "").strip() or None,
     )
+    if _unreachable(config) is not None:
+        config = msgspec.structs.replace(config, job_tmpdir=False)
     if config.grant_max_age_s >= config.retain_s:
         # Past the retention, a grant's record is pruned and only its age stops a replay.
         raise ConfigError(

@@ -24,6 +24,11 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
     # (GPULAYER_EXECUTOR_OWNER_UIDS), kept in the state database, so different owners' jobs
     # can't signal or read each other. None: they all run as ``run_as``.
     owner_uids: tuple[int, int] | None = None
+    # Jobs get TMPDIR, a folder of their own in their job folder (folders.py). False where the
+    # job accounts can't reach the workdir by path (a folder above it not passable for them):
+    # their temporary files then go where their tools default to (/tmp), as a TMPDIR they
+    # can't reach would make tools fail (mktemp).
+    job_tmpdir: bool = True
     kill_grace_s: float = 5.0
     # Job slots: jobs running at once, also announced in the heartbeat (``slots``).
     max_jobs: int = 64

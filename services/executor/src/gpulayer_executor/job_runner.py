@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -33,6 +32,7 @@ from gpulayer_executor.env import (
     device_env,
     job_environment,
 )
+from gpulayer_executor.folders import clear_scratch, prepare_job_dir, scratch_dir
 from gpulayer_executor.gang import LaunchRefused, RootCause, job_argv, under_torchrun
 from gpulayer_executor.limits import JobLimits, NvidiaNodes, job_limits
 from gpulayer_executor.output import LogSink
@@ -224,9 +224,11 @@ class JobRunner:
     ) -> dict[str, str] | st.Outcome:
         """The job's environment, or the outcome of a job refused for it."""
         grant = job.rec.grant
-        base = self._config.base_env
+        base = dict(self._config.base_env)
+        if self._config.job_tmpdir:
+            base["TMPDIR"] = str(scratch_dir(cwd))
         if run_as is not None:
-            base = {**base, **account_env(run_as, cwd)}
+            base.update(account_env(run_as, cwd))
         try:
             env = job_environment(grant, base)
         except EnvRefused as err:
@@ -269,7 +271,7 @@ class JobRunner:
         except LaunchRefused as err:
             log.warning("job %s refused: %s", grant.job.job_id, err, extra=self._ctx(job.rec))
             return st.Outcome(state="failed", reason=str(err))
-        self._prepare_dir(cwd, run_as)  # no disk flush: cheaper than a thread hand-off
+        prepare_job_dir(cwd, run_as)  # no disk flush: cheaper than a thread hand-off
         await self._save(job, st.starting(job.rec))
         sink = self._sink(grant)
         on_started = self._on_started(job)
@@ -385,16 +387,6 @@ class JobRunner:
         nodes = self._devices.nodes() if "devices" in hier.controllers else ()
         return job_limits(grant, pids_max=self._config.job_pids_max, nodes=nodes)
 
-    def _prepare_dir(self, cwd: Path, run_as: RunAs | None) -> None:
-        """The job's folder, private to the job's account from its creation: made 0700 (never
-        briefly open to others, who could keep a handle on it), then given to the account."""
-        # An existing one: a job started again after an executor restart, its folder made here.
-        with contextlib.suppress(FileExistsError):
-            cwd.mkdir(mode=0o700)
-        if run_as is not None:
-            os.chown(cwd, run_as.uid, run_as.gid)
-        cwd.chmod(0o700)
-
     async def _finish(self, job: Job, outcome: st.Outcome) -> None:
         await self._save(job, st.finished(job.rec, outcome))
         if self._tel.enabled:
@@ -407,6 +399,8 @@ class JobRunner:
             f": {outcome.reason}" if outcome.reason else "",
             extra=self._ctx(job.rec),
         )
+        # Before the end is reported: once it is, the job's temporary files are gone.
+        await clear_scratch(self._store.job_dir(job.rec.grant_id))
         await self._reporter.report_finished(job.rec)
 
 

@@ -129,6 +129,27 @@ def readable_by(path: Path, users: list[RunAs]) -> list[str]:
     return readers
 
 
+def not_passable(path: Path, users: list[RunAs]) -> list[tuple[str, Path]]:
+    """(account, folder) for each account in ``users`` that can't pass through a folder above
+    ``path`` by its mode bits (no ``x`` for it): such an account can't use a file under ``path``
+    by its absolute path. ``users`` empty: the accounts of owners' own uids, judged as others."""
+    found = []
+    for folder in reversed(path.parents):
+        try:
+            st = folder.stat()
+        except OSError:
+            continue
+        mode = st.st_mode
+        for user in users or [RunAs(name="an owner's uid", uid=-1, gid=-1, home="")]:
+            if not (
+                mode & stat.S_IXOTH
+                or (mode & stat.S_IXGRP and st.st_gid == user.gid)
+                or (mode & stat.S_IXUSR and st.st_uid == user.uid)
+            ):
+                found.append((user.name, folder))
+    return found
+
+
 def may_switch() -> bool:
     """Whether this shim can take on a job's account for a spawn and come back: it runs as
     root (real, effective and saved)."""

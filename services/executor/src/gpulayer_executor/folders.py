@@ -1,0 +1,63 @@
+"""A job's folder and its TMPDIR on the node.
+
+The job's folder (``<workdir>/jobs/<grant>``) is its working directory, private to its account
+from its creation, kept with the job's record after the end. Inside it, ``tmp`` is the job's
+``TMPDIR``: private too, and removed at the job's end, so nothing a job (or a tool it runs, such
+as torchrun's log folders) leaves in temporary files stays on the node or is seen by another
+job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+from pathlib import Path
+
+from gpulayer_executor.env import RunAs
+
+
+def scratch_dir(cwd: Path) -> Path:
+    """The job's TMPDIR, inside its folder ``cwd``."""
+    return cwd / "tmp"
+
+
+def prepare_job_dir(cwd: Path, run_as: RunAs | None) -> None:
+    """The job's folder and its TMPDIR, private to the job's account from their creation: made
+    0700 (never briefly open to others, who could keep a handle on them), then given to it."""
+    # An existing one: a job started again after an executor restart, its folder made here.
+    with contextlib.suppress(FileExistsError):
+        cwd.mkdir(mode=0o700)
+    if run_as is not None:
+        os.chown(cwd, run_as.uid, run_as.gid)
+    cwd.chmod(0o700)
+    scratch = scratch_dir(cwd)
+    with contextlib.suppress(FileExistsError):
+        scratch.mkdir(mode=0o700)
+    if run_as is None:
+        return
+    # The job's folder is the job's: on a start again, what stands at ``tmp`` may be a link it
+    # made. Changed through a descriptor that never follows one; anything but a folder there
+    # is left as the job made it.
+    try:
+        fd = os.open(scratch, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        os.fchown(fd, run_as.uid, run_as.gid)
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+
+
+async def clear_scratch(cwd: Path) -> None:
+    """Remove the job's TMPDIR: when empty, one call; else a walk in a thread, which never
+    follows a link (``shutil.rmtree`` on Linux works through descriptors)."""
+    scratch = scratch_dir(cwd)
+    try:
+        scratch.rmdir()
+    except FileNotFoundError:
+        return
+    except OSError:
+        await asyncio.to_thread(shutil.rmtree, scratch, ignore_errors=True)

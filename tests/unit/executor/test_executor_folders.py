@@ -1,0 +1,91 @@
+"""A job's folder and its TMPDIR (folders.py), on the real file system: made private to the
+job's account, removed at the end, and never followed through a link the job put there."""
+
+from __future__ import annotations
+
+import os
+import pwd
+from pathlib import Path
+
+import pytest
+
+from gpulayer_executor.env import RunAs
+from gpulayer_executor.folders import clear_scratch, prepare_job_dir, scratch_dir
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="giving folders to an account needs root")
+
+
+def nobody() -> RunAs:
+    pw = pwd.getpwnam("nobody")
+    return RunAs(name="nobody", uid=pw.pw_uid, gid=pw.pw_gid, home="")
+
+
+def test_the_folder_and_its_tmpdir_without_an_account(tmp_path: Path) -> None:
+    cwd = tmp_path / "job"
+    prepare_job_dir(cwd, None)
+    prepare_job_dir(cwd, None)  # a start again: both exist already
+    assert scratch_dir(cwd) == cwd / "tmp"
+    for path in (cwd, cwd / "tmp"):
+        assert path.is_dir()
+        assert path.stat().st_mode & 0o777 == 0o700
+
+
+@root_only
+def test_both_are_the_accounts(tmp_path: Path) -> None:
+    account = nobody()
+    cwd = tmp_path / "job"
+    prepare_job_dir(cwd, account)
+    for path in (cwd, cwd / "tmp"):
+        st = path.stat()
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (account.uid, account.gid, 0o700)
+
+
+@root_only
+def test_a_link_the_job_left_at_tmp_is_never_followed(tmp_path: Path) -> None:
+    account = nobody()
+    cwd = tmp_path / "job"
+    prepare_job_dir(cwd, account)
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o755)
+    (victim / "keep").write_text("root's")
+    # The job replaces its tmp with a link to a folder it may not touch, then is started again
+    # (an executor restart) and ends.
+    (cwd / "tmp").rmdir()
+    (cwd / "tmp").symlink_to(victim)
+    prepare_job_dir(cwd, account)
+    st = victim.stat()
+    assert (st.st_uid, st.st_mode & 0o777) == (0, 0o755)
+
+
+async def test_the_tmpdir_is_removed_with_what_the_job_left(tmp_path: Path) -> None:
+    cwd = tmp_path / "job"
+    prepare_job_dir(cwd, None)
+    await clear_scratch(cwd)  # empty
+    assert not (cwd / "tmp").exists()
+    prepare_job_dir(cwd, None)
+    (cwd / "tmp" / "a" / "b").mkdir(parents=True)
+    (cwd / "tmp" / "a" / "b" / "f").write_text("x")
+    (cwd / "result").write_text("kept")
+    await clear_scratch(cwd)
+    assert not (cwd / "tmp").exists()
+    assert (cwd / "result").read_text() == "kept"  # the job's folder itself stays
+    await clear_scratch(cwd)  # nothing there: nothing to do
+
+
+async def test_clearing_never_follows_a_link(tmp_path: Path) -> None:
+    cwd = tmp_path / "job"
+    prepare_job_dir(cwd, None)
+    victim = tmp_path / "victim"
+    (victim / "deep").mkdir(parents=True)
+    (victim / "deep" / "keep").write_text("root's")
+    (cwd / "tmp").rmdir()
+    (cwd / "tmp").symlink_to(victim)
+    await clear_scratch(cwd)
+    assert (victim / "deep" / "keep").read_text() == "root's"
+    # A link inside the folder goes, what it points to stays.
+    (cwd / "tmp").unlink()
+    prepare_job_dir(cwd, None)
+    (cwd / "tmp" / "link").symlink_to(victim)
+    await clear_scratch(cwd)
+    assert not (cwd / "tmp").exists()
+    assert (victim / "deep" / "keep").read_text() == "root's"
