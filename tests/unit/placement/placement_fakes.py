@@ -8,10 +8,16 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 from gpulayer_contracts import AcceleratorDevice, HostInfo, WorkerCapabilities, __version__
+from gpulayer_placement.fleet import Fleet
+from gpulayer_placement.publisher import Publisher
+from gpulayer_placement.replica_sync import ReplicaSync
+from gpulayer_placement.scheduler import Scheduler
+from gpulayer_placement.settings import Settings
 from gpulayer_placement.store import QUERIES
+from gpulayer_placement.wake import Wake
 
 _NAMES = {sql: name for name, sql in QUERIES.items()}
 
@@ -73,6 +79,29 @@ class FakeJetStream:
                     f.set_result(None)
             self._waiting.clear()
         return fut
+
+
+def fake_scheduler(
+    node: WorkerCapabilities, conn: FakeConn | None = None
+) -> tuple[Scheduler, FakeJetStream]:
+    """A scheduler over a real Fleet holding ``node``, on a FakePool and a FakeJetStream."""
+    fleet, wake, stop = Fleet(), Wake(), asyncio.Event()
+    fleet.upsert(node)
+    pool = cast(Any, FakePool(conn))
+    js = FakeJetStream(ack_after=1)
+    settings = Settings()
+    publisher = Publisher(cast(Any, js), pool, settings)
+    sync = ReplicaSync(pool, fleet, wake, stop, "replica-1")
+    scheduler = Scheduler(
+        pool=pool,
+        fleet=fleet,
+        wake=wake,
+        publisher=publisher,
+        sync=sync,
+        settings=settings,
+        stop=stop,
+    )
+    return scheduler, js
 
 
 def cpu_node(node_id: str) -> WorkerCapabilities:

@@ -3,19 +3,13 @@ rule that new jobs are placed inline only while the scheduler is idle."""
 
 from __future__ import annotations
 
-import asyncio
 from datetime import UTC, datetime
 from typing import Any, cast
 
 from nats.aio.msg import Msg
-from tests.unit.placement.placement_fakes import FakeConn, FakeJetStream, FakePool, cpu_node
+from tests.unit.placement.placement_fakes import FakeConn, FakeJetStream, cpu_node, fake_scheduler
 
-from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.intake import Intake
-from gpulayer_placement.publisher import Publisher
-from gpulayer_placement.replica_sync import ReplicaSync
-from gpulayer_placement.scheduler import Scheduler
-from gpulayer_placement.settings import Settings
 from gpulayer_placement.wake import Wake
 
 
@@ -31,32 +25,17 @@ def submit(data: bytes) -> AckedMsg:
 
 
 def build(conn: FakeConn) -> tuple[Intake, Wake, FakeJetStream]:
-    fleet, wake, stop = Fleet(), Wake(), asyncio.Event()
-    fleet.upsert(cpu_node("n1"))
-    pool = cast(Any, FakePool(conn))
-    js = FakeJetStream(ack_after=1)
-    settings = Settings()
-    publisher = Publisher(cast(Any, js), pool, settings)
-    sync = ReplicaSync(pool, fleet, wake, stop, "replica-1")
-    scheduler = Scheduler(
-        pool=pool,
-        fleet=fleet,
-        wake=wake,
-        publisher=publisher,
-        sync=sync,
-        settings=settings,
-        stop=stop,
-    )
+    scheduler, js = fake_scheduler(cpu_node("n1"), conn)
     intake = Intake(
         js=cast(Any, js),
-        pool=pool,
+        pool=scheduler.pool,
         scheduler=scheduler,
-        publisher=publisher,
-        wake=wake,
-        settings=settings,
-        stop=stop,
+        publisher=scheduler.publisher,
+        wake=scheduler.wake,
+        settings=scheduler.settings,
+        stop=scheduler.stop,
     )
-    return intake, wake, js
+    return intake, scheduler.wake, js
 
 
 def test_a_batch_is_folded_by_job_id_and_bad_input_rejected_by_the_id_read_from_it() -> None:

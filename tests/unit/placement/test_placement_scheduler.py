@@ -8,14 +8,11 @@ from datetime import UTC, datetime
 from typing import Any, cast
 
 import msgspec
-from tests.unit.placement.placement_fakes import FakeConn, FakeJetStream, FakePool, gpu_node
+from tests.unit.placement.placement_fakes import FakeConn, FakeJetStream, fake_scheduler, gpu_node
 
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.outcome import Outcome
-from gpulayer_placement.publisher import Publisher
-from gpulayer_placement.replica_sync import ReplicaSync
 from gpulayer_placement.scheduler import Scheduler
-from gpulayer_placement.settings import Settings
 from gpulayer_placement.wake import Wake
 
 
@@ -37,23 +34,8 @@ def gpu_row(job_id: str, reason: str | None = None) -> dict[str, Any]:
 
 
 def build(conn: FakeConn | None = None) -> tuple[Scheduler, Fleet, Wake, FakeJetStream]:
-    fleet, wake, stop = Fleet(), Wake(), asyncio.Event()
-    fleet.upsert(gpu_node("g", 1))
-    pool = cast(Any, FakePool(conn))
-    js = FakeJetStream(ack_after=1)
-    settings = Settings()
-    publisher = Publisher(cast(Any, js), pool, settings)
-    sync = ReplicaSync(pool, fleet, wake, stop, "replica-1")
-    scheduler = Scheduler(
-        pool=pool,
-        fleet=fleet,
-        wake=wake,
-        publisher=publisher,
-        sync=sync,
-        settings=settings,
-        stop=stop,
-    )
-    return scheduler, fleet, wake, js
+    scheduler, js = fake_scheduler(gpu_node("g", 1), conn)
+    return scheduler, scheduler.fleet, scheduler.wake, js
 
 
 def test_wake_is_idle_only_when_no_pass_runs_or_is_due() -> None:
