@@ -1,4 +1,5 @@
-"""Helpers shared by the end-to-end tests: services as processes, waiting for job events."""
+"""Helpers shared by the end-to-end and integration tests: services as processes, waiting for
+job events, placement replicas in process."""
 
 from __future__ import annotations
 
@@ -9,23 +10,32 @@ import signal
 import sys
 import uuid
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from gpulayer_contracts.capabilities import Heartbeat, WorkerCapabilities
 from gpulayer_contracts.codec import encode, event_decoder
-from gpulayer_contracts.events import CancelJob, Grant
+from gpulayer_contracts.events import CancelJob, Grant, JobStatus
 from gpulayer_contracts.subjects import (
     JOB_WILDCARD_EVENTS,
     MSG_ID_HEADER,
+    node_capabilities,
     node_control,
     node_grants,
+    node_heartbeat,
+    node_status,
 )
 from gpulayer_executor.service import Executor, ExecutorConfig
+from gpulayer_placement.service import PlacementService, Settings
+from gpulayer_placement.store import create_pool
 from gpulayer_runtime.auth import AuthStore
+from gpulayer_runtime.nats import connect, ensure_streams
 from gpulayer_runtime.roles import Role
 from gpulayer_runtime.signing import (
     PUBLIC_KEYS_SETTING,
@@ -224,3 +234,71 @@ async def running_executor(nc: Client, config: ExecutorConfig) -> AsyncIterator[
     finally:
         stop.set()
         await task
+
+
+async def start_replicas(
+    nats_url: str, database_url: str, n: int
+) -> list[tuple[PlacementService, Client]]:
+    """``n`` placement replicas in this process, started, each with its NATS connection."""
+    started = []
+    for i in range(n):
+        # Each replica has its own NATS connection and pool, as separate processes would.
+        conn = await connect(nats_url, f"placement-{i}", creds=role_creds("placement"))
+        pool = await create_pool(database_url, min_size=1, max_size=4)
+        svc = PlacementService(
+            conn, pool, Settings(node_timeout_s=30, resend_after_s=60, batch_size=32)
+        )
+        await svc.start()
+        started.append((svc, conn))
+    return started
+
+
+@contextlib.asynccontextmanager
+async def one_placement(
+    nats_url: str, database_url: str, nc: Client
+) -> AsyncIterator[PlacementService]:
+    """The streams and one placement replica; closed with its pool and connection on exit."""
+    await ensure_streams(nc.jetstream())
+    ((svc, conn),) = await start_replicas(nats_url, database_url, 1)
+    try:
+        yield svc
+    finally:
+        await svc.close()
+        await svc.pool.close()
+        await conn.drain()
+
+
+async def executor_beat(nc: Client, node: str, slots: int) -> None:
+    """Play ``node``'s executor: one heartbeat offering ``slots`` job slots."""
+    beat = Heartbeat(
+        node_id=node,
+        sent_at=datetime.now(UTC),
+        source="executor",
+        slots=slots,
+        reserved_cores=0.0,
+        reserved_memory_gb=0.0,
+        enforcement="none",
+    )
+    await nc.publish(node_heartbeat(node), encode(beat))
+
+
+async def join_node(nc: Client, caps: WorkerCapabilities, slots: int) -> None:
+    """Play a node joining: its capabilities ``caps``, then its executor's heartbeat."""
+    await nc.jetstream().publish(node_capabilities(caps.node_id), encode(caps))
+    await executor_beat(nc, caps.node_id, slots)
+
+
+async def finish(js: Any, grant: Grant) -> None:
+    """Play the executor: ``grant``'s job succeeded (exit code 0)."""
+    await js.publish(
+        node_status(grant.node_id),
+        encode(
+            JobStatus(
+                job_id=grant.job.job_id,
+                grant_id=grant.grant_id,
+                node_id=grant.node_id,
+                state="succeeded",
+                exit_code=0,
+            )
+        ),
+    )

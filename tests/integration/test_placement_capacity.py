@@ -9,95 +9,43 @@ import itertools
 import json
 import random
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
 import pytest
 from nats.aio.client import Client
-from tests.helpers import role_creds
+from tests.helpers import finish, join_node, one_placement, start_replicas
 from tests.unit.placement.placement_fakes import gpu_node
 
-from gpulayer_contracts import Grant, Heartbeat, JobStatus, Pending, encode
+from gpulayer_contracts import Grant, Pending
 from gpulayer_contracts.codec import event_decoder, grant_decoder
 from gpulayer_contracts.subjects import (
     JOBS_SUBMIT,
     MSG_ID_HEADER,
     NODE_WILDCARD_GRANTS,
-    node_capabilities,
-    node_heartbeat,
-    node_status,
 )
 from gpulayer_placement.replica_sync import NOTIFY_CHANNEL
-from gpulayer_placement.service import PlacementService, Settings
-from gpulayer_placement.store import create_pool, migrate
-from gpulayer_runtime.nats import connect, ensure_streams
+from gpulayer_placement.service import PlacementService
+from gpulayer_placement.store import migrate
+from gpulayer_runtime.nats import ensure_streams
 
 pytestmark = pytest.mark.integration
 
 GB = 10**9
 
 
-async def start_replicas(
-    nats_url: str, database_url: str, n: int
-) -> list[tuple[PlacementService, Client]]:
-    started = []
-    for i in range(n):
-        # Each replica has its own NATS connection and pool, as separate processes would.
-        conn = await connect(nats_url, f"placement-{i}", creds=role_creds("placement"))
-        pool = await create_pool(database_url, min_size=1, max_size=4)
-        svc = PlacementService(
-            conn, pool, Settings(node_timeout_s=30, resend_after_s=60, batch_size=32)
-        )
-        await svc.start()
-        started.append((svc, conn))
-    return started
-
-
 @pytest.fixture
 async def one_replica(
     nats_url: str, database_url: str, nc: Client
 ) -> AsyncIterator[PlacementService]:
-    await ensure_streams(nc.jetstream())
-    (started,) = await start_replicas(nats_url, database_url, 1)
-    yield started[0]
-    await started[0].close()
-    await started[0].pool.close()
-    await started[1].drain()
-
-
-async def executor_beat(nc: Client, node: str, slots: int) -> None:
-    beat = Heartbeat(
-        node_id=node,
-        sent_at=datetime.now(UTC),
-        source="executor",
-        slots=slots,
-        reserved_cores=0.0,
-        reserved_memory_gb=0.0,
-        enforcement="none",
-    )
-    await nc.publish(node_heartbeat(node), encode(beat))
+    async with one_placement(nats_url, database_url, nc) as svc:
+        yield svc
 
 
 def job(job_id: str, **requirements: Any) -> bytes:
     return json.dumps(
         {"job_id": job_id, "command": ["true"], "requirements": requirements}
     ).encode()
-
-
-async def finish(js: Any, grant: Grant) -> None:
-    await js.publish(
-        node_status(grant.node_id),
-        encode(
-            JobStatus(
-                job_id=grant.job.job_id,
-                grant_id=grant.grant_id,
-                node_id=grant.node_id,
-                state="succeeded",
-                exit_code=0,
-            )
-        ),
-    )
 
 
 async def test_a_full_node_keeps_jobs_waiting_until_a_slot_frees_or_a_node_joins(
@@ -126,10 +74,7 @@ async def test_a_full_node_keeps_jobs_waiting_until_a_slot_frees_or_a_node_joins
     await nc.subscribe(NODE_WILDCARD_GRANTS, cb=on_grant)
     await nc.subscribe("gpulayer.job.*.*.events", cb=on_event)
     await nc.flush()
-    await js.publish(
-        node_capabilities("one"), encode(gpu_node("one", 0, cores=4, memory_bytes=64 * GB))
-    )
-    await executor_beat(nc, "one", slots=2)
+    await join_node(nc, gpu_node("one", 0, cores=4, memory_bytes=64 * GB), slots=2)
 
     for i in range(6):
         await js.publish(JOBS_SUBMIT, job(f"c-{i}", cpu_cores=2), headers={MSG_ID_HEADER: f"c-{i}"})
@@ -151,10 +96,7 @@ async def test_a_full_node_keeps_jobs_waiting_until_a_slot_frees_or_a_node_joins
         await asyncio.wait_for(grants.get(), 0.3)
 
     # A second node joins: it takes the waiting ones (it has room for 2 as well).
-    await js.publish(
-        node_capabilities("two"), encode(gpu_node("two", 0, cores=4, memory_bytes=64 * GB))
-    )
-    await executor_beat(nc, "two", slots=2)
+    await join_node(nc, gpu_node("two", 0, cores=4, memory_bytes=64 * GB), slots=2)
     joined = [await asyncio.wait_for(grants.get(), 10) for _ in range(2)]
     assert {g.node_id for g in joined} == {"two"}
     with pytest.raises(TimeoutError):
@@ -177,11 +119,7 @@ async def test_three_replicas_never_overcommit_cores_memory_slots_or_gpu_memory(
     device_mib = 81559
     try:
         for node, (cores, memory, slots) in nodes.items():
-            await js.publish(
-                node_capabilities(node),
-                encode(gpu_node(node, 2, cores=cores, memory_bytes=memory)),
-            )
-            await executor_beat(nc, node, slots)
+            await join_node(nc, gpu_node(node, 2, cores=cores, memory_bytes=memory), slots)
         rng = random.Random(13)
         total = 150
         bodies = []

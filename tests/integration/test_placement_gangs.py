@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from nats.aio.client import Client
-from tests.integration.test_placement_capacity import executor_beat, start_replicas
+from tests.helpers import join_node, one_placement
 from tests.unit.placement.placement_fakes import gpu_node
 
 from gpulayer_contracts import Grant, JobStatus, encode
@@ -30,11 +30,9 @@ from gpulayer_contracts.subjects import (
     NODE_WILDCARD_GRANTS,
     job_events,
     jobs_submit,
-    node_capabilities,
     node_status,
 )
 from gpulayer_placement.service import PlacementService
-from gpulayer_runtime.nats import ensure_streams
 
 pytestmark = pytest.mark.integration
 
@@ -43,12 +41,8 @@ pytestmark = pytest.mark.integration
 async def placement(
     nats_url: str, database_url: str, nc: Client
 ) -> AsyncIterator[PlacementService]:
-    await ensure_streams(nc.jetstream())
-    (started,) = await start_replicas(nats_url, database_url, 1)
-    yield started[0]
-    await started[0].close()
-    await started[0].pool.close()
-    await started[1].drain()
+    async with one_placement(nats_url, database_url, nc) as svc:
+        yield svc
 
 
 def gang(job_id: str, nodes: int = 2, gpus: int = 1, **fields: Any) -> bytes:
@@ -82,8 +76,7 @@ async def node(nc: Client, node_id: str, gpus: int = 1, addr: str | None = None)
             "distributed_backends": ["gloo", "nccl"],
         }
     )
-    await nc.jetstream().publish(node_capabilities(node_id), encode(caps))
-    await executor_beat(nc, node_id, slots=64)
+    await join_node(nc, caps, slots=64)
 
 
 async def queue(nc: Client, subject: str, decoder: Any) -> asyncio.Queue[Any]:

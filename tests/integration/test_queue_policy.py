@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from nats.aio.client import Client
-from tests.integration.test_placement_capacity import executor_beat, finish, start_replicas
+from tests.helpers import finish, join_node, one_placement
 from tests.unit.placement.placement_fakes import gpu_node
 
 from gpulayer_contracts import Grant, JobStatus, Pending, encode
@@ -24,11 +24,9 @@ from gpulayer_contracts.subjects import (
     NODE_WILDCARD_CONTROL,
     NODE_WILDCARD_GRANTS,
     jobs_submit,
-    node_capabilities,
     node_status,
 )
 from gpulayer_placement.service import PlacementService
-from gpulayer_runtime.nats import ensure_streams
 
 pytestmark = pytest.mark.integration
 
@@ -37,12 +35,8 @@ pytestmark = pytest.mark.integration
 async def placement(
     nats_url: str, database_url: str, nc: Client
 ) -> AsyncIterator[PlacementService]:
-    await ensure_streams(nc.jetstream())
-    (started,) = await start_replicas(nats_url, database_url, 1)
-    yield started[0]
-    await started[0].close()
-    await started[0].pool.close()
-    await started[1].drain()
+    async with one_placement(nats_url, database_url, nc) as svc:
+        yield svc
 
 
 def job(job_id: str, gpus: int = 1, **fields: Any) -> bytes:
@@ -58,8 +52,7 @@ async def submit(nc: Client, job_id: str, owner: str = "anonymous", **kw: Any) -
 
 
 async def node(nc: Client, node_id: str, gpus: int) -> None:
-    await nc.jetstream().publish(node_capabilities(node_id), encode(gpu_node(node_id, gpus)))
-    await executor_beat(nc, node_id, slots=64)
+    await join_node(nc, gpu_node(node_id, gpus), slots=64)
 
 
 async def grants_queue(nc: Client) -> asyncio.Queue[Grant]:
