@@ -1,5 +1,5 @@
 """Helpers shared by the end-to-end and integration tests: services as processes, waiting for
-job events, placement replicas in process."""
+job events, placement replicas in process, the ``gpulayer`` command line."""
 
 from __future__ import annotations
 
@@ -234,6 +234,20 @@ async def running_executor(nc: Client, config: ExecutorConfig) -> AsyncIterator[
     finally:
         stop.set()
         await task
+
+
+async def gpulayer(*args: str, env: dict[str, str], timeout: float = 60) -> tuple[int, str, str]:
+    """Run the ``gpulayer`` command line with ``args``: its exit code, stdout and stderr."""
+    proc = await asyncio.create_subprocess_exec(
+        bin_path("gpulayer"),
+        *args,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
 
 
 async def start_replicas(

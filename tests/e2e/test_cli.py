@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from tests.helpers import Services, bin_path, service_env
+from tests.helpers import Services, bin_path, gpulayer, service_env
 
 from gpulayer_contracts.subjects import node_grants
 from gpulayer_runtime.nats import ensure_streams
@@ -23,19 +23,6 @@ from gpulayer_runtime.nats import ensure_streams
 pytestmark = pytest.mark.e2e
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-
-
-async def gpulayer(*args: str, env: dict[str, str], timeout: float = 60) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        bin_path("gpulayer"),
-        *args,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
 
 
 @pytest.fixture

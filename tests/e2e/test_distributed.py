@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from tests.helpers import Services, bin_path, service_env
+from tests.helpers import Services, gpulayer, service_env
 from tests.workload import ALL_REDUCE, Workload, all_reduce_sum
 
 from gpulayer_contracts.codec import event_decoder
@@ -33,19 +33,6 @@ pytestmark = [
 
 NODES = ("dist-a", "dist-b")
 DISTRIBUTED = {"nodes": 2, "processes_per_node": 2, "backend": "gloo", "launcher": "torchrun"}
-
-
-async def gpulayer(*args: str, env: dict[str, str], timeout: float = 60) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        bin_path("gpulayer"),
-        *args,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
 
 
 def free_port() -> int:
