@@ -5,7 +5,6 @@ is picked per node class by the host's GPU APIs."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
@@ -13,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.helpers import PROFILES_FILE, bin_path
+from tests.helpers import PROFILES_FILE, gpulayer
 
 pytestmark = pytest.mark.e2e
 
@@ -25,19 +24,7 @@ RUNNER = str(CONFORM / "gpu-runner.toml")
 
 
 async def conform(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        bin_path("gpulayer"),
-        "conform",
-        *args,
-        "--python",
-        sys.executable,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
+    return await gpulayer("conform", *args, "--python", sys.executable, env=env, timeout=120)
 
 
 def host(tmp_path: Path, *, nvidia: str, vulkan: str = "llvmpipe-only") -> dict[str, str]:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from tests.helpers import Services, bin_path, service_env
+from tests.helpers import Services, gpulayer, service_env
 
 from gpulayer_contracts import JobEvent
 from gpulayer_contracts.codec import event_decoder
@@ -250,13 +250,7 @@ async def test_a_1g10gb_mig_instance_runs_a_10gb_job(
 
 
 async def cli(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        bin_path("gpulayer"), *args, env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
+    return await gpulayer(*args, env=env, timeout=120)
 
 
 async def test_doctor_reports_what_changed_and_the_health(
