@@ -251,7 +251,7 @@ async def gpulayer(*args: str, env: dict[str, str], timeout: float = 60) -> tupl
 
 
 async def start_replicas(
-    nats_url: str, database_url: str, n: int
+    nats_url: str, database_url: str, n: int, *, batch_size: int = 32
 ) -> list[tuple[PlacementService, Client]]:
     """``n`` placement replicas in this process, started, each with its NATS connection."""
     started = []
@@ -260,7 +260,7 @@ async def start_replicas(
         conn = await connect(nats_url, f"placement-{i}", creds=role_creds("placement"))
         pool = await create_pool(database_url, min_size=1, max_size=4)
         svc = PlacementService(
-            conn, pool, Settings(node_timeout_s=30, resend_after_s=60, batch_size=32)
+            conn, pool, Settings(node_timeout_s=30, resend_after_s=60, batch_size=batch_size)
         )
         await svc.start()
         started.append((svc, conn))

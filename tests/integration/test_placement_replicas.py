@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from nats.aio.client import Client
-from tests.helpers import role_creds
+from tests.helpers import start_replicas
 from tests.unit.placement.placement_fakes import gpu_node
 
 from gpulayer_contracts import (
@@ -29,7 +29,7 @@ from gpulayer_contracts.subjects import (
 )
 from gpulayer_placement.service import PlacementService, Settings
 from gpulayer_placement.store import create_pool
-from gpulayer_runtime.nats import connect, ensure_streams
+from gpulayer_runtime.nats import ensure_streams
 
 pytestmark = pytest.mark.integration
 
@@ -50,16 +50,7 @@ async def replicas(
     nats_url: str, database_url: str, nc: Client
 ) -> AsyncIterator[list[PlacementService]]:
     await ensure_streams(nc.jetstream())
-    started: list[tuple[PlacementService, Client]] = []
-    for i in range(3):
-        # Each replica has its own NATS connection and pool, as separate processes would.
-        conn = await connect(nats_url, f"placement-{i}", creds=role_creds("placement"))
-        pool = await create_pool(database_url, min_size=1, max_size=4)
-        svc = PlacementService(
-            conn, pool, Settings(node_timeout_s=30, resend_after_s=60, batch_size=64)
-        )
-        await svc.start()
-        started.append((svc, conn))
+    started = await start_replicas(nats_url, database_url, 3, batch_size=64)
     yield [s for s, _ in started]
     for svc, conn in started:
         await svc.close()
