@@ -83,7 +83,8 @@ rank = dist.get_rank()
 value = torch.tensor([float(rank + 1)])
 dist.all_reduce(value)
 seen = {k: os.environ.get(k) for k in (
-    "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GPULAYER_JOB_ID"
+    "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GPULAYER_JOB_ID",
+    "TMPDIR", "TORCHELASTIC_ERROR_FILE",
 )}
 seen.update(rank=rank, world=dist.get_world_size(), sum=int(value.item()), pid=os.getpid())
 Path(f"rank{rank}.json").write_text(json.dumps(seen))

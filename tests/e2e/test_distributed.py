@@ -155,6 +155,13 @@ async def test_two_nodes_torchrun_gloo_all_reduce(
         assert sorted(p.name for p in folder.rglob("pid-*")) == [f"pid-{rank}-0", f"pid-{rank}-1"]
         seen = rank_files(folder)
         assert [r["rank"] for r in seen] == [2 * rank, 2 * rank + 1]
+        # The rank's TMPDIR was in its job folder, torchrun's own temporary folder in it, and
+        # it is gone now that the rank has ended (the node's /tmp keeps nothing of the job).
+        (job_dir,) = {p.parent for p in folder.rglob("rank*.json")}
+        for r in seen:
+            assert r["TMPDIR"] == str(job_dir / "tmp")
+            assert str(r["TORCHELASTIC_ERROR_FILE"]).startswith(f"{job_dir / 'tmp'}/torchelastic_")
+        assert not (job_dir / "tmp").exists()
         for local, r in enumerate(seen):
             assert r["sum"] == all_reduce_sum(4)
             assert (r["world"], r["NODE_RANK"], r["LOCAL_RANK"]) == (4, str(rank), str(local))
