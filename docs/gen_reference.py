@@ -384,7 +384,8 @@ distributed = {nodes = 2, processes_per_node = 2, backend = "gloo", launcher = "
   torchrun exit 1, so the job's reason also names the worker that failed first and its own
   code or signal, read from the summary torchrun prints on the rank's stderr (`rank 1 on n2
   exited with code 1 (torchrun: its worker of global rank 3 (local 1) exited with code 3)`);
-  a summary the sink dropped (output over its rate) leaves the reason at torchrun's code.
+  a summary the sink dropped (output over its rate) leaves the reason at torchrun's code. A job
+  that runs torchrun as its own command gets the same ([executor](executor.md)).
 - **Without a launcher** the command runs once on each node with the variables above; with
   `processes_per_node` > 1 it starts its processes itself.
 """

@@ -19,6 +19,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from tests.helpers import TEST_PUBLIC_KEYS, connect_args, pid_alive, publish_cancel, reason
 from tests.helpers import publish_grant as signed_grant
+from tests.workload import Workload
 
 from gpulayer_cli.logs import run_logs
 from gpulayer_contracts.codec import event_decoder, status_decoder
@@ -627,3 +628,24 @@ async def test_jobs_run_as_the_configured_unprivileged_user(
         assert read_text(job_dir / "groups.txt").split() == [str(nobody.pw_gid)]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+async def test_a_job_running_torchrun_itself_names_the_worker_that_failed(
+    js: JetStreamContext, start_executor: StartExecutor, workload_venv: Workload
+) -> None:
+    """torchrun exits 1 whatever its worker did: the job's reason also names the worker that
+    failed first and its own code, from torchrun's summary on the job's stderr (real torchrun,
+    torch 2.13.0; single-node training runs torchrun as its command, not as a gpulayer rank)."""
+    workload_venv.need_torch()
+    await start_executor()
+    torchrun = str(Path(workload_venv.python).parent / "torchrun")
+    worker = "import os, sys; sys.exit(3 if os.environ['LOCAL_RANK'] == '1' else 0)"
+    argv = [torchrun, "--standalone", "--nproc-per-node", "2", "--no-python", "--"]
+    grant = make_grant([*argv, workload_venv.python, "-c", worker], timeout_s=120)
+    await publish_grant(js, grant)
+    failed = (await job_events_until_terminal(js, grant.job.job_id))[-1]
+    assert failed.__struct_config__.tag == "failed"
+    assert getattr(failed, "exit_code", None) == 1
+    assert getattr(failed, "reason", None) == (
+        "exit code 1; torchrun: its worker of global rank 1 (local 1) exited with code 3"
+    )

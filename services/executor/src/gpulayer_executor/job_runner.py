@@ -33,12 +33,13 @@ from gpulayer_executor.env import (
     job_environment,
 )
 from gpulayer_executor.folders import clear_scratch, prepare_job_dir, scratch_dir
-from gpulayer_executor.gang import LaunchRefused, RootCause, job_argv, under_torchrun
+from gpulayer_executor.gang import LaunchRefused, job_argv
 from gpulayer_executor.limits import JobLimits, NvidiaNodes, job_limits
 from gpulayer_executor.output import LogSink
 from gpulayer_executor.reporter import Reporter
 from gpulayer_executor.runner import SpawnError, StopRequest, run_process
 from gpulayer_executor.shim_client import Detached, Follower
+from gpulayer_executor.torchrun import RootCause
 from gpulayer_executor.users import run_as_for
 from gpulayer_executor.writer import DurableWriter
 from gpulayer_runtime.logs import job_context
@@ -311,8 +312,8 @@ class JobRunner:
             owner=grant.owner,
             max_backlog_bytes=self._config.max_log_backlog_bytes,
         )
-        if under_torchrun(grant):
-            sink.watch = RootCause()
+        # Every job: torchrun is as often the job's own command as the launcher of a rank.
+        sink.watch = RootCause()
         sink.start()
         return sink
 
@@ -452,8 +453,8 @@ def trace_job(tel: Telemetry, node_id: str, job: Job, outcome: st.Outcome) -> No
 
 
 def _explained(outcome: st.Outcome | None, sink: LogSink) -> st.Outcome | None:
-    """A rank run by torchrun that failed with torchrun's exit code (1 whatever the worker's):
-    its reason also names the worker that failed first and how, from torchrun's summary."""
+    """A job that failed with torchrun's exit code (1 whatever its worker's): its reason also
+    names the worker that failed first and how, from torchrun's summary on its stderr."""
     root = sink.watch
     if outcome is None or outcome.exit_code is None or not isinstance(root, RootCause):
         return outcome
