@@ -44,10 +44,16 @@ def test_rendezvous_ports_refused(raw: str, why: str) -> None:
     assert repr(raw) in str(err.value)
 
 
-def test_a_huge_rendezvous_value_is_refused_in_a_short_message() -> None:
-    # Python refuses int() of more than 4,300 digits; the message quotes only the start.
-    raw = "9" * 100_000 + "-1"
-    with pytest.raises(ConfigError, match="is not FIRST-LAST") as err:
+@pytest.mark.parametrize(
+    ("raw", "why"),
+    [
+        ("9" * 100_000 + "-1", "is not FIRST-LAST"),  # int() refuses over 4,300 digits
+        ("9" * 4_000, "want 1024 <= FIRST <= LAST"),  # a number, far out of range
+    ],
+)
+def test_a_huge_rendezvous_value_is_refused_in_a_short_message(raw: str, why: str) -> None:
+    # The message quotes only the start of the value.
+    with pytest.raises(ConfigError, match=why) as err:
         rendezvous_ports(raw)
     assert len(str(err.value)) < 200
 

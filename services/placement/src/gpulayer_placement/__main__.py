@@ -110,7 +110,7 @@ def rendezvous_ports(raw: str) -> tuple[int, int]:
         raise ConfigError(f"GPULAYER_RENDEZVOUS_PORTS: {raw[:40]!r} is not FIRST-LAST") from None
     if not 1024 <= lo <= hi <= 65535:
         raise ConfigError(
-            f"GPULAYER_RENDEZVOUS_PORTS: {raw!r}: want 1024 <= FIRST <= LAST <= 65535"
+            f"GPULAYER_RENDEZVOUS_PORTS: {raw[:40]!r}: want 1024 <= FIRST <= LAST <= 65535"
         )
     return lo, hi
 
