@@ -60,16 +60,20 @@ def test_a_link_the_job_left_at_tmp_is_never_followed(tmp_path: Path) -> None:
 async def test_the_tmpdir_is_removed_with_what_the_job_left(tmp_path: Path) -> None:
     cwd = tmp_path / "job"
     prepare_job_dir(cwd, None)
-    await clear_scratch(cwd)  # empty
+    assert clear_scratch(cwd) is None  # empty: one rmdir, nothing left behind
     assert not (cwd / "tmp").exists()
     prepare_job_dir(cwd, None)
     (cwd / "tmp" / "a" / "b").mkdir(parents=True)
-    (cwd / "tmp" / "a" / "b" / "f").write_text("x")
+    for i in range(200):
+        (cwd / "tmp" / "a" / "b" / f"f{i}").write_text("x")
     (cwd / "result").write_text("kept")
-    await clear_scratch(cwd)
+    removal = clear_scratch(cwd)
+    # Gone from the job's path at once; its content removed behind (awaited here).
     assert not (cwd / "tmp").exists()
-    assert (cwd / "result").read_text() == "kept"  # the job's folder itself stays
-    await clear_scratch(cwd)  # nothing there: nothing to do
+    assert removal is not None
+    await removal
+    assert sorted(p.name for p in cwd.iterdir()) == ["result"]  # the job's folder stays
+    assert clear_scratch(cwd) is None  # nothing there: nothing to do
 
 
 async def test_clearing_never_follows_a_link(tmp_path: Path) -> None:
@@ -80,12 +84,17 @@ async def test_clearing_never_follows_a_link(tmp_path: Path) -> None:
     (victim / "deep" / "keep").write_text("root's")
     (cwd / "tmp").rmdir()
     (cwd / "tmp").symlink_to(victim)
-    await clear_scratch(cwd)
+    removal = clear_scratch(cwd)
+    assert removal is not None
+    await removal
     assert (victim / "deep" / "keep").read_text() == "root's"
     # A link inside the folder goes, what it points to stays.
-    (cwd / "tmp").unlink()
+    for leftover in cwd.iterdir():
+        leftover.unlink()
     prepare_job_dir(cwd, None)
     (cwd / "tmp" / "link").symlink_to(victim)
-    await clear_scratch(cwd)
-    assert not (cwd / "tmp").exists()
+    removal = clear_scratch(cwd)
+    assert removal is not None
+    await removal
+    assert list(cwd.iterdir()) == []
     assert (victim / "deep" / "keep").read_text() == "root's"

@@ -2,17 +2,19 @@
 
 The job's folder (``<workdir>/jobs/<grant>``) is its working directory, private to its account
 from its creation, kept with the job's record after the end. Inside it, ``tmp`` is the job's
-``TMPDIR``: private too, and removed at the job's end, so nothing a job (or a tool it runs, such
-as torchrun's log folders) leaves in temporary files stays on the node or is seen by another
-job.
+``TMPDIR``: private too, and taken away at the job's end, so nothing a job (or a tool it runs,
+such as torchrun's log folders) leaves in temporary files stays on the node or is seen by
+another job.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import shutil
+import time
 from pathlib import Path
 
 from gpulayer_executor.env import RunAs
@@ -51,13 +53,24 @@ def prepare_job_dir(cwd: Path, run_as: RunAs | None) -> None:
         os.close(fd)
 
 
-async def clear_scratch(cwd: Path) -> None:
-    """Remove the job's TMPDIR: when empty, one call; else a walk in a thread, which never
-    follows a link (``shutil.rmtree`` on Linux works through descriptors)."""
+def clear_scratch(cwd: Path) -> asyncio.Future[None] | None:
+    """Take the job's TMPDIR away: when empty (most jobs), one ``rmdir``. Else it is renamed
+    out of the way at once and removed in a thread behind the job's end report, so a job that
+    left a million files doesn't hold its report (and so its devices) for the walk; the walk
+    never follows a link (``shutil.rmtree`` on Linux works through descriptors). Returns that
+    removal, for whoever wants to wait for it (None: nothing left to remove)."""
     scratch = scratch_dir(cwd)
     try:
         scratch.rmdir()
+        return None
     except FileNotFoundError:
-        return
+        return None
     except OSError:
-        await asyncio.to_thread(shutil.rmtree, scratch, ignore_errors=True)
+        pass
+    gone = cwd / f".tmp-removed-{time.time_ns()}"
+    try:
+        os.rename(scratch, gone)  # the entry itself: a link the job put there moves as a link
+    except OSError:
+        gone = scratch
+    loop = asyncio.get_running_loop()
+    return loop.run_in_executor(None, functools.partial(shutil.rmtree, gone, ignore_errors=True))
