@@ -135,7 +135,7 @@ def job_accounts(
 
 
 def _say_who_runs_jobs(config: ExecutorConfig) -> None:
-    if config.owner_uids is not None or config.run_as is not None:
+    if not config.job_tmpdir:
         _say_what_jobs_cannot_reach(config)
     if config.owner_uids is not None:
         first, count = config.owner_uids
@@ -175,7 +175,8 @@ def _unreachable(config: ExecutorConfig) -> tuple[str, Path] | None:
 
 
 def _say_what_jobs_cannot_reach(config: ExecutorConfig) -> None:
-    """Said once at start; jobs not using their folder by path run all the same."""
+    """Said once at start (``settings`` turned TMPDIR off for it); jobs not using their folder
+    by path run all the same."""
     found = _unreachable(config)
     if found is not None:
         name, folder = found

@@ -110,6 +110,17 @@ def run_as_for(grant: Grant, default: RunAs | None, user_map: Mapping[str, RunAs
     return user_map.get(grant.owner, default)
 
 
+def _permits(st: os.stat_result, user: RunAs, other: int, group: int, owner: int) -> bool:
+    """Whether ``st``'s mode bits give ``user`` a permission (``other``/``group``/``owner``:
+    that permission's bit for each class, e.g. ``stat.S_IROTH``, ``S_IRGRP``, ``S_IRUSR``)."""
+    mode = st.st_mode
+    return bool(
+        mode & other
+        or (mode & group and st.st_gid == user.gid)
+        or (mode & owner and st.st_uid == user.uid)
+    )
+
+
 def readable_by(path: Path, users: list[RunAs]) -> list[str]:
     """Names of the accounts in ``users`` that may read ``path`` by its mode bits (a secret
     the executor holds must be readable by none of them). A missing file is nobody's."""
@@ -117,36 +128,23 @@ def readable_by(path: Path, users: list[RunAs]) -> list[str]:
         st = path.stat()
     except OSError:
         return []
-    mode = st.st_mode
-    readers = []
-    for user in users:
-        if (
-            mode & stat.S_IROTH
-            or (mode & stat.S_IRGRP and st.st_gid == user.gid)
-            or (mode & stat.S_IRUSR and st.st_uid == user.uid)
-        ):
-            readers.append(user.name)
-    return readers
+    read = (stat.S_IROTH, stat.S_IRGRP, stat.S_IRUSR)
+    return [user.name for user in users if _permits(st, user, *read)]
 
 
 def not_passable(path: Path, users: list[RunAs]) -> list[tuple[str, Path]]:
     """(account, folder) for each account in ``users`` that can't pass through a folder above
     ``path`` by its mode bits (no ``x`` for it): such an account can't use a file under ``path``
     by its absolute path. ``users`` empty: the accounts of owners' own uids, judged as others."""
+    accounts = users or [RunAs(name="an owner's uid", uid=-1, gid=-1, home="")]
+    passing = (stat.S_IXOTH, stat.S_IXGRP, stat.S_IXUSR)
     found = []
     for folder in reversed(path.parents):
         try:
             st = folder.stat()
         except OSError:
             continue
-        mode = st.st_mode
-        for user in users or [RunAs(name="an owner's uid", uid=-1, gid=-1, home="")]:
-            if not (
-                mode & stat.S_IXOTH
-                or (mode & stat.S_IXGRP and st.st_gid == user.gid)
-                or (mode & stat.S_IXUSR and st.st_uid == user.uid)
-            ):
-                found.append((user.name, folder))
+        found += [(u.name, folder) for u in accounts if not _permits(st, u, *passing)]
     return found
 
 

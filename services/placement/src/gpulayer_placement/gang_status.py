@@ -69,9 +69,8 @@ def _why(r: Row) -> str:
         if (code := r.get("exit_code")) is not None:
             text = f"{where} exited with code {code}"
             # The executor's reason starts with what the code already says ("exit code 1").
-            rest = reason or ""
-            if rest == f"exit code {code}" or rest.startswith(f"exit code {code}; "):
-                rest = rest[len(f"exit code {code}; ") :]
+            said = f"exit code {code}"
+            rest = "" if reason == said else (reason or "").removeprefix(f"{said}; ")
             return f"{text} ({rest})" if rest else text
         return f"{where} failed: {reason}" if reason else f"{where} failed"
     verb = "was lost" if r["state"] == "lost" else "was cancelled"
