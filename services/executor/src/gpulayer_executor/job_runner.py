@@ -400,9 +400,9 @@ class JobRunner:
             f": {outcome.reason}" if outcome.reason else "",
             extra=self._ctx(job.rec),
         )
-        # Before the end is reported: once it is, the job's TMPDIR is gone (what it held may
-        # still be being removed, behind the report).
-        clear_scratch(self._store.job_dir(job.rec.grant_id))
+        # Before the end is reported: once it is, the job's TMPDIR is gone from its folder (what
+        # it held may still be being removed from the trash, behind the report).
+        clear_scratch(self._store.job_dir(job.rec.grant_id), self._store.trash_dir)
         await self._reporter.report_finished(job.rec)
 
 

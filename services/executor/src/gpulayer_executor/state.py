@@ -192,7 +192,8 @@ def _private_dir(path: Path) -> None:
 
 
 class StateStore:
-    """Grant records and cancel marks in ``root/state.db``; job folders under ``root/jobs``.
+    """Grant records and cancel marks in ``root/state.db``; job folders under ``root/jobs``
+    (their TMPDIRs removed through ``root/trash``).
 
     Thread-safe: one connection behind a lock (callers write from a thread, so the event loop
     doesn't wait for an fsync). Every write commits with ``synchronous=FULL``: on disk before
@@ -209,6 +210,10 @@ class StateStore:
         self.run_dir = self.root / "run"
         with contextlib.suppress(FileExistsError):
             self.run_dir.mkdir(mode=0o700)
+        # What jobs left in their TMPDIR, moved out of their folders to be removed (folders.py).
+        self.trash_dir = self.root / "trash"
+        with contextlib.suppress(FileExistsError):
+            self.trash_dir.mkdir(mode=0o700)
         self.db_path = self.root / "state.db"
         # Grants hold the jobs' env, which may carry secrets: only the executor reads them. The
         # file is created 0600 before SQLite opens it, and SQLite gives the WAL and
