@@ -151,7 +151,7 @@ async def test_a_grant_for_another_node_is_refused_once(tmp_path: Path) -> None:
     assert rec.outcome.state == "failed"
     assert "'node-b' was delivered to node 'node-u'" in (rec.outcome.reason or "")
     assert p.fake.msg_ids(node_status(NODE)) == ["g1:failed"]
-    assert p.fake.msg_ids(job_events("job-g1")) == ["g1:failed"]
+    assert p.fake.msg_ids(job_events("job-g1")) == ["g1:end"]
 
 
 async def test_a_malformed_grant_is_acked_and_dropped(tmp_path: Path) -> None:

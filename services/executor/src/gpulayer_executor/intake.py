@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -242,10 +243,20 @@ class GrantIntake:
             # Placement signed it, and placement cancels only jobs it placed here: remembered
             # durably first, so a grant for this job arriving later (the two streams are not
             # ordered with each other) or still queued after a restart never starts.
-            await asyncio.to_thread(self._store.mark_cancel, cancel.job_id, cancel.reason)
+            await asyncio.to_thread(
+                functools.partial(
+                    self._store.mark_cancel,
+                    cancel.job_id,
+                    cancel.reason,
+                    cancel.grant_id,
+                    given_up=cancel.given_up,
+                )
+            )
         # Unsigned (signing off): it stops what runs now, but leaves no mark that would stop a
         # job submitted later under that id.
         await msg.ack()
         # Only asks the jobs to stop (nothing runs before the next await): logged after.
-        stopped = self._runner.cancel(cancel.job_id, cancel.reason)
+        stopped = self._runner.cancel(
+            cancel.job_id, cancel.reason, cancel.grant_id, given_up=cancel.given_up
+        )
         log.info("cancel for job %s (%s): %d active grants", cancel.job_id, cancel.reason, stopped)

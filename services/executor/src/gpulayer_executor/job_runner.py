@@ -117,6 +117,9 @@ class JobRunner:
         self._devices = NvidiaNodes(config.device_dir)
         self._slots = asyncio.Semaphore(config.max_jobs)
         self._jobs: dict[str, Job] = {}
+        # Grants placement gave up (lost with their node) being stopped: their end is told to
+        # placement alone (Outcome.told).
+        self._told: set[str] = set()
 
     @property
     def hierarchy(self) -> Hierarchy | None:
@@ -138,9 +141,19 @@ class JobRunner:
         self._jobs[rec.grant_id] = job
         job.task = asyncio.create_task(self._job_life(job), name=f"job-{rec.job_id}-{rec.grant_id}")
 
-    def cancel(self, job_id: str, reason: str) -> int:
-        """Stop every grant of the job held here (queued ones never start); how many."""
-        jobs = [j for j in self._jobs.values() if j.rec.job_id == job_id]
+    def cancel(
+        self, job_id: str, reason: str, grant_id: str = "", *, given_up: bool = False
+    ) -> int:
+        """Stop every grant of the job held here, or only ``grant_id`` when given (queued ones
+        never start); how many. ``given_up``: placement ended the job already (its end is then
+        reported to placement alone)."""
+        jobs = [
+            j
+            for j in self._jobs.values()
+            if j.rec.job_id == job_id and grant_id in ("", j.rec.grant_id)
+        ]
+        if given_up:
+            self._told.update(j.rec.grant_id for j in jobs)
         for job in jobs:
             job.request_stop(StopRequest(state="cancelled", reason=reason))
         return len(jobs)
@@ -205,8 +218,11 @@ class JobRunner:
 
     async def _queued_then_run(self, job: Job) -> st.Outcome | None:
         """The outcome to report, or None when the job stays queued for the next run."""
-        mark = self._store.cancel_mark(job.rec.job_id)  # a stat, and a small read if marked
+        # A stat, and a small read if marked.
+        mark = self._store.cancel_mark(job.rec.job_id, job.rec.grant_id)
         if mark is not None:
+            if mark.given_up:
+                self._told.add(job.rec.grant_id)
             job.request_stop(StopRequest(state="cancelled", reason=mark.reason))
         if not await self._acquire_slot(job):
             request = job.stop.result()
@@ -349,8 +365,10 @@ class JobRunner:
 
     async def _adopted_life(self, job: Job, run: Path) -> None:
         try:
-            mark = self._store.cancel_mark(job.rec.job_id)
+            mark = self._store.cancel_mark(job.rec.job_id, job.rec.grant_id)
             if mark is not None:  # cancelled while the executor was down
+                if mark.given_up:
+                    self._told.add(job.rec.grant_id)
                 job.request_stop(StopRequest(state="cancelled", reason=mark.reason))
             # A slot, as when it started (not waiting on a stop: the job runs already).
             await self._slots.acquire()
@@ -389,6 +407,9 @@ class JobRunner:
         return job_limits(grant, pids_max=self._config.job_pids_max, nodes=nodes)
 
     async def _finish(self, job: Job, outcome: st.Outcome) -> None:
+        if self._told and job.rec.grant_id in self._told:
+            self._told.discard(job.rec.grant_id)
+            outcome = msgspec.structs.replace(outcome, told=True)
         await self._save(job, st.finished(job.rec, outcome))
         if self._tel.enabled:
             trace_job(self._tel, self._node_id, job, outcome)
