@@ -10,6 +10,7 @@ from typing import Any, cast
 from nats.aio.msg import Msg
 from tests.unit.placement.placement_fakes import FakeConn, FakeJetStream, cpu_node, fake_scheduler
 
+from gpulayer_placement.dead_letters import MAX_DELIVER
 from gpulayer_placement.intake import Intake
 from gpulayer_placement.loops import handle_batch
 from gpulayer_placement.wake import Wake
@@ -169,3 +170,42 @@ async def test_jobs_a_failed_batch_stored_are_announced_when_retried_one_by_one(
     await intake.ingest([again])
     assert again.acked
     assert len(js.sent) == 2
+
+
+class LastDelivery(AckedMsg):
+    """A submit JetStream delivers for the last time (MAX_DELIVER): a nak would drop it."""
+
+    nakked = False
+
+    async def nak(self, delay: float | None = None) -> None:
+        self.nakked = True
+
+    async def in_progress(self) -> None:
+        pass
+
+
+async def test_a_submit_on_its_last_delivery_waits_for_nats_to_store_its_announcement() -> None:
+    # JOB_EVENTS has no leader for a moment (a NATS server went away): the announcement
+    # can't be stored. The message is not nak'ed into oblivion: it is held and announced once
+    # NATS stores again (the fault run lost an accepted event so).
+    young = [{"job_id": "a", "age_s": 0.1}]
+    conn = OnceConn({"insert_jobs": [{"job_id": "a"}], "job_ages": young})
+    intake, wake, js = build(conn)
+    wake.capacity()
+    real = js.publish_async
+    refusals = [RuntimeError("nats: no response from stream")] * 2
+
+    async def publish_async(subject: str, payload: bytes, headers: Any = None) -> Any:
+        if refusals:
+            raise refusals.pop()
+        return await real(subject, payload, headers)
+
+    js.publish_async = publish_async  # type: ignore[method-assign]
+    reply = f"$JS.ACK.JOBS.placement-jobs.{MAX_DELIVER}.7.7.1700000000000000000.0"
+    msg = LastDelivery(cast(Any, None), subject="gpulayer.jobs.submit", reply=reply)
+    msg.data = b'{"job_id": "a", "command": ["true"]}'
+    await handle_batch(asyncio.Event(), [msg], intake.ingest, None)
+    assert refusals == []
+    assert [h["Nats-Msg-Id"] for _, _, h in js.sent] == ["a:accepted"]
+    assert msg.acked
+    assert not msg.nakked

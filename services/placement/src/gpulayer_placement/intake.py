@@ -39,7 +39,7 @@ from gpulayer_contracts.profiles import expand_profile
 from gpulayer_contracts.subjects import ANONYMOUS, JOBS_SUBMIT_ALL, owner_from_submit
 from gpulayer_placement import dependencies
 from gpulayer_placement.dead_letters import MAX_DELIVER, DeadLetters
-from gpulayer_placement.loops import consume
+from gpulayer_placement.loops import Unpublished, consume
 from gpulayer_placement.outcome import Outcome
 from gpulayer_placement.publisher import ANNOUNCE_AGAIN_WITHIN_S, Publisher
 from gpulayer_placement.scheduler import Scheduler
@@ -157,9 +157,11 @@ class Intake:
         outcome = stored.outcome
         if outcome is not None:
             published = await self.publisher.publish_outcome(outcome, before=events)
+            unavailable = self.publisher.unavailable  # read before another task publishes
             await self.scheduler.gate.send_cancels(outcome)  # preemptions it chose (queue policy)
         else:
             published = await self.publisher.publish_events(events)
+            unavailable = self.publisher.unavailable
         dead = {id(d[0]) for d in batch.dead}
         settled = [m for m in msgs if id(m) not in dead]
         if published:
@@ -171,6 +173,11 @@ class Intake:
             # Stored, not announced: the redelivery announces it (grants: the resend loop), and
             # until then this replica puts the announcement before the job's next event.
             self.publisher.owe(events)
+            if unavailable:
+                # NATS can't store them now (a stream electing a leader can take seconds):
+                # retried as for a database away, so no message runs out of deliveries (the
+                # fault run lost an accepted event so once, its message past the limit).
+                raise Unpublished(f"{len(events)} announcements not stored")
             await asyncio.gather(*(m.nak(delay=1.0) for m in settled), return_exceptions=True)
         for msg, reason, why, job_id in batch.dead:
             await self.dead.send(msg, reason, why, job_id)

@@ -60,8 +60,17 @@ async def consume(
         await handle_batch(stop, msgs, handle, dead)
 
 
+class Unpublished(Exception):
+    """What a handler had to publish could not be stored now (a stream without a leader for a
+    moment, after a NATS server went away): retried like a database that can't be reached, so
+    that no message runs out of deliveries meanwhile."""
+
+
 def transient(err: BaseException) -> bool:
-    """A database that can't be reached now, as opposed to one that refused this data."""
+    """A database or a stream that can't be reached now, as opposed to one that refused this
+    data."""
+    if isinstance(err, Unpublished):
+        return True
     return isinstance(err, DB_ERRORS) and not isinstance(err, DATA_ERRORS)
 
 
@@ -108,9 +117,10 @@ async def _retry_later(
     dead: DeadLetters | None,
     err: BaseException,
 ) -> None:
-    """The database is unreachable: nak for redelivery (the handlers are idempotent). A
-    message on its last delivery is not the one to blame: it is kept (in progress) and handled
-    here again once the database answers, never dead-lettered or left undelivered."""
+    """The database (or a stream) is unreachable: nak for redelivery (the handlers are
+    idempotent). A message on its last delivery is not the one to blame: it is kept (in
+    progress) and handled here again once the server answers, never dead-lettered or left
+    undelivered."""
     log.warning("batch of %d failed, will be redelivered: %s", len(msgs), err)
     held = [m for m in msgs if last_delivery(m)]
     for m in msgs:
