@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from gpulayer_contracts import bounds as b
+from gpulayer_contracts.bounds import jobs as bounds_jobs
 from gpulayer_contracts.codec import decode_job_json, decode_job_toml, event_decoder
 from gpulayer_contracts.events import Grant, Requeued
 from gpulayer_contracts.jobs import ArraySpec, JobRequest, Restart
@@ -193,9 +194,9 @@ def test_the_fast_check_agrees_with_the_detailed_one_on_lifecycle_fields(
 ) -> None:
     array = None if count is None else ArraySpec(count=count, index=index)
     job = make_job(job_id=job_id, retries=retries, restart=restart, array=array, after=after)
-    detailed = list(b._job_bounds(job))
+    detailed = list(bounds_jobs._job_bounds(job))
     event("within bounds" if not detailed else "out of bounds")
-    assert b._within_bounds(job) == (not detailed), detailed
+    assert bounds_jobs._within_bounds(job) == (not detailed), detailed
 
 
 def test_old_consumers_skip_a_requeued_event() -> None:
