@@ -35,8 +35,8 @@ from tests.integration.test_executor import (
 )
 
 from gpulayer_contracts.events import AnyJobEvent, CancelJob
+from gpulayer_contracts.jobenv import base_environment
 from gpulayer_executor import cgroups
-from gpulayer_executor.env import base_environment
 from gpulayer_executor.service import Executor, ExecutorConfig
 from gpulayer_runtime.nats import ensure_streams
 

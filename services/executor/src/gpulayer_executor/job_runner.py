@@ -21,17 +21,11 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from gpulayer_contracts.events import Grant
+from gpulayer_contracts.jobenv import DEFAULT_PATH, EnvRefused, grant_device_env, grant_environment
 from gpulayer_executor import state as st
 from gpulayer_executor.cgroups import Hierarchy
 from gpulayer_executor.config import ExecutorConfig
-from gpulayer_executor.env import (
-    DEFAULT_PATH,
-    EnvRefused,
-    RunAs,
-    account_env,
-    device_env,
-    job_environment,
-)
+from gpulayer_executor.env import RunAs, account_env
 from gpulayer_executor.folders import clear_scratch, prepare_job_dir, scratch_dir
 from gpulayer_executor.gang import LaunchRefused, job_argv
 from gpulayer_executor.limits import JobLimits, NvidiaNodes, job_limits
@@ -247,16 +241,16 @@ class JobRunner:
         if run_as is not None:
             base.update(account_env(run_as, cwd))
         try:
-            env = job_environment(grant, base)
+            env = grant_environment(grant, base)
         except EnvRefused as err:
             log.warning("job %s refused: %s", grant.job.job_id, err, extra=self._ctx(job.rec))
             return st.Outcome(state="failed", reason=str(err))
-        if grant.visible_env and grant.visible_env != device_env(grant):
+        if grant.visible_env and grant.visible_env != grant_device_env(grant):
             log.warning(
                 "grant %s: placement's visible_env %s differs from the rule's %s; using the rule",
                 grant.grant_id,
                 grant.visible_env,
-                device_env(grant),
+                grant_device_env(grant),
             )
         return env
 
