@@ -7,8 +7,10 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import nats.errors
+import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import FetchTimeoutError
@@ -58,6 +60,36 @@ async def consume(
             await asyncio.sleep(0.5)
             continue
         await handle_batch(stop, msgs, handle, dead)
+
+
+T = TypeVar("T")
+
+# What JetStream answers while it can't serve a request now (a server starting, a stream or
+# consumer electing a leader, a machine too busy to answer in time), as opposed to a refusal.
+NATS_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.ServiceUnavailableError,
+)
+
+
+async def until_nats_answers(
+    stop: asyncio.Event, what: str, call: Callable[[], Awaitable[T]], limit_s: float = 120.0
+) -> T:
+    """``call()`` again, with backoff, while JetStream can't answer now (logged each time),
+    for up to ``limit_s``; then its error. For start-up: a replica started beside a NATS
+    cluster still electing its leaders must wait for it, not exit."""
+    loop = asyncio.get_running_loop()
+    deadline, delay = loop.time() + limit_s, 0.25
+    while True:
+        try:
+            return await call()
+        except NATS_UNAVAILABLE as err:
+            if loop.time() + delay > deadline or stop.is_set():
+                raise
+            log.warning("%s: NATS did not answer (%r); trying again in %gs", what, err, delay)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 5.0)
 
 
 class Unpublished(Exception):
