@@ -327,13 +327,17 @@ async def telemetry_group(run: Run) -> None:
     code removed (bench/strip_telemetry.py), alternating A/B/A/B so drift hits both alike."""
     sz = run.sizes
     shape = FleetShape.of(sz.small_nodes)
-    stripped, removed = stripped_placement(run.root / "stripped")
-    pythonpath = os.pathsep.join(p for p in (str(stripped), os.environ.get("PYTHONPATH", "")) if p)
-    variants = {"telemetry_off": None, "telemetry_removed": {"PYTHONPATH": pythonpath}}
-    rates: dict[str, list[float]] = {k: [] for k in variants}
     names = [("placement_1k_telemetry_off", "jobs/s"), ("placement_1k_telemetry_removed", "jobs/s")]
 
     async def work() -> None:
+        # Inside the guard: a rewrite that fails costs this group's figures, not the whole run.
+        try:
+            stripped, removed = stripped_placement(run.root / "stripped")
+        except (SyntaxError, RuntimeError) as err:
+            raise BenchError(f"placement with telemetry removed: {err}") from err
+        path = os.pathsep.join(p for p in (str(stripped), os.environ.get("PYTHONPATH", "")) if p)
+        variants = {"telemetry_off": None, "telemetry_removed": {"PYTHONPATH": path}}
+        rates: dict[str, list[float]] = {k: [] for k in variants}
         for round_ in range(ROUNDS):
             for variant, env in variants.items():
                 async with run.scenario(f"tel{round_}{variant[10:]}", placement_env=env) as s:
