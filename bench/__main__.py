@@ -43,7 +43,7 @@ from bench.figures import capability_ingest as ingest_figure
 from bench.fleet import FleetShape, cuda_job, encoded, fleet, gpu_jobs_for, job_mix
 from bench.harness import BenchError, Scenario, load_fleet, scenario
 from bench.peers import ray_figures
-from bench.report import Figure, judge, print_summary, unavailable
+from bench.report import Figure, Report, dump, judge, print_summary, unavailable
 from bench.strip_telemetry import stripped_placement
 from gpulayer_contracts import JobRequest, WorkerCapabilities
 from gpulayer_contracts.jobs import Distributed, GpuUsage
@@ -793,6 +793,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--profile", metavar="DIR", help="attach py-spy to placement; raw stacks in DIR")
     p.add_argument(
+        "--json",
+        metavar="FILE",
+        type=Path,
+        help="also write every figure (value, unit, note, goal, met) to FILE as JSON (bench/ab.py reads it)",
+    )
+    p.add_argument(
         "--no-shim-ab",
         action="store_true",
         help="the full loop alone, without the shim on/off runs before it (2 minutes less)",
@@ -841,6 +847,8 @@ def main(argv: list[str] | None = None) -> int:
     judge_all(run)
     print(f"# total {time.perf_counter() - t0:.1f}s", flush=True)
     print_summary(run.figures, f"gpulayer bench — {header}")
+    if args.json:
+        args.json.write_bytes(dump(Report(header, run.figures)))
     return 0
 
 
