@@ -18,6 +18,7 @@ import math
 import os
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -358,7 +359,13 @@ def run_once(p: Plan, label: str, log: Path) -> tuple[dict[str, Reading], int]:
                 if _LINE.fullmatch(line.strip()) or line.startswith("# "):
                     print(f"[{label}] {line.rstrip()}", flush=True)
         except BaseException:
-            proc.kill()
+            # Ctrl-C or a kill of this one: the bench stops its servers on SIGINT; kill it only
+            # when it doesn't.
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
             raise
     text = log.read_text()
     if out.exists():
@@ -370,7 +377,7 @@ def run_once(p: Plan, label: str, log: Path) -> tuple[dict[str, Reading], int]:
 
 
 def _head_label() -> str:
-    head = _git("rev-parse", "--short=12", "HEAD")
+    head = _git("rev-parse", "--short", "HEAD")
     dirty = _git("status", "--porcelain")
     return head + ("+dirty" if dirty else "")
 
@@ -414,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     missing = [g for g in wanted if g not in plans["base"].groups]
     if missing:
         print(f"# base has no group {','.join(missing)}: those figures are head's only", flush=True)
-    base_label = base_checkout.name[:8]
+    base_label = _git("rev-parse", "--short", "HEAD", cwd=base_checkout)
     head_label = _head_label()
     logs = where / "runs" / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{base_label}"
     logs.mkdir(parents=True, exist_ok=True)
