@@ -65,3 +65,4 @@ docs: $(STAMP)  # regenerate docs/jobs.md and docs/schemas/ from the contracts
 
 clean:
 	rm -rf $(VENV) .gpulayer .pytest_cache .mypy_cache .ruff_cache
+	git worktree prune  # forget make bench-ab's base checkouts, gone with .gpulayer
