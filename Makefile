@@ -14,7 +14,7 @@ endif
 VENV := .venv
 STAMP := $(VENV)/.synced
 
-.PHONY: run test test-repeat test-unit lint fmt bench sync clean faults
+.PHONY: run test test-repeat test-unit lint fmt bench bench-ab sync clean faults
 
 $(STAMP): uv.lock pyproject.toml $(wildcard libs/*/pyproject.toml services/*/pyproject.toml)
 	$(UV_INSTALL)
@@ -64,9 +64,18 @@ fmt: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/python -m bench $(if $(FULL),--full,) $(if $(PEERS),--peers,)
 
+# A change's cost: make bench-ab BASE=<commit> [ONLY=placement1k,loop] [PAIRS=3] [FULL=1]
+# (bench/ab.py; `python -m bench.ab --help` for the rest). The base is built in a worktree of its
+# own under .gpulayer/bench-ab/ and kept; then base and head run alternating, pair by pair.
+bench-ab: $(STAMP)
+	$(if $(BASE),,$(error make bench-ab needs BASE=<commit>, e.g. make bench-ab BASE=8d73258 ONLY=placement1k,loop))
+	UV="$(UV)" PYTHON="$(PYTHON)" $(VENV)/bin/python -m bench.ab --base $(BASE) \
+		$(if $(ONLY),--only $(ONLY),) $(if $(PAIRS),--pairs $(PAIRS),) $(if $(FULL),--full,)
+
 docs: $(STAMP)  # regenerate docs/jobs.md and docs/schemas/ from the contracts
 	$(VENV)/bin/python docs/gen_reference.py
 .PHONY: docs  # docs/ is a directory: without this, make would call the target up to date
 
 clean:
 	rm -rf $(VENV) .gpulayer .pytest_cache .mypy_cache .ruff_cache
+	git worktree prune  # forget make bench-ab's base checkouts, gone with .gpulayer
