@@ -99,6 +99,21 @@ def pytest_configure(config: pytest.Config) -> None:
             continue  # not writable here: this hierarchy stays shared
 
 
+# A test using the workload venv may be the one that builds it (pip installs numpy and torch:
+# minutes on a loaded machine), or waits for another worker building it: its setup counts
+# against its timeout, so it gets this one.
+WORKLOAD_TIMEOUT_S = 900
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "workload_venv" not in getattr(item, "fixturenames", ()):
+            continue
+        marker = item.get_closest_marker("timeout")
+        if marker is None or (marker.args and marker.args[0] < WORKLOAD_TIMEOUT_S):
+            item.add_marker(pytest.mark.timeout(WORKLOAD_TIMEOUT_S), append=False)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     """Back to the cgroups the worker came from, and its own removed (with the empty
     ``gpulayer`` folders executors left in it)."""

@@ -60,7 +60,7 @@ from gpulayer_runtime.auth import AuthStore
 from gpulayer_runtime.nats import connect, ensure_streams
 from gpulayer_runtime.servers import EmbeddedNatsCluster, EmbeddedPostgres
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(290)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 NODES = {"fr-t4": "t4-2x", "fr-h100": "h100-dgx-8x"}
