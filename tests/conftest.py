@@ -114,6 +114,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.timeout(WORKLOAD_TIMEOUT_S), append=False)
 
 
+# Lines a test asks to be shown at the end of the run, passed or not (the fault run's counts):
+# ``record_property("summary_line", ...)``, which pytest-xdist carries from the worker.
+_summary_lines: list[str] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call":
+        _summary_lines.extend(str(v) for k, v in report.user_properties if k == "summary_line")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for line in _summary_lines:
+        terminalreporter.write_line(line)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     """Back to the cgroups the worker came from, and its own removed (with the empty
     ``gpulayer`` folders executors left in it)."""

@@ -214,7 +214,11 @@ def cut_off() -> Iterator[netns.NetNs | None]:
 
 
 async def test_fault_run(
-    auth_store: AuthStore, nats_creds: str | None, tmp_path: Path, cut_off: netns.NetNs | None
+    auth_store: AuthStore,
+    nats_creds: str | None,
+    tmp_path: Path,
+    cut_off: netns.NetNs | None,
+    record_property: Callable[[str, object], None],
 ) -> None:
     # Three servers, listening where the cut node reaches them (this end of its link).
     host = cut_off.host_ip if cut_off is not None else "127.0.0.1"
@@ -249,8 +253,10 @@ async def test_fault_run(
         counts = check(
             submitted, expected, events, read_markers(markers, node_of), cut, lost_on=lost_on
         )
-        line = f"fault run: {counts.line()}"
+        partition = "with" if cut_off is not None else "without"
+        line = f"fault run ({partition} the partition): {counts.line()}"
         print(line)
+        record_property("summary_line", line)  # shown at the end of `make test`
         (tmp_path / "fault-run.txt").write_text(line + "\n" + "\n".join(counts.problems) + "\n")
         assert counts.accepted == counts.submitted == len(expected), (line, counts.problems[:20])
         assert counts.ended == counts.accepted, (line, counts.problems[:20])
