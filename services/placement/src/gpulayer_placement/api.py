@@ -399,12 +399,13 @@ class Api:
         return note
 
     async def quota(self, data: bytes, caller: str = ANONYMOUS) -> Any:
-        """Admins only: ``{"op": "list"}``, ``{"op": "set", ...QuotaRequest}``,
+        """``{"op": "list"}`` for anyone (quotas and their use are what every user may see, as
+        the fleet page's owners view shows); admins only: ``{"op": "set", ...QuotaRequest}``,
         ``{"op": "delete", "owner": name}`` (owner None: the default quota)."""
-        if not self.privileged(caller):
-            log.warning("refused: %s tried to manage quotas", caller)
-            raise ApiError("only admins may see or change quotas")
         q = msgspec.json.decode(data or b"{}", type=_QuotaQuery)
+        if q.op != "list" and not self.privileged(caller):
+            log.warning("refused: %s tried to change quotas", caller)
+            raise ApiError("only admins may change quotas")
         owner = quotas.DEFAULT_OWNER if q.owner is None else q.owner
         if q.owner is not None and (not q.owner or any(c in q.owner for c in ".*> \t\x00")):
             raise ApiError(f"owner {q.owner!r} is not an identity name")
