@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import pytest
 from tests.unit.web.web_data import job, node
 
 from gpulayer_contracts.health import DeviceObservation, NodeObservations
@@ -90,7 +91,7 @@ def test_matrix_lists_each_platform_of_the_fleet_with_its_levels() -> None:
     assert [a["name"] for a in linux["accelerators"]] == ["cpu", "cuda"]
 
 
-def test_charts_draw_each_device_measure_over_the_samples() -> None:
+def test_sparklines_draw_each_device_measure_on_its_full_scale() -> None:
     start = datetime(2026, 12, 1, 10, 0, tzinfo=UTC)
     samples = [
         NodeObservations(
@@ -100,14 +101,22 @@ def test_charts_draw_each_device_measure_over_the_samples() -> None:
         )
         for i in range(5)
     ]
-    charts = {c["label"]: c for c in views.charts(samples)}
-    assert set(charts) == {"utilization %", "temperature °C"}
-    util = charts["utilization %"]
-    assert (util["last"], util["max"], util["n"]) == (40, 40, 5)
-    xs = [float(p.split(",")[0]) for p in util["points"].split()]
-    assert xs[0] == 0
-    assert xs[-1] == util["width"]
-    assert views.charts([]) == []
+    lines = views.sparklines(samples, {0: 81559})
+    assert list(lines) == [0]
+    by_label = {c["label"]: c for c in lines[0]}
+    assert set(by_label) == {"utilization", "temperature"}  # no memory samples: no line
+    util = by_label["utilization"]
+    assert util["last"] == "40%"
+    points = [tuple(map(float, p.split(","))) for p in util["points"].split()]
+    assert len(points) == 5
+    assert points[0][0] == 0
+    assert points[-1][0] == util["width"]
+    # Full scale is 100 %: 40 % is 40 % of the way up, not the top.
+    top, bottom = 1, util["height"] - 1
+    assert points[-1][1] == pytest.approx(bottom - 0.4 * (bottom - top))
+    assert points[0][1] == bottom
+    assert by_label["temperature"]["last"] == "44 °C"
+    assert views.sparklines([]) == {}
 
 
 def test_jobs_waiting_come_first_and_filter() -> None:
@@ -118,6 +127,7 @@ def test_jobs_waiting_come_first_and_filter() -> None:
     rows = views.job_rows(jobs)
     assert [r["job_id"] for r in rows] == ["wait", "done"]
     assert rows[1]["devices"] == "0,1"
+    assert views.job_row(job("n", name="<b>train</b>"))["name"] == "<b>train</b>"
     assert [r["job_id"] for r in views.job_rows(jobs, owner="bob")] == ["wait"]
     assert [r["job_id"] for r in views.job_rows(jobs, node="gpu-01")] == ["done"]
     assert views.job_rows(jobs, state="running") == []

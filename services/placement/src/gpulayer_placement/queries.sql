@@ -212,7 +212,9 @@ FROM jobs WHERE job_id = $1;
 
 -- name: list_jobs
 SELECT job_id, state, submitted_at, updated_at, node_id, accelerator, devices, exit_code, reason,
-       owner, kind, array_id, requeues, priority, is_gang
+       owner, kind, array_id, requeues, priority, is_gang,
+       -- The job's own name (the fleet page lists it); NULL for a request that is no object.
+       request->>'name' AS name
 FROM jobs
 -- A distributed job's ranks are shown under it (gpulayer job), not as jobs of their own.
 WHERE ($1::text IS NULL OR state = $1) AND gang_id IS NULL

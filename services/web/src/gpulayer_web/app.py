@@ -105,7 +105,7 @@ class Pages:
             node=views.fleet_row(node),
             devices=views.device_rows(node),
             apis=views.api_rows(node),
-            charts=views.charts(self.cache.observations(node_id)),
+            charts=views.sparklines(self.cache.observations(node_id), _memory(node)),
             jobs=jobs,
             notes=(node.get("capabilities") or {}).get("notes") or [],
         )
@@ -156,6 +156,11 @@ class Pages:
             owners=views.owners(snap.jobs, snap.quotas),
             quotas_shown=snap.quotas is not None,
         )
+
+
+def _memory(node: dict[str, Any]) -> dict[int, int]:
+    devices = (node.get("capabilities") or {}).get("accelerators") or []
+    return {int(d["index"]): int(d["memory_mib"]) for d in devices if d.get("memory_mib")}
 
 
 def _pager(q: Any, keys: tuple[str, ...]) -> str:

@@ -213,23 +213,27 @@ def api_rows(node: dict[str, Any]) -> list[dict[str, str]]:
     ]
 
 
-_SERIES = (("utilization_pct", "utilization %"), ("memory_used_mib", "memory used MiB"),
-           ("temperature_c", "temperature °C"))  # fmt: skip
+# Each measure the node page draws per device, and its full scale: utilization in percent,
+# memory used against the device's memory, temperature up to 100 °C (or the hottest sample).
+_SERIES = (("utilization_pct", "utilization", "%"), ("memory_used_mib", "memory used", " MiB"),
+           ("temperature_c", "temperature", " °C"))  # fmt: skip
 
 
-def charts(
-    samples: list[NodeObservations], width: int = 240, height: int = 48
-) -> list[dict[str, Any]]:
-    """Per device and measure, an SVG polyline of the samples kept (oldest left), its last
-    value and its maximum."""
+def sparklines(
+    samples: list[NodeObservations],
+    memory_mib: dict[int, int] | None = None,
+    width: int = 120,
+    height: int = 24,
+) -> dict[int, list[dict[str, Any]]]:
+    """Per device, one small SVG line per measure over the samples kept (oldest left, full
+    scale at the top), with its last value."""
     if not samples:
-        return []
+        return {}
     start = samples[0].observed_at.timestamp()
     span = max(samples[-1].observed_at.timestamp() - start, 1.0)
-    indices = sorted({d.index for s in samples for d in s.devices})
-    out = []
-    for index in indices:
-        for field, label in _SERIES:
+    out: dict[int, list[dict[str, Any]]] = {}
+    for index in sorted({d.index for s in samples for d in s.devices}):
+        for field, label, unit in _SERIES:
             points = [
                 (s.observed_at.timestamp(), getattr(d, field))
                 for s in samples
@@ -238,14 +242,17 @@ def charts(
             ]
             if not points:
                 continue
-            top = max(max(v for _, v in points), 1)
-            poly = " ".join(
-                f"{(t - start) / span * width:.1f},{height - v / top * (height - 2) - 1:.1f}"
+            top = {"utilization_pct": 100, "temperature_c": 100}.get(field)
+            if field == "memory_used_mib":
+                top = (memory_mib or {}).get(index)
+            top = max(top or 1, *(v for _, v in points))
+            line = " ".join(
+                f"{(t - start) / span * width:.1f},{height - 1 - v / top * (height - 2):.1f}"
                 for t, v in points
             )
-            out.append(
-                {"index": index, "label": label, "points": poly, "last": points[-1][1],
-                 "max": top, "width": width, "height": height, "n": len(points)}
+            out.setdefault(index, []).append(
+                {"label": label, "points": line, "last": f"{points[-1][1]:g}{unit}",
+                 "width": width, "height": height}
             )  # fmt: skip
     return out
 
@@ -261,6 +268,7 @@ def job_row(job: dict[str, Any], now: datetime | None = None) -> dict[str, Any]:
         "age": ago(job.get("submitted_at"), now),
         "reason": str(job.get("reason") or ""),
         "kind": str(job.get("kind") or "job"),
+        "name": str(job.get("name") or (job.get("request") or {}).get("name") or ""),
     }
 
 
