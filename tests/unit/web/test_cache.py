@@ -33,6 +33,8 @@ class FakePlacement:
             await self.gate.wait()
         if self.down:
             raise RuntimeError("no placement answered")
+        if body.get("offset"):  # one page of each list
+            return []
         if subject == API_NODES:
             self.polls.put_nowait(None)
             return [node()]
@@ -131,7 +133,7 @@ async def test_run_polls_once_per_interval_and_wakes_early_on_events() -> None:
     assert placement.polls.empty()
     cache.wake()  # a job event: refresh now, not in 30 s
     await asyncio.wait_for(placement.polls.get(), 5)
-    assert placement.asked.count(API_NODES) == 2
+    assert placement.polls.empty()  # one refresh, not one per page
     stop.set()
     await asyncio.wait_for(task, 5)
 
@@ -152,3 +154,55 @@ def test_observations_keep_the_last_minutes(keep_s: float) -> None:
     assert (kept[-1].observed_at - kept[0].observed_at).total_seconds() <= keep_s
     assert len(kept) == 7
     assert cache.observations("other") == []
+
+
+class PagingPlacement:
+    """Placement with ``n`` nodes and jobs, paging like the real one; ``cut`` replies hold at
+    most that many items (the API's size bound), ``pages`` False answers every request with
+    the whole list (a placement from before paging)."""
+
+    def __init__(self, n: int, cut: int = 10_000, pages: bool = True) -> None:
+        self.nodes = [node(f"n{i:04d}") for i in range(n)]
+        self.jobs = [job(f"j{i:05d}", "succeeded") for i in range(n)]
+        self.cut, self.pages, self.asked = cut, pages, 0
+
+    async def ask(self, subject: str, body: dict[str, Any]) -> Any:
+        self.asked += 1
+        if subject == API_QUOTA:
+            return []
+        items = self.nodes if subject == API_NODES else self.jobs
+        if subject == API_JOBS and body.get("state") == "pending":
+            items = []
+        if not self.pages:
+            return items[: self.cut]
+        start = body.get("offset", 0)
+        return items[start : start + min(body.get("limit", len(items)), self.cut)]
+
+    async def history(self, job_id: str, owner: str) -> list[dict[str, Any]]:
+        return []
+
+
+async def test_a_large_fleet_is_read_page_by_page() -> None:
+    placement = PagingPlacement(1_050, cut=70)  # every reply cut short of the page asked
+    cache = FleetCache(placement.ask, placement.history, jobs_limit=10_000)
+    await cache.refresh()
+    assert [n["node_id"] for n in cache.snapshot.nodes] == [f"n{i:04d}" for i in range(1_050)]
+    assert len(cache.snapshot.jobs) == 1_050
+    assert len({j["job_id"] for j in cache.snapshot.jobs}) == 1_050
+
+
+async def test_the_jobs_kept_stop_at_the_limit() -> None:
+    placement = PagingPlacement(3_000)
+    cache = FleetCache(placement.ask, placement.history, jobs_limit=1_500)
+    await cache.refresh()
+    assert len(cache.snapshot.jobs) == 1_500
+
+
+async def test_a_placement_that_does_not_page_is_read_once() -> None:
+    placement = PagingPlacement(300, pages=False)
+    cache = FleetCache(placement.ask, placement.history)
+    await cache.refresh()
+    assert len(cache.snapshot.nodes) == 300
+    # Nodes, recent jobs, waiting jobs: each list asked twice (the second answer has nothing
+    # new), quotas once.
+    assert placement.asked <= 7

@@ -37,7 +37,7 @@ def test_fleet_rows_filter_by_platform_api_and_state() -> None:
     assert [r["node_id"] for r in views.fleet_rows(nodes, api="cuda")] == ["gpu-01", "gpu-02"]
     assert [r["node_id"] for r in views.fleet_rows(nodes, state="offline")] == ["gpu-02"]
     assert views.fleet_rows(nodes, platform="nope") == []
-    assert views.fleet_filters(nodes) == {
+    assert views.fleet_filters([views.fleet_row(n) for n in nodes]) == {
         "platform": ["darwin-arm64", "linux-x86_64"],
         "api": ["cuda", "metal", "vulkan"],
         "state": ["offline", "online"],

@@ -65,6 +65,15 @@ class _JobQuery(msgspec.Struct, frozen=True):
 class _JobsQuery(msgspec.Struct, frozen=True):
     state: str | None = None
     limit: int = 100
+    offset: int = 0  # pages: the fleet page reads more jobs than fit in one reply
+
+
+class _NodesQuery(msgspec.Struct, frozen=True):
+    """A page of the node list (all of it by default); a reply holds ~1 MB, so a fleet of
+    thousands is read page by page."""
+
+    offset: int = 0
+    limit: int | None = None
 
 
 class _QuotaQuery(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -203,8 +212,11 @@ class Api:
         return encode({"ok": False, "error": f"the reply ({len(data)} bytes) is too large"})
 
     async def nodes(self, data: bytes, caller: str = ANONYMOUS) -> Any:
+        q = msgspec.json.decode(data or b"{}", type=_NodesQuery)
         async with self.pool.acquire() as conn:
             rows = await Store.fetch(conn, "list_nodes")
+        start = max(q.offset, 0)
+        rows = rows[start : None if q.limit is None else start + max(q.limit, 1)]
         out = []
         for r in rows:
             caps = capabilities_decoder.decode(r["capabilities"])
@@ -228,7 +240,9 @@ class Api:
     async def jobs(self, data: bytes, caller: str = ANONYMOUS) -> Any:
         q = msgspec.json.decode(data or b"{}", type=_JobsQuery)
         async with self.pool.acquire() as conn:
-            rows = await Store.fetch(conn, "list_jobs", q.state, min(max(q.limit, 1), 10_000))
+            rows = await Store.fetch(
+                conn, "list_jobs", q.state, min(max(q.limit, 1), 10_000), max(q.offset, 0)
+            )
         out = [{k: _iso(v) for k, v in dict(r).items()} for r in rows]
         for job in out:  # fair share: the owner's recent GPU-seconds, lowest goes first
             job["owner_usage_gpu_s"] = round(self.policy.usage(job.get("owner") or ANONYMOUS), 1)

@@ -219,7 +219,7 @@ FROM jobs
 -- A distributed job's ranks are shown under it (gpulayer job), not as jobs of their own.
 WHERE ($1::text IS NULL OR state = $1) AND gang_id IS NULL
 ORDER BY submitted_at DESC, job_id
-LIMIT $2;
+LIMIT $2 OFFSET $3;
 
 -- name: list_nodes
 SELECT node_id, capabilities::text AS capabilities, online, last_seen, first_seen,

@@ -73,7 +73,10 @@ class Pages:
     async def fleet(self, request: Request) -> Response:
         q = request.query_params
         nodes = self.cache.snapshot.nodes
-        rows = views.fleet_rows(nodes, q.get("platform", ""), q.get("api", ""), q.get("state", ""))
+        every = [views.fleet_row(n) for n in nodes]
+        rows = views.filter_fleet(
+            every, q.get("platform", ""), q.get("api", ""), q.get("state", "")
+        )
         shown, page, pages = views.page_of(rows, _int(q.get("page")))
         return self.render(
             request,
@@ -85,7 +88,7 @@ class Pages:
             pages=pages,
             query={k: q.get(k, "") for k in ("platform", "api", "state")},
             pager_query=_pager(q, ("platform", "api", "state")),
-            filters=views.fleet_filters(nodes),
+            filters=views.fleet_filters(every),
             matrix=views.matrix(nodes),
         )
 
@@ -113,8 +116,9 @@ class Pages:
     async def jobs(self, request: Request) -> Response:
         q = request.query_params
         query = {k: q.get(k, "") for k in ("state", "owner", "node")}
-        rows = views.job_rows(self.cache.snapshot.jobs, **query)
-        shown, page, pages = views.page_of(rows, _int(q.get("page")))
+        rows = views.select_jobs(self.cache.snapshot.jobs, **query)
+        picked, page, pages = views.page_of(rows, _int(q.get("page")))
+        shown = [views.job_row(j) for j in picked]
         states = sorted({str(j.get("state")) for j in self.cache.snapshot.jobs})
         return self.render(
             request,

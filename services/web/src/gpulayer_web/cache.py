@@ -20,6 +20,10 @@ from gpulayer_contracts.subjects import API_EXPLAIN, API_JOB, API_JOBS, API_NODE
 
 log = logging.getLogger(__name__)
 
+# Items asked per request: a node's capabilities are a few kB, a job's row a few hundred bytes.
+NODES_PAGE = 100
+JOBS_PAGE = 1000
+
 # (API subject, request body) -> the reply's data; raises on no answer or a refusal.
 Ask = Callable[[str, dict[str, Any]], Awaitable[Any]]
 # (job id, owner) -> the job's stored events as plain dicts (``type``, ``at``, ...).
@@ -105,9 +109,9 @@ class FleetCache:
         placement doesn't answer, saying why."""
         snap = self.snapshot
         try:
-            nodes = await self._ask(API_NODES, {})
-            recent = await self._ask(API_JOBS, {"limit": self.jobs_limit})
-            waiting = await self._ask(API_JOBS, {"state": "pending", "limit": self.jobs_limit})
+            nodes = await self._pages(API_NODES, {}, NODES_PAGE, None)
+            recent = await self._pages(API_JOBS, {}, JOBS_PAGE, self.jobs_limit)
+            waiting = await self._pages(API_JOBS, {"state": "pending"}, JOBS_PAGE, self.jobs_limit)
             try:
                 quotas = await self._ask(API_QUOTA, {"op": "list"})
             except Exception as err:  # an older placement refuses non-admins: no quotas shown
@@ -124,6 +128,28 @@ class FleetCache:
         snap.at, snap.error = datetime.now(UTC), None
         snap.version += 1
         self._fresh.set()
+
+    async def _pages(
+        self, subject: str, body: dict[str, Any], page: int, most: int | None
+    ) -> list[dict[str, Any]]:
+        """Every item, a page per request: one reply holds ~1 MB, and placement cuts a longer
+        list, so a page may come back shorter than asked and only an empty one ends the list.
+        Items seen already are skipped (new jobs shift the pages between two requests); a page
+        of nothing new ends it too (a placement that pages nothing answers the same list)."""
+        key = "node_id" if subject == API_NODES else "job_id"
+        items: list[dict[str, Any]] = []
+        seen: set[Any] = set()
+        offset = 0
+        while most is None or len(items) < most:
+            size = page if most is None else min(page, most - len(items))
+            got = await self._ask(subject, {**body, "offset": offset, "limit": size})
+            fresh = [i for i in got or [] if i.get(key) not in seen]
+            if not fresh:
+                break
+            offset += len(got)
+            seen.update(i.get(key) for i in fresh)
+            items.extend(fresh)
+        return items[:most]
 
     def wake(self) -> None:
         """Something changed (a job event): refresh soon rather than at the next interval."""

@@ -111,9 +111,8 @@ def fleet_row(node: dict[str, Any], now: datetime | None = None) -> dict[str, An
     }
 
 
-def fleet_filters(nodes: list[dict[str, Any]]) -> dict[str, list[str]]:
-    """The values each filter offers: those present in the fleet."""
-    rows = [fleet_row(n) for n in nodes]
+def fleet_filters(rows: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """The values each filter offers, from the fleet rows: those present in the fleet."""
     apis = {a for r in rows for a in (*r["host_apis"], *r["container_apis"])}
     return {
         "platform": sorted({r["platform"] for r in rows}),
@@ -122,10 +121,9 @@ def fleet_filters(nodes: list[dict[str, Any]]) -> dict[str, list[str]]:
     }
 
 
-def fleet_rows(
-    nodes: list[dict[str, Any]], platform: str = "", api: str = "", state: str = ""
+def filter_fleet(
+    rows: list[dict[str, Any]], platform: str = "", api: str = "", state: str = ""
 ) -> list[dict[str, Any]]:
-    rows = [fleet_row(n) for n in nodes]
     return [
         r
         for r in rows
@@ -133,6 +131,12 @@ def fleet_rows(
         and (not api or api in r["host_apis"] or api in r["container_apis"])
         and (not state or r["state"] == state)
     ]
+
+
+def fleet_rows(
+    nodes: list[dict[str, Any]], platform: str = "", api: str = "", state: str = ""
+) -> list[dict[str, Any]]:
+    return filter_fleet([fleet_row(n) for n in nodes], platform, api, state)
 
 
 def matrix(nodes: list[dict[str, Any]]) -> dict[str, Any]:
@@ -290,15 +294,22 @@ def job_rows(
     jobs: list[dict[str, Any]], state: str = "", owner: str = "", node: str = ""
 ) -> list[dict[str, Any]]:
     """Waiting jobs first (the queue), then the others, newest first within each."""
-    rows = [
-        job_row(j)
+    return [job_row(j) for j in select_jobs(jobs, state, owner, node)]
+
+
+def select_jobs(
+    jobs: list[dict[str, Any]], state: str = "", owner: str = "", node: str = ""
+) -> list[dict[str, Any]]:
+    """The jobs ``job_rows`` shows, in its order, as they came (rows made only for one page)."""
+    picked = [
+        j
         for j in jobs
         if (not state or j.get("state") == state)
         and (not owner or (j.get("owner") or "anonymous") == owner)
         and (not node or j.get("node_id") == node)
     ]
-    return [r for r in rows if r["state"] == "pending"] + [
-        r for r in rows if r["state"] != "pending"
+    return [j for j in picked if j.get("state") == "pending"] + [
+        j for j in picked if j.get("state") != "pending"
     ]
 
 
