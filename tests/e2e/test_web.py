@@ -221,8 +221,14 @@ async def test_the_fleet_page_through_the_whole_stack(
         assert step in timeline
     await _shot(page, "job")
 
+    # Owners: a quota an admin sets shows, listed to the viewer by placement's API.
+    code, _, err = await gpulayer("quota", "set", "admin", "--gpus", "cuda=16", "--jobs", "100",
+                                  env=stack)  # fmt: skip
+    assert code == 0, err
     await page.goto(f"{url}/owners")
-    assert "admin" in await page.locator("#owners").inner_text()
+    admin = page.locator("#owners tr", has_text="admin")
+    await admin.locator("td", has_text="/100").wait_for(timeout=30_000)
+    assert "/16" in await admin.inner_text()
     await _shot(page, "owners")
     for path in ("/", f"/nodes/{NODE}", "/jobs", "/jobs/web-ok", "/jobs/web-wait", "/owners"):
         await page.goto(url + path)

@@ -20,6 +20,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from tests.conftest import SecureNats
 
 from gpulayer_contracts.subjects import (
+    JOB_WILDCARD_EVENTS,
     MAX_DELIVERIES_ADVISORY,
     MSG_ID_HEADER,
     jobs_submit,
@@ -347,10 +348,20 @@ async def test_viewer_reads_but_cannot_submit_cancel_or_publish(
             ),
         )
         assert (await sub.next_msg(timeout=5)).data == b'{"type": "accepted"}'
+        # Every job's new events at once (the page refreshes on them): a wildcard filter.
+        every = web.nc.new_inbox()
+        woken = await web.nc.subscribe(every)
+        await js.add_consumer(
+            "JOB_EVENTS",
+            ConsumerConfig(name="wake", filter_subject=JOB_WILDCARD_EVENTS, deliver_subject=every,
+                           deliver_policy=DeliverPolicy.NEW),
+        )  # fmt: skip
+        await js_admin.publish("gpulayer.job.carol.j9.events", b'{"type": "placed"}')
+        assert (await woken.next_msg(timeout=5)).subject == "gpulayer.job.carol.j9.events"
         assert web.nc.is_connected
     for stream in ("JOBS", "GRANTS", "STATUS", "CONTROL"):
         assert (await js_admin.stream_info(stream)).state.messages == 0, stream
-    assert (await js_admin.stream_info("JOB_EVENTS")).state.messages == 1
+    assert (await js_admin.stream_info("JOB_EVENTS")).state.messages == 2
     assert (await js_admin.stream_info("LOGS")).state.consumer_count == 0
 
 

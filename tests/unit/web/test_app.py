@@ -84,13 +84,27 @@ def test_jobs_pages(client: TestClient) -> None:
     page = client.get("/jobs/w1")
     assert page.status_code == 200
     assert EVIL not in page.text
-    assert page.text.count("&lt;script&gt;alert(1)&lt;/script&gt;") == 3  # name, command, reason
+    # Its name and command; its reason gives way to the explanation (not HTML here).
+    assert page.text.count("&lt;script&gt;alert(1)&lt;/script&gt;") == 2
     assert "1 has no cuda device" in page.text
     assert "Why it waits" in page.text
     assert "HF_TOKEN" in page.text
     missing = client.get("/jobs/nope")
     assert missing.status_code == 404
     assert "no job" in missing.text
+
+
+def test_a_distributed_jobs_ranks() -> None:
+    ranks = [
+        {"rank": r, "job_id": f"g-rank{r}", "node_id": f"n{r}", "devices": [0, 1],
+         "state": "running", "exit_code": None, "reason": None}
+        for r in range(2)
+    ]  # fmt: skip
+    client = make_client([], [job("g", "running", ranks=ranks, node_id="n0")])
+    r = client.get("/jobs/g")
+    assert 'id="ranks"' in r.text
+    assert "g-rank1" in r.text
+    assert "Why it waits" not in r.text
 
 
 def test_owners_page(client: TestClient) -> None:

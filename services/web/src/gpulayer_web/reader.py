@@ -22,12 +22,32 @@ from gpulayer_contracts.subjects import (
     JOB_WILDCARD_EVENTS,
     NODE_WILDCARD_OBSERVATIONS,
     api_subject,
+    node_observations,
 )
 from gpulayer_web.cache import FleetCache
 
 log = logging.getLogger(__name__)
 
 _observations = msgspec.json.Decoder(NodeObservations)
+
+
+def take_observation(cache: FleetCache, subject: str, data: bytes) -> bool:
+    """Keep one node's observations; a report that doesn't decode, or names another node than
+    the subject it came on, is logged and skipped (one bad report never stops the feed)."""
+    try:
+        obs = _observations.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as err:
+        log.warning("observation on %s not read: %s", subject, err)
+        return False
+    try:
+        expected = node_observations(obs.node_id)
+    except ValueError:  # a node id no subject could carry
+        expected = None
+    if subject != expected:
+        log.warning("observation on %s names node %r: skipped", subject, obs.node_id[:64])
+        return False
+    cache.observe(obs)
+    return True
 
 
 class ApiError(RuntimeError):
@@ -65,11 +85,7 @@ class NatsReader:
             cache.wake()
 
         async def on_observation(msg: Any) -> None:
-            try:
-                cache.observe(_observations.decode(msg.data))
-            except (msgspec.ValidationError, msgspec.DecodeError) as err:
-                # One bad report never stops the feed; its node's chart skips it.
-                log.warning("observation on %s not read: %s", msg.subject, err)
+            take_observation(cache, msg.subject, msg.data)
 
         sub, _ = await read_subject(
             self.nc, "JOB_EVENTS", JOB_WILDCARD_EVENTS, on_event, DeliverPolicy.NEW
