@@ -235,3 +235,56 @@ async def test_the_fleet_page_through_the_whole_stack(
         await _no_secret(page)
     assert await page.evaluate("window.__pwned === undefined")
     assert dialogs == []
+
+
+async def test_the_page_serves_before_placement_and_refuses_other_roles(
+    nats_url: str, nc: Client, tmp_path: Path
+) -> None:
+    """Started before placement (as `gpulayer dev up` may start it), the page answers and says
+    placement is silent; once the streams exist its live feed starts. A credential of any
+    role but viewer stops it at start (exit 2, naming the setting)."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULAYER_")}
+    env.update(GPULAYER_NATS_URL=nats_url, GPULAYER_WEB_PORT=str(port))
+    viewer = role_creds("viewer", "web")
+    if viewer is not None:
+        env["GPULAYER_NATS_CREDS"] = viewer
+    log = tmp_path / "web.log"
+    async with Services() as services:
+        await services.start("gpulayer-web", env, log)
+        await _listening(port, services.procs["gpulayer-web"], log)
+        page = await _http_get(port, "/")
+        assert "200 OK" in page.split("\r\n", 1)[0]
+        assert "placement did not answer" in page or "updated never" in page
+        await ensure_streams(nc.jetstream())
+        await asyncio.wait_for(_logged(log, "live feed on"), 30)
+    assert services.procs["gpulayer-web"].returncode == 0, _tail(log)
+    admin = role_creds("admin", "admin")
+    if admin is None:
+        return
+    bad = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gpulayer_web", env=dict(env, GPULAYER_NATS_CREDS=admin),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(bad.communicate(), 30)
+    assert bad.returncode == 2, out
+    assert b"GPULAYER_NATS_CREDS" in out
+    assert b"its role is admin" in out
+
+
+async def _http_get(port: int, path: str) -> str:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
+    await writer.drain()
+    body = await reader.read()
+    writer.close()
+    await writer.wait_closed()
+    return body.decode()
+
+
+async def _logged(log: Path, text: str) -> None:
+    """Until ``text`` is in the log (the service's own account of what it did)."""
+    while True:
+        if text in _whole(log):
+            return
+        await asyncio.sleep(0.1)

@@ -187,6 +187,8 @@ def _viewer(name: str) -> Permissions:
     return Permissions(
         publish=(
             *(f"{PREFIX}.api.{verb}.{name}" for verb in VIEWER_VERBS),
+            # Whether placement declared the stream yet (it starts before placement may).
+            f"{_JS}.STREAM.INFO.JOB_EVENTS",
             # Any job's events (its timeline, and the live page): a named consumer whose filter
             # (in the subject) is some job's events, never its logs.
             f"{_JS}.CONSUMER.CREATE.JOB_EVENTS.*.{PREFIX}.job.*.*.events",

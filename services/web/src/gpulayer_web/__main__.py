@@ -21,10 +21,11 @@ from collections.abc import Iterator, Mapping
 
 import msgspec
 import uvicorn
+from nats.aio.client import Client
 
 from gpulayer_contracts.subjects import ANONYMOUS
 from gpulayer_runtime.auth import identity_of
-from gpulayer_runtime.nats import connect
+from gpulayer_runtime.nats import connect, wait_for_streams
 from gpulayer_runtime.settings import (
     ConfigError,
     NatsSettings,
@@ -92,8 +93,8 @@ def caller_of(nats: NatsSettings) -> str:
     if identity is None or identity[0] != "viewer":
         role = identity[0] if identity else "unknown"
         raise ConfigError(
-            f"GPULAYER_NATS_CREDS={nats.creds}: a {role} credential; the web service takes only a "
-            "read-only viewer's (`gpulayer auth add-viewer NAME`)"
+            f"GPULAYER_NATS_CREDS={nats.creds}: its role is {role}; the web service takes only a "
+            "read-only viewer's credential (`gpulayer auth add-viewer NAME`)"
         )
     return identity[1]
 
@@ -104,6 +105,17 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+async def _feed(nc: Client, reader: NatsReader, cache: FleetCache) -> None:
+    """Job events (to refresh early) and observations, once placement declared the streams (a
+    viewer may not); the pages are served, and refreshed each interval, meanwhile."""
+    await wait_for_streams(nc.jetstream(), ["JOB_EVENTS"])
+    try:
+        await reader.feed(cache)
+        log.info("live feed on: every job's events, the nodes' observations")
+    except Exception as err:  # the pages still refresh each interval without it
+        log.error("no live feed (job events, observations): %r", err)
 
 
 async def _amain() -> None:
@@ -127,14 +139,15 @@ async def _amain() -> None:
     )
     server = _Server(config)
     try:
-        await reader.feed(cache)
         cached = asyncio.create_task(cache.run(stop), name="cache")
+        fed = asyncio.create_task(_feed(nc, reader, cache), name="feed")
         http = asyncio.create_task(server.serve(), name="http")
         stopped = asyncio.create_task(stop.wait(), name="stop")
         await asyncio.wait([http, stopped], return_when=asyncio.FIRST_COMPLETED)
         stop.set()
         server.should_exit = True
-        await asyncio.gather(cached, http, stopped, return_exceptions=True)
+        fed.cancel()
+        await asyncio.gather(cached, http, stopped, fed, return_exceptions=True)
     finally:
         await reader.close()
         await nc.drain()
