@@ -14,7 +14,7 @@ endif
 VENV := .venv
 STAMP := $(VENV)/.synced
 
-.PHONY: run test test-unit lint fmt bench sync clean faults
+.PHONY: run test test-repeat test-unit lint fmt bench bench-ab sync clean faults
 
 $(STAMP): uv.lock pyproject.toml $(wildcard libs/*/pyproject.toml services/*/pyproject.toml)
 	$(UV_INSTALL)
@@ -26,13 +26,26 @@ sync: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/gpulayer dev up
 
-# The whole suite but the fault run (its 70-115 s took the suite past its 10-minute aim once
-# the distributed e2e tests came in): `make faults` runs it.
+# The whole suite, the fault run included, in parallel (pytest-xdist): its tests mostly wait
+# on servers and processes, so TEST_WORKERS runs beat the cores. Each test's servers, ports and
+# folders are its own; each run's folders are under a temporary root of its own (removed when
+# the run passes, kept and named when it fails), so two runs at once never clean each other's.
+TEST_WORKERS ?= 4
 test: $(STAMP)
-	$(VENV)/bin/pytest -q --deselect tests/faults/test_fault_run.py::test_fault_run $(PYTEST_ARGS)
+	@tmp=$$(mktemp -d "$${TMPDIR:-/tmp}/gpulayer-test.XXXXXX"); \
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadscope --basetemp="$$tmp/t" \
+		$(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 0 ]; then rm -rf "$$tmp"; else echo "the failed run's folders: $$tmp"; fi; \
+	exit $$rc
 
-# The fault run alone, its counts shown: NATS, placement, an executor killed with -9 and
-# PostgreSQL restarted under steady submits (tests/faults).
+# `make test-repeat N=5`: the suite N times on a fresh clone of HEAD (what is committed), each
+# run's time and failures by test name, then how many were green: the flake hunt.
+N ?= 5
+test-repeat:
+	bash tests/repeat.sh $(N)
+
+# The fault run alone, its counts shown: NATS, placement, an executor killed with -9,
+# PostgreSQL restarted and a node cut off the network under steady submits (tests/faults).
 faults: $(STAMP)
 	$(VENV)/bin/pytest -q -s tests/faults/test_fault_run.py $(PYTEST_ARGS)
 
@@ -51,9 +64,18 @@ fmt: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/python -m bench $(if $(FULL),--full,) $(if $(PEERS),--peers,)
 
+# A change's cost: make bench-ab BASE=<commit> [ONLY=placement1k,loop] [PAIRS=3] [FULL=1]
+# (bench/ab.py; `python -m bench.ab --help` for the rest). The base is built in a worktree of its
+# own under .gpulayer/bench-ab/ and kept; then base and head run alternating, pair by pair.
+bench-ab: $(STAMP)
+	$(if $(BASE),,$(error make bench-ab needs BASE=<commit>, e.g. make bench-ab BASE=8d73258 ONLY=placement1k,loop))
+	UV="$(UV)" PYTHON="$(PYTHON)" $(VENV)/bin/python -m bench.ab --base $(BASE) \
+		$(if $(ONLY),--only $(ONLY),) $(if $(PAIRS),--pairs $(PAIRS),) $(if $(FULL),--full,)
+
 docs: $(STAMP)  # regenerate docs/jobs.md and docs/schemas/ from the contracts
 	$(VENV)/bin/python docs/gen_reference.py
 .PHONY: docs  # docs/ is a directory: without this, make would call the target up to date
 
 clean:
 	rm -rf $(VENV) .gpulayer .pytest_cache .mypy_cache .ruff_cache
+	git worktree prune  # forget make bench-ab's base checkouts, gone with .gpulayer

@@ -43,7 +43,7 @@ from bench.figures import capability_ingest as ingest_figure
 from bench.fleet import FleetShape, cuda_job, encoded, fleet, gpu_jobs_for, job_mix
 from bench.harness import BenchError, Scenario, load_fleet, scenario
 from bench.peers import ray_figures
-from bench.report import Figure, judge, print_summary, unavailable
+from bench.report import Figure, Report, dump, judge, print_summary, unavailable
 from bench.strip_telemetry import stripped_placement
 from gpulayer_contracts import JobRequest, WorkerCapabilities
 from gpulayer_contracts.jobs import Distributed, GpuUsage
@@ -329,13 +329,17 @@ async def telemetry_group(run: Run) -> None:
     code removed (bench/strip_telemetry.py), alternating A/B/A/B so drift hits both alike."""
     sz = run.sizes
     shape = FleetShape.of(sz.small_nodes)
-    stripped, removed = stripped_placement(run.root / "stripped")
-    pythonpath = os.pathsep.join(p for p in (str(stripped), os.environ.get("PYTHONPATH", "")) if p)
-    variants = {"telemetry_off": None, "telemetry_removed": {"PYTHONPATH": pythonpath}}
-    rates: dict[str, list[float]] = {k: [] for k in variants}
     names = [("placement_1k_telemetry_off", "jobs/s"), ("placement_1k_telemetry_removed", "jobs/s")]
 
     async def work() -> None:
+        # Inside the guard: a rewrite that fails costs this group's figures, not the whole run.
+        try:
+            stripped, removed = stripped_placement(run.root / "stripped")
+        except (SyntaxError, RuntimeError) as err:
+            raise BenchError(f"placement with telemetry removed: {err}") from err
+        path = os.pathsep.join(p for p in (str(stripped), os.environ.get("PYTHONPATH", "")) if p)
+        variants = {"telemetry_off": None, "telemetry_removed": {"PYTHONPATH": path}}
+        rates: dict[str, list[float]] = {k: [] for k in variants}
         for round_ in range(ROUNDS):
             for variant, env in variants.items():
                 async with run.scenario(f"tel{round_}{variant[10:]}", placement_env=env) as s:
@@ -805,6 +809,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--profile", metavar="DIR", help="attach py-spy to placement; raw stacks in DIR")
     p.add_argument(
+        "--json",
+        metavar="FILE",
+        type=Path,
+        help="also write every figure (value, unit, note, goal, met) to FILE as JSON (bench/ab.py reads it)",
+    )
+    p.add_argument(
         "--no-shim-ab",
         action="store_true",
         help="the full loop alone, without the shim on/off runs before it (2 minutes less)",
@@ -853,6 +863,8 @@ def main(argv: list[str] | None = None) -> int:
     judge_all(run)
     print(f"# total {time.perf_counter() - t0:.1f}s", flush=True)
     print_summary(run.figures, f"gpulayer bench — {header}")
+    if args.json:
+        args.json.write_bytes(dump(Report(header, run.figures)))
     return 0
 
 

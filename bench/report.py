@@ -6,6 +6,7 @@ import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 from rich.console import Console
 from rich.table import Table
 
@@ -22,10 +23,28 @@ class Figure:
     def line(self) -> str:
         if self.value is None:
             return f"{self.name}=unavailable ({self.note})"
-        return f"{self.name}={_fmt(self.value)} {self.unit}".rstrip()
+        return f"{self.name}={fmt(self.value)} {self.unit}".rstrip()
 
 
-def _fmt(v: float) -> str:
+@dataclass
+class Report:
+    """``python -m bench --json FILE``: the header line and every figure, as the run ended
+    (goals judged). A value that isn't finite is written as null."""
+
+    header: str
+    figures: list[Figure]
+
+
+def dump(report: Report) -> bytes:
+    return msgspec.json.encode(report)
+
+
+def load(data: bytes) -> Report:
+    """A ``--json`` file; a clear ``msgspec.ValidationError``/``DecodeError`` when it isn't."""
+    return msgspec.json.decode(data, type=Report)
+
+
+def fmt(v: float) -> str:
     if v == 0 or abs(v) >= 100:
         return f"{v:.0f}"
     if abs(v) >= 10:
@@ -38,7 +57,7 @@ _OPS: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, "<=": oper
 
 def judge(fig: Figure, op: str, target: float, text: str | None = None) -> Figure:
     """Attach a goal ("op target unit") and whether this run met it. Never raises."""
-    fig.goal = text or f"{op} {_fmt(target)} {fig.unit}"
+    fig.goal = text or f"{op} {fmt(target)} {fig.unit}"
     fig.met = None if fig.value is None else _OPS[op](fig.value, target)
     return fig
 
@@ -55,7 +74,7 @@ def table(figures: list[Figure], title: str) -> Table:
     t.add_column("goal")
     t.add_column("met")
     for f in figures:
-        value = "unavailable" if f.value is None else _fmt(f.value)
+        value = "unavailable" if f.value is None else fmt(f.value)
         if f.met is None:
             met = "-" if not f.goal else "n/a"
         else:

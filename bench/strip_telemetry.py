@@ -47,7 +47,27 @@ def _truth(test: ast.expr) -> bool | None:
     return None
 
 
+def _blocks(node: ast.AST) -> list[str]:
+    """The fields of ``node`` that hold a block of statements and have some."""
+    return [
+        field
+        for field, value in ast.iter_fields(node)
+        if isinstance(value, list) and value and isinstance(value[0], ast.stmt)
+    ]
+
+
 class _Strip(ast.NodeTransformer):
+    def generic_visit(self, node: ast.AST) -> ast.AST:
+        # Every visit_* goes through here, so this is the one place a block can lose its last
+        # statement (a ``for`` whose body was only ``self.tel.gauge(...)`` calls): Python has no
+        # empty block, so one that had statements keeps a ``pass``.
+        blocks = _blocks(node)
+        super().generic_visit(node)
+        for field in blocks:
+            if not getattr(node, field):
+                setattr(node, field, [ast.Pass()])
+        return node
+
     def visit_If(self, node: ast.If) -> ast.AST | list[ast.stmt]:
         self.generic_visit(node)
         truth = _truth(node.test)

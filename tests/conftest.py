@@ -13,6 +13,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import logging
 import os
 import uuid
@@ -57,6 +60,84 @@ class CrashWatch(logging.Handler):
     def expect(self, n: int = 1) -> None:
         """This test makes ``n`` tasks die on purpose."""
         self.expected += n
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+_worker_cgroups: list[Path] = []
+
+
+def _cgroup_dirs(name: str) -> list[Path]:
+    """``name`` below this process's cgroup in each mounted hierarchy (v1 and v2)."""
+    found = []
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers:
+            mount = CGROUP_ROOT / controllers.removeprefix("name=")
+        elif (CGROUP_ROOT / "unified" / "cgroup.procs").exists():
+            mount = CGROUP_ROOT / "unified"
+        else:
+            mount = CGROUP_ROOT
+        if (mount / "cgroup.procs").exists():
+            found.append(mount / path.lstrip("/") / name)
+    return found
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker moves into a cgroup of its own (as root, where writable):
+    an executor makes its jobs' cgroups under its own process's cgroup (``gpulayer/<grant>``),
+    so two tests in two workers running a job of the same id would otherwise share one, and
+    one's end would kill the other's processes."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker or os.geteuid() != 0:
+        return
+    for folder in _cgroup_dirs(f"pytest-{worker}"):
+        try:
+            folder.mkdir(exist_ok=True)
+            (folder / "cgroup.procs").write_text(str(os.getpid()))
+            _worker_cgroups.append(folder)
+        except OSError:
+            continue  # not writable here: this hierarchy stays shared
+
+
+# A test using the workload venv may be the one that builds it (pip installs numpy and torch:
+# minutes on a loaded machine), or waits for another worker building it: its setup counts
+# against its timeout, so it gets this one.
+WORKLOAD_TIMEOUT_S = 900
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "workload_venv" not in getattr(item, "fixturenames", ()):
+            continue
+        marker = item.get_closest_marker("timeout")
+        if marker is None or (marker.args and marker.args[0] < WORKLOAD_TIMEOUT_S):
+            item.add_marker(pytest.mark.timeout(WORKLOAD_TIMEOUT_S), append=False)
+
+
+# Lines a test asks to be shown at the end of the run, passed or not (the fault run's counts):
+# ``record_property("summary_line", ...)``, which pytest-xdist carries from the worker.
+_summary_lines: list[str] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call":
+        _summary_lines.extend(str(v) for k, v in report.user_properties if k == "summary_line")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for line in _summary_lines:
+        terminalreporter.write_line(line)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Back to the cgroups the worker came from, and its own removed (with the empty
+    ``gpulayer`` folders executors left in it)."""
+    for folder in _worker_cgroups:
+        with contextlib.suppress(OSError):
+            (folder.parent / "cgroup.procs").write_text(str(os.getpid()))
+            for empty in sorted(folder.glob("**/"), key=lambda p: len(p.parts), reverse=True):
+                empty.rmdir()
+    _worker_cgroups.clear()
 
 
 @pytest.fixture(autouse=True)
@@ -235,7 +316,19 @@ async def secure_nats(tmp_path: Path, auth_store: AuthStore) -> AsyncIterator[Se
 
 
 @pytest.fixture(scope="session")
-def workload_venv(tmp_path_factory: pytest.TempPathFactory) -> Workload:
+def workload_venv(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Workload:
     """A throwaway venv with numpy, and torch==2.13.0 where pip can install it (tests/workload.py),
-    once per session."""
-    return make_workload_venv(tmp_path_factory.mktemp("workload") / "venv")
+    once per run: under pytest-xdist the first worker that needs it builds it in the run's
+    shared temporary folder, under a lock, and the others wait for it and reuse it."""
+    if worker_id == "master":
+        return make_workload_venv(tmp_path_factory.mktemp("workload") / "venv")
+    shared = tmp_path_factory.getbasetemp().parent / "workload"
+    shared.mkdir(exist_ok=True)
+    made = shared / "workload.json"
+    with (shared / "lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, a failure included
+        if made.exists():
+            return Workload(**json.loads(made.read_text()))
+        workload = make_workload_venv(shared / "venv")
+        made.write_text(json.dumps(vars(workload)))
+        return workload

@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -177,14 +177,20 @@ class Services:
         await self.stop()
 
     async def start(
-        self, name: str, env: dict[str, str], log: Path, key: str | None = None
+        self,
+        name: str,
+        env: dict[str, str],
+        log: Path,
+        key: str | None = None,
+        prefix: Sequence[str] = (),
     ) -> None:
-        """Start console script ``name``; ``key`` names it when one script runs several times.
+        """Start console script ``name``; ``key`` names it when one script runs several times;
+        ``prefix`` runs it through another command (``nsenter``: in a network namespace).
         With auth on, a service that would act as the test admin gets its own role instead."""
         env = with_role_creds(name, env)
         with log.open("ab") as out:
             self.procs[key or name] = await asyncio.create_subprocess_exec(
-                bin_path(name), env=env, stdout=out, stderr=asyncio.subprocess.STDOUT
+                *prefix, bin_path(name), env=env, stdout=out, stderr=asyncio.subprocess.STDOUT
             )
 
     async def stop(self) -> None:

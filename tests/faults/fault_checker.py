@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,10 +87,15 @@ def check(
     events: dict[str, list[str]],
     runs: list[Run],
     gone_nodes: frozenset[str] = frozenset(),
+    lost_on: Mapping[str, str] | None = None,
 ) -> Counts:
     """The counts: every accepted job ended exactly once, as ``expected`` says (its command
-    decides: succeeded, failed or cancelled); ``lost`` only for jobs on ``gone_nodes``
-    (counted apart from the others); no job ran twice; no device held twice at once."""
+    decides: succeeded, failed or cancelled); ``lost`` only for jobs on ``gone_nodes`` (nodes
+    gone, or cut off past the node timeout), counted apart from the others: a job whose every
+    run was there, or, with no run, whose ``lost`` event named one (``lost_on``: job -> node;
+    a grant stopped before it started leaves no marker); no job ran twice; no device held
+    twice at once."""
+    lost_on = lost_on or {}
     c = Counts(submitted=len(submitted))
     runs_of: dict[str, list[Run]] = defaultdict(list)
     for run in runs:
@@ -110,7 +116,8 @@ def check(
             c.duplicated += 1
             c.problems.append(f"{job}: ended {ends}, ran {len(runs_of[job])} times")
         if "lost" in ends:
-            if runs_of[job] and {r.node for r in runs_of[job]} <= gone_nodes:
+            nodes = {r.node for r in runs_of[job]} or {lost_on.get(job, "")}
+            if nodes <= gone_nodes:
                 c.lost_gone_node += 1
             else:
                 c.lost += 1

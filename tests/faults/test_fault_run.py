@@ -10,12 +10,18 @@ marker per run (node, devices, start, end). The schedule, while jobs keep coming
 - kill -9 one NATS server of three, and start it again;
 - kill -9 one placement replica of two, and start it again;
 - kill -9 an executor, and start it again (its running jobs go on under their shims);
-- restart PostgreSQL.
+- restart PostgreSQL;
+- cut a third node off the network for longer than the node timeout, then bring it back (its
+  probe and executor run in a network namespace of the test's own, linked to this one by a
+  veth pair: tests/faults/netns.py; as root, where ``ip netns`` works, else said and left out).
 
 Then every accepted job's stored events are read: each ended exactly once and as its command
 says, none ran twice, no device was held by two runs at once; the counts are printed (``make
 faults`` shows them) and written to ``fault-run.txt`` in the test's folder. No node goes away
-for good here, so no job may be ``lost``.
+for good, so no job may be ``lost``, but those placed on the cut node: placement gives them up
+at the node timeout (``lost``, counted apart), and what they held there stays fenced until the
+node's executor, back, has stopped them and said so (docs/operations.md, "A node cut off"):
+no device used twice, even by a job that ran on unseen. At the end no fence is left.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import asyncpg
@@ -37,6 +43,7 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from tests.faults import netns
 from tests.faults.fault_checker import check, read_markers
 from tests.helpers import Services, service_env
 
@@ -49,13 +56,19 @@ from gpulayer_contracts.subjects import (
     JOBS_SUBMIT,
     MSG_ID_HEADER,
 )
+from gpulayer_runtime.auth import AuthStore
 from gpulayer_runtime.nats import connect, ensure_streams
 from gpulayer_runtime.servers import EmbeddedNatsCluster, EmbeddedPostgres
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(290)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 NODES = {"fr-t4": "t4-2x", "fr-h100": "h100-dgx-8x"}
+# The node cut off the network (in a namespace of its own), where one can be made.
+CUT_NODE, CUT_RECORDING = "fr-cut", "h100-dgx-8x"
+NODE_TIMEOUT_S = 15.0  # placement's default
+# Cut for longer than the node timeout (its last heartbeat may be up to a beat before the cut).
+CUT_AT_S, CUT_FOR_S = 14.0, NODE_TIMEOUT_S + 9.0
 RATE = 5.0  # jobs per second
 LOAD_S = 50.0
 # After the load: how long the accepted jobs may take to end.
@@ -95,15 +108,19 @@ async def declare_streams(js: JetStreamContext) -> None:
 class Stack:
     """The services of the run, each startable again after a kill."""
 
-    def __init__(self, services: Services, cluster_url: str, db: str, tmp: Path) -> None:
+    def __init__(
+        self, services: Services, cluster_url: str, db: str, tmp: Path, ns: netns.NetNs | None
+    ) -> None:
         self.services = services
         self.tmp = tmp
+        self.ns = ns
         self.envs: dict[str, tuple[str, dict[str, str]]] = {}
         for replica in ("a", "b"):
             env = service_env(cluster_url, db, tmp / "placement", "unused")
             env["GPULAYER_STREAM_REPLICAS"] = "3"
+            env["GPULAYER_NODE_TIMEOUT_S"] = f"{NODE_TIMEOUT_S:g}"
             self.envs[f"placement-{replica}"] = ("gpulayer-placement", env)
-        for node, recording in NODES.items():
+        for node, recording in self.nodes.items():
             env = service_env(cluster_url, db, tmp / node, node, GPULAYER_STREAM_REPLICAS="3")
             tools = tmp / f"{node}-bin"
             tools.mkdir()
@@ -114,9 +131,16 @@ class Stack:
             self.envs[f"probe-{node}"] = ("gpulayer-probe", env)
             self.envs[f"executor-{node}"] = ("gpulayer-executor", env)
 
+    @property
+    def nodes(self) -> dict[str, str]:
+        return {**NODES, CUT_NODE: CUT_RECORDING} if self.ns is not None else NODES
+
     async def start(self, key: str) -> None:
         name, env = self.envs[key]
-        await self.services.start(name, env, self.tmp / f"{key}.log", key=key)
+        # The cut node's services run in its namespace, reaching NATS over its link.
+        inside = self.ns is not None and key.endswith(CUT_NODE)
+        prefix = self.ns.argv([]) if inside and self.ns is not None else []
+        await self.services.start(name, env, self.tmp / f"{key}.log", key=key, prefix=prefix)
 
     async def kill(self, key: str) -> None:
         proc = self.services.procs[key]
@@ -124,19 +148,21 @@ class Stack:
         await proc.wait()
 
 
-async def until_nodes_known(nc: Client, caller: str) -> None:
+async def until_nodes_known(nc: Client, caller: str, names: set[str]) -> None:
     async with asyncio.timeout(60):
         while True:
             with contextlib.suppress(Exception):
                 nodes = await api(nc, API_NODES, timeout=1, caller=caller)
-                if {n["node_id"] for n in nodes} >= set(NODES):
+                if {n["node_id"] for n in nodes} >= names:
                     return
             await asyncio.sleep(0.2)
 
 
-async def stored_events(js: JetStreamContext, jobs: set[str]) -> dict[str, list[str]]:
+async def stored_events(
+    js: JetStreamContext, jobs: set[str], lost_on: dict[str, str]
+) -> dict[str, list[str]]:
     """Every stored event of ``jobs``, read until each accepted one has ended (and one second
-    more: a duplicate would come next)."""
+    more: a duplicate would come next). ``lost_on`` gets the node each ``lost`` event names."""
     seen: dict[str, list[str]] = {j: [] for j in jobs}
     done = asyncio.Event()
 
@@ -147,6 +173,8 @@ async def stored_events(js: JetStreamContext, jobs: set[str]) -> dict[str, list[
         event = json.loads(msg.data)
         if event["job_id"] in seen:
             seen[event["job_id"]].append(event["type"])
+            if event["type"] == "lost":
+                lost_on[event["job_id"]] = event.get("node_id", "")
             if all_ended():
                 done.set()
 
@@ -173,9 +201,30 @@ async def subscribe_retrying(
                 await asyncio.sleep(0.5)
 
 
+@pytest.fixture
+def cut_off() -> Iterator[netns.NetNs | None]:
+    """The cut node's namespace, or None (said) where none can be made here."""
+    why = netns.unavailable()
+    if why is not None:
+        print(f"fault run: no network partition ({why})")
+        yield None
+        return
+    with netns.NetNs() as ns:
+        yield ns
+
+
 async def test_fault_run(
-    nats_cluster: EmbeddedNatsCluster, nats_creds: str | None, tmp_path: Path
+    auth_store: AuthStore,
+    nats_creds: str | None,
+    tmp_path: Path,
+    cut_off: netns.NetNs | None,
+    record_property: Callable[[str, object], None],
 ) -> None:
+    # Three servers, listening where the cut node reaches them (this end of its link).
+    host = cut_off.host_ip if cut_off is not None else "127.0.0.1"
+    auth_conf = auth_store.server_conf if nats_creds else None
+    nats_cluster = EmbeddedNatsCluster(tmp_path / "cluster", auth_conf=auth_conf, host=host)
+    nats_cluster.start()
     pg = EmbeddedPostgres(tmp_path / "pg", fast=True).start()
     admin = await asyncpg.connect(pg.url)
     await admin.execute("CREATE DATABASE gpulayer")
@@ -185,22 +234,29 @@ async def test_fault_run(
     nc = await connect(nats_cluster.url, "test-fault-run", creds=nats_creds)
     markers = tmp_path / "markers"
     markers.mkdir()
+    lost_on: dict[str, str] = {}
     try:
         js = nc.jetstream()
         await declare_streams(js)
         async with Services() as services:
-            stack = Stack(services, nats_cluster.url, db, tmp_path)
+            stack = Stack(services, nats_cluster.url, db, tmp_path, cut_off)
             for key in stack.envs:
                 await stack.start(key)
-            await until_nodes_known(nc, caller)
+            await until_nodes_known(nc, caller, set(stack.nodes))
             submitted, expected = await run_load(nc, js, stack, nats_cluster, pg, markers, caller)
-            events = await stored_events(js, submitted)
+            events = await stored_events(js, submitted, lost_on)
             for key, proc in services.procs.items():
                 assert proc.returncode is None, f"{key} exited with {proc.returncode}"
-        node_of = {str(tmp_path / node): node for node in NODES}
-        counts = check(submitted, expected, events, read_markers(markers, node_of))
-        line = f"fault run: {counts.line()}"
+            fences = await until_no_fence(db)
+        node_of = {str(tmp_path / node): node for node in stack.nodes}
+        cut = frozenset({CUT_NODE} if cut_off is not None else ())
+        counts = check(
+            submitted, expected, events, read_markers(markers, node_of), cut, lost_on=lost_on
+        )
+        partition = "with" if cut_off is not None else "without"
+        line = f"fault run ({partition} the partition): {counts.line()}"
         print(line)
+        record_property("summary_line", line)  # shown at the end of `make test`
         (tmp_path / "fault-run.txt").write_text(line + "\n" + "\n".join(counts.problems) + "\n")
         assert counts.accepted == counts.submitted == len(expected), (line, counts.problems[:20])
         assert counts.ended == counts.accepted, (line, counts.problems[:20])
@@ -209,9 +265,32 @@ async def test_fault_run(
             counts.problems[:20],
         )
         assert counts.wrong_outcome == 0, (line, counts.problems[:20])
+        # Every fence was lifted: the cut node's executor reported each grant it was given.
+        assert fences == [], fences
     finally:
         await nc.close()
         pg.stop()
+        nats_cluster.stop()
+
+
+async def until_no_fence(db: str, limit_s: float = 60.0) -> list[str]:
+    """The fences still held once none is left or ``limit_s`` has passed (their grants).
+    Looked at again on each change placement announces (release_fences notifies)."""
+    conn = await asyncpg.connect(db)
+    changed = asyncio.Event()
+    await conn.add_listener("gpulayer_allocations", lambda *_: changed.set())
+    try:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(limit_s):
+                while True:
+                    changed.clear()
+                    if not await conn.fetchval("SELECT count(*) FROM fences"):
+                        break
+                    await changed.wait()
+        rows = await conn.fetch("SELECT DISTINCT grant_id, node_id FROM fences ORDER BY 1")
+        return [f"{r['grant_id']} on {r['node_id']}" for r in rows]
+    finally:
+        await conn.close()
 
 
 async def run_load(
@@ -293,7 +372,7 @@ def faults(
         await asyncio.to_thread(pg.stop)
         await asyncio.to_thread(pg.start)
 
-    return [
+    schedule = [
         (5.0, "kill -9 NATS server n1", nats_kill),
         (12.0, "NATS server n1 back", nats_back),
         (16.0, "kill -9 placement replica a", lambda: stack.kill("placement-a")),
@@ -302,3 +381,16 @@ def faults(
         (31.0, "executor of fr-h100 back", lambda: stack.start("executor-fr-h100")),
         (37.0, "restart PostgreSQL", pg_restart),
     ]
+    if (ns := stack.ns) is not None:
+
+        async def cut() -> None:
+            ns.cut()
+
+        async def restore() -> None:
+            ns.restore()
+
+        schedule += [
+            (CUT_AT_S, f"{CUT_NODE} cut off the network", cut),
+            (CUT_AT_S + CUT_FOR_S, f"{CUT_NODE} back on the network", restore),
+        ]
+    return sorted(schedule, key=lambda item: item[0])

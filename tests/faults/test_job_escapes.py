@@ -35,8 +35,8 @@ from tests.integration.test_executor import (
 )
 
 from gpulayer_contracts.events import AnyJobEvent, CancelJob
+from gpulayer_contracts.jobenv import base_environment
 from gpulayer_executor import cgroups
-from gpulayer_executor.env import base_environment
 from gpulayer_executor.service import Executor, ExecutorConfig
 from gpulayer_runtime.nats import ensure_streams
 
@@ -104,7 +104,9 @@ async def test_a_job_that_exits_0_leaving_a_child_succeeds_at_once(
     events, pid, _ = await run_until_child(js, executor, f"{child}; exit 0")
     t0 = time.monotonic()
     done = await events
-    assert time.monotonic() - t0 < 2.0
+    # Not waiting for the child (it sleeps 25 or 60 s): a bound well below that, whatever the
+    # machine's load (the suite runs in parallel), not a latency figure.
+    assert time.monotonic() - t0 < 15.0
     assert [e.__struct_config__.tag for e in done] == ["running", "succeeded"]
     # Killed before the report went out, not merely soon after.
     assert not pid_alive(pid)
@@ -119,9 +121,9 @@ async def test_cancel_frees_the_job_and_kills_its_escaped_child(
     t0 = time.monotonic()
     await publish_cancel(js, NODE, CancelJob(job_id=job_id, reason="user asked", grant_id=grant_id))
     done = await events
-    # SIGTERM ends both here; the grace is the bound the operator configured, plus slack for
-    # the cancel's trip through NATS.
-    assert time.monotonic() - t0 < GRACE_S + 1.0
+    # SIGTERM ends both here, long before the job's own 60 s (the bound leaves room for a
+    # loaded machine: it tells a cancel that worked from one that waited, not a latency).
+    assert time.monotonic() - t0 < 30.0
     assert [e.__struct_config__.tag for e in done] == ["running", "cancelled"]
     assert reason(done[-1]) == "user asked"
     assert not pid_alive(pid)
@@ -142,7 +144,8 @@ async def test_timeout_kills_an_escaped_child_that_ignores_sigterm(
     events, pid, _ = await run_until_child(js, executor, script, timeout_s=1.0)
     t0 = time.monotonic()
     done = await events
-    assert time.monotonic() - t0 < 1.0 + GRACE_S + 1.0
+    # The timeout (1 s) and the grace (0.5 s) end it, not the job's own 60 s; room for load.
+    assert time.monotonic() - t0 < 30.0
     assert [e.__struct_config__.tag for e in done] == ["running", "failed"]
     assert reason(done[-1]) == "timeout"
     assert not pid_alive(pid)

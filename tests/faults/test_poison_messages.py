@@ -40,6 +40,7 @@ from gpulayer_contracts import (
 )
 from gpulayer_contracts.codec import event_decoder
 from gpulayer_contracts.events import AnyJobEvent
+from gpulayer_contracts.jobenv import base_environment
 from gpulayer_contracts.subjects import (
     DLQ_CLASS_HEADER,
     DLQ_REASON_HEADER,
@@ -52,7 +53,6 @@ from gpulayer_contracts.subjects import (
     node_observations,
     node_status,
 )
-from gpulayer_executor.env import base_environment
 from gpulayer_executor.service import Executor, ExecutorConfig
 from gpulayer_placement import intake as intake_module
 from gpulayer_placement.service import PlacementService, Settings

@@ -30,6 +30,7 @@ from gpulayer_contracts.events import (
     JobStatus,
     is_terminal,
 )
+from gpulayer_contracts.jobenv import base_environment
 from gpulayer_contracts.jobs import JobRequest, Sandbox, SandboxDevices
 from gpulayer_contracts.subjects import (
     ANONYMOUS,
@@ -38,7 +39,7 @@ from gpulayer_contracts.subjects import (
     node_grants,
     node_status,
 )
-from gpulayer_executor.env import RunAs, base_environment
+from gpulayer_executor.env import RunAs
 from gpulayer_executor.service import Executor, ExecutorConfig
 from gpulayer_runtime.nats import ensure_streams
 

@@ -29,10 +29,10 @@ from tests.integration.test_executor import (
 from gpulayer_cli.logs import run_logs
 from gpulayer_contracts.codec import heartbeat_decoder
 from gpulayer_contracts.events import AnyJobEvent, Grant
+from gpulayer_contracts.jobenv import base_environment
 from gpulayer_contracts.jobs import Requirements, Sandbox, SandboxDevices
 from gpulayer_contracts.subjects import node_heartbeat
 from gpulayer_executor import cgroups
-from gpulayer_executor.env import base_environment
 from gpulayer_executor.service import Executor, ExecutorConfig
 from gpulayer_runtime.nats import ensure_streams
 

@@ -31,9 +31,9 @@ from tests.workload import ALL_REDUCE, Workload, all_reduce_sum
 from gpulayer_cli.logs import run_logs
 from gpulayer_contracts.codec import event_decoder
 from gpulayer_contracts.events import AnyJobEvent, CancelJob, GangRank, Grant, is_terminal
+from gpulayer_contracts.jobenv import base_environment
 from gpulayer_contracts.jobs import Distributed, JobRequest, rank_job_id
 from gpulayer_contracts.subjects import job_events
-from gpulayer_executor.env import base_environment
 from gpulayer_executor.service import Executor, ExecutorConfig
 from gpulayer_runtime.nats import ensure_streams
 

@@ -18,12 +18,13 @@ from tests.unit.placement.placement_fakes import gpu_node
 
 from gpulayer_cli.client import api
 from gpulayer_contracts import Grant, Heartbeat, JobStatus, encode
-from gpulayer_contracts.codec import event_decoder, grant_decoder
+from gpulayer_contracts.codec import cancel_decoder, event_decoder, grant_decoder
 from gpulayer_contracts.subjects import (
     API_CANCEL,
     API_JOB,
     JOBS_SUBMIT,
     MSG_ID_HEADER,
+    NODE_WILDCARD_CONTROL,
     NODE_WILDCARD_GRANTS,
     node_capabilities,
     node_heartbeat,
@@ -456,3 +457,59 @@ async def test_no_device_is_double_booked_across_retries_and_restarts(
     assert rows == []
     left = await cluster.db("SELECT job_id FROM allocations WHERE job_id LIKE 'j%'")
     assert left == []
+
+
+async def test_a_node_cut_off_keeps_its_lost_jobs_devices_fenced_until_its_executor_says(
+    cluster: Cluster,
+) -> None:
+    """A node silent past the timeout: its job is lost (and retried elsewhere), but the device
+    it held stays held when the node comes back, until the node's executor reports that grant's
+    end; meanwhile the node's other device takes new work. docs/operations.md, "A node cut
+    off"."""
+    stops: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def on_control(msg: Any) -> None:
+        await stops.put(cancel_decoder.decode(msg.data))
+
+    await cluster.nc.subscribe(NODE_WILDCARD_CONTROL, cb=on_control)
+    await cluster.node("cut", gpus=2)
+    await cluster.submit("held", retries=1, requirements={"gpu_count": 1})
+    first = await cluster.grant()
+    assert (first.node_id, first.devices) == ("cut", [0])
+    await cluster.report(first, "running")
+    await cluster.until_state("held", "running")
+
+    cluster.alive.discard("cut")  # cut off: its heartbeats stop
+    lost = await cluster.event("held", "lost")
+    assert lost.node_id == "cut"
+    stop = await asyncio.wait_for(stops.get(), 10)
+    assert (stop.job_id, stop.grant_id, stop.given_up) == ("held", first.grant_id, True)
+    fenced = await cluster.db(
+        "SELECT kind, resource, amount FROM fences WHERE grant_id = $1", first.grant_id
+    )
+    held = {(r["kind"], r["resource"]): r["amount"] for r in fenced}
+    # Its device, and the cores and the executor slot it held there.
+    assert held[("device", "exclusive")] == 0
+    assert held[("reservation", "slots")] == 1
+    assert held[("reservation", "cpu")] == 1000
+
+    await cluster.node("cut", gpus=2)  # back: beats again
+    # The retry, and a new job, go to the free device only: device 0 is fenced.
+    retry = await cluster.grant()
+    assert (retry.grant_id, retry.node_id, retry.devices) == ("held-2", "cut", [1])
+    await cluster.submit("next", requirements={"gpu_count": 1})
+    await cluster.event("next", "pending")
+    await cluster.no_grant()
+    view = cluster.svc.fleet.get("cut")
+    assert view is not None
+    assert view.exclusive == frozenset({0, 1})
+
+    # The executor, back, stops the old grant and says so: the fence goes, the waiting job runs.
+    await cluster.report(first, "cancelled")
+    nxt = await cluster.grant()
+    assert (nxt.job.job_id, nxt.node_id, nxt.devices) == ("next", "cut", [0])
+    assert await cluster.db("SELECT * FROM fences") == []
+    # The late report changed nothing of the job: it stays with its retry, one `lost` told.
+    assert (await cluster.row("held"))["state"] == "placed"
+    assert cluster.types("held").count("lost") == 1
+    assert "cancelled" not in cluster.types("held")

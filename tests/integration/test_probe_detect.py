@@ -125,7 +125,9 @@ async def test_hanging_nvidia_smi_is_cut_off(fake_nvidia) -> None:  # type: igno
     (fake_nvidia("rtx-4090") / "hang").write_text("")
     started = time.monotonic()
     caps = await detect_capabilities("n1", include_torch=False, timeout=1.0)
-    assert time.monotonic() - started < 8
+    assert (
+        time.monotonic() - started < 60
+    )  # cut off, not the 300 s hang (room for a loaded machine)
     assert caps.accelerators == []
     assert any("nvidia-smi timed out after 1s" in n for n in caps.notes)
     assert caps.host.cpu_cores  # the other sources still reported
@@ -137,7 +139,9 @@ async def test_hanging_workload_interpreter_is_cut_off(tmp_path: Path) -> None:
     python.chmod(0o755)
     started = time.monotonic()
     caps = await detect_capabilities("n1", python=str(python), timeout=1.0, torch_timeout=1.0)
-    assert time.monotonic() - started < 8
+    assert (
+        time.monotonic() - started < 60
+    )  # cut off, not the 300 s hang (room for a loaded machine)
     assert caps.frameworks == {}
     assert any(
         n.startswith("frameworks: unknown") and "timed out after 1s" in n for n in caps.notes

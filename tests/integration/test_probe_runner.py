@@ -45,7 +45,9 @@ async def test_timeout_kills_the_tool_and_its_children(tmp_path: Path) -> None:
     exe = script(tmp_path, "hang", f"sleep 300 &\necho $! > {pidfile}\necho started\nwait\n")
     started = time.monotonic()
     r = await run_command([exe], 1.0)
-    assert time.monotonic() - started < 8
+    assert (
+        time.monotonic() - started < 60
+    )  # cut off, not the 300 s hang (room for a loaded machine)
     assert r.error == f"{exe} timed out after 1s"
     assert r.returncode is None
     assert r.stdout == "started\n"  # what it printed before the timeout is kept

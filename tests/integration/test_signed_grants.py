@@ -38,6 +38,7 @@ from tests.integration.test_placement_service import caps
 from gpulayer_cli.client import api
 from gpulayer_contracts import CancelJob, encode
 from gpulayer_contracts.events import Grant
+from gpulayer_contracts.jobenv import base_environment
 from gpulayer_contracts.subjects import (
     API_CANCEL,
     JOBS_SUBMIT,
@@ -47,7 +48,6 @@ from gpulayer_contracts.subjects import (
     node_grants,
     node_status,
 )
-from gpulayer_executor.env import base_environment
 from gpulayer_executor.service import Executor, ExecutorConfig
 from gpulayer_placement.service import PlacementService, Settings
 from gpulayer_placement.store import create_pool

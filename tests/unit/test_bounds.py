@@ -14,6 +14,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from gpulayer_contracts import bounds as b
+from gpulayer_contracts.bounds import jobs as bounds_jobs
+from gpulayer_contracts.bounds import nodes as bounds_nodes
 from gpulayer_contracts.capabilities import (
     AcceleratorDevice,
     GpuApis,
@@ -1063,9 +1065,9 @@ def test_the_fast_check_agrees_with_the_detailed_one(
             memory_gb=memory,
         ),
     )
-    detailed = list(b._job_bounds(job))
+    detailed = list(bounds_jobs._job_bounds(job))
     event("within bounds" if not detailed else "out of bounds")
-    assert b._within_bounds(job) == (not detailed), detailed
+    assert bounds_jobs._within_bounds(job) == (not detailed), detailed
 
 
 _cap_text = st.one_of(
@@ -1119,9 +1121,9 @@ def test_the_fast_capabilities_check_agrees_with_the_detailed_one(
         launchers=launchers,
         workload_python=python,
     )
-    detailed = list(b._capabilities(report))
+    detailed = list(bounds_nodes._capabilities(report))
     event("within bounds" if not detailed else "out of bounds")
-    assert b._capabilities_within_bounds(report) == (not detailed), detailed
+    assert bounds_nodes._capabilities_within_bounds(report) == (not detailed), detailed
 
 
 # --- Device observations (issue 17) ---
@@ -1180,9 +1182,11 @@ def test_the_fast_observations_check_agrees_with_the_detailed_one(
         ],
         notes=notes,
     )
-    detailed = list(b._observations(obs))
+    detailed = list(bounds_nodes._observations(obs))
     event("within bounds" if not detailed else "out of bounds")
-    assert b._observations_within_bounds(obs) == (not detailed), detailed
+    assert bounds_nodes._observations_within_bounds(obs) == (not detailed), detailed
     # The MIG fields of capabilities, through the capabilities check.
     report = caps(accelerators=[device(index=0, mig_parent=mig_parent, mig_profile=mig_profile)])
-    assert b._capabilities_within_bounds(report) == (not list(b._capabilities(report)))
+    assert bounds_nodes._capabilities_within_bounds(report) == (
+        not list(bounds_nodes._capabilities(report))
+    )

@@ -81,3 +81,17 @@ def test_a_job_without_its_accepted_event_is_named_with_what_did_arrive() -> Non
     c = check({"j1", "j2"}, {"j1": "succeeded", "j2": "succeeded"}, events, [])
     assert (c.submitted, c.accepted, c.ended) == (2, 1, 1)
     assert c.problems == ["j2: no accepted event (['placed', 'running', 'succeeded'])"]
+
+
+def test_a_job_lost_on_a_cut_node_before_it_ran_counts_apart_by_its_lost_event() -> None:
+    # Given up with its cut-off node while its grant waited there: it never ran (no marker),
+    # and its lost event names the node.
+    events = {"never": ["accepted", "placed", "lost"], "elsewhere": ["accepted", "lost"]}
+    expected = dict.fromkeys(events, "succeeded")
+    lost_on = {"never": "cut", "elsewhere": "a"}
+    c = check(set(events), expected, events, [], frozenset({"cut"}), lost_on=lost_on)
+    assert (c.lost_gone_node, c.lost) == (1, 1)
+    assert c.problems == ["elsewhere: lost (['accepted', 'lost'])"]
+    # Without the node of its lost event, a job with no run is lost like any other.
+    c = check(set(events), expected, events, [], frozenset({"cut"}))
+    assert (c.lost_gone_node, c.lost) == (0, 2)

@@ -7,8 +7,8 @@ from typing import Any
 
 from rich.console import Console
 
-from gpulayer_cli.main import _end_of, _job_ids
 from gpulayer_cli.render import describe_event, fold_arrays, services_table
+from gpulayer_cli.submit_cmd import _end_of, _job_ids
 from gpulayer_contracts import Cancelled, Failed, Lost, Requeued, Succeeded
 from gpulayer_contracts.jobs import ArraySpec, JobRequest
 

@@ -12,11 +12,12 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from gpulayer_contracts import bounds as b
+from gpulayer_contracts.bounds import jobs as bounds_jobs
 from gpulayer_contracts.codec import decode_job_json, decode_job_toml, event_decoder
 from gpulayer_contracts.events import Grant, Requeued
+from gpulayer_contracts.jobenv import grant_environment
 from gpulayer_contracts.jobs import ArraySpec, JobRequest, Restart
 from gpulayer_contracts.validation import protected_env_names, validate_job
-from gpulayer_executor.env import job_environment
 
 
 def make_job(**fields: Any) -> JobRequest:
@@ -150,9 +151,9 @@ def test_array_index_is_a_protected_name_and_the_executor_sets_it() -> None:
     assert validate_job(make_job(env={"GPULAYER_ARRAY_INDEX": "3"})).errors
     element = make_job(job_id="arr-7", array=ArraySpec(count=20, index=7))
     grant = Grant(grant_id="arr-7-1", job=element, node_id="n", accelerator="cpu")
-    assert job_environment(grant, {})["GPULAYER_ARRAY_INDEX"] == "7"
+    assert grant_environment(grant, {})["GPULAYER_ARRAY_INDEX"] == "7"
     plain = Grant(grant_id="j1-1", job=make_job(), node_id="n", accelerator="cpu")
-    assert "GPULAYER_ARRAY_INDEX" not in job_environment(plain, {})
+    assert "GPULAYER_ARRAY_INDEX" not in grant_environment(plain, {})
 
 
 def test_requeued_event_round_trips_and_is_not_terminal() -> None:
@@ -193,9 +194,9 @@ def test_the_fast_check_agrees_with_the_detailed_one_on_lifecycle_fields(
 ) -> None:
     array = None if count is None else ArraySpec(count=count, index=index)
     job = make_job(job_id=job_id, retries=retries, restart=restart, array=array, after=after)
-    detailed = list(b._job_bounds(job))
+    detailed = list(bounds_jobs._job_bounds(job))
     event("within bounds" if not detailed else "out of bounds")
-    assert b._within_bounds(job) == (not detailed), detailed
+    assert bounds_jobs._within_bounds(job) == (not detailed), detailed
 
 
 def test_old_consumers_skip_a_requeued_event() -> None:

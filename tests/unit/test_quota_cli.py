@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 from tests.unit.placement.placement_fakes import FakePool
 
-from gpulayer_cli.main import _quota_body, build_parser
+from gpulayer_cli.admin_cmd import _quota_body
+from gpulayer_cli.main import build_parser
 from gpulayer_placement.api import Api, ApiError
 from gpulayer_placement.fleet import Fleet
 

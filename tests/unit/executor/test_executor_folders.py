@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gpulayer_executor.env import RunAs
-from gpulayer_executor.folders import clear_scratch, prepare_job_dir, scratch_dir
+from gpulayer_executor.folders import clear_scratch, empty_trash, prepare_job_dir, scratch_dir
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="giving folders to an account needs root")
 
@@ -57,44 +57,78 @@ def test_a_link_the_job_left_at_tmp_is_never_followed(tmp_path: Path) -> None:
     assert (st.st_uid, st.st_mode & 0o777) == (0, 0o755)
 
 
+def trash_in(tmp_path: Path) -> Path:
+    trash = tmp_path / "trash"
+    trash.mkdir(mode=0o700)
+    return trash
+
+
 async def test_the_tmpdir_is_removed_with_what_the_job_left(tmp_path: Path) -> None:
-    cwd = tmp_path / "job"
+    cwd, trash = tmp_path / "job", trash_in(tmp_path)
     prepare_job_dir(cwd, None)
-    assert clear_scratch(cwd) is None  # empty: one rmdir, nothing left behind
+    assert clear_scratch(cwd, trash) is None  # empty: one rmdir, nothing left behind
     assert not (cwd / "tmp").exists()
     prepare_job_dir(cwd, None)
     (cwd / "tmp" / "a" / "b").mkdir(parents=True)
     for i in range(200):
         (cwd / "tmp" / "a" / "b" / f"f{i}").write_text("x")
     (cwd / "result").write_text("kept")
-    removal = clear_scratch(cwd)
-    # Gone from the job's path at once; its content removed behind (awaited here).
-    assert not (cwd / "tmp").exists()
+    removal = clear_scratch(cwd, trash)
+    # Out of the job's folder at once, whole: the folder is final before the removal ends (a
+    # walk of it meanwhile sees only what the job keeps), the files go behind (awaited here).
+    assert sorted(p.name for p in cwd.rglob("*")) == ["result"]
+    assert removal is not None
+    (moved,) = trash.iterdir()
+    assert moved.name.startswith("job-")
+    await removal
+    assert list(trash.iterdir()) == []
+    assert sorted(p.name for p in cwd.iterdir()) == ["result"]  # the job's folder stays
+    assert clear_scratch(cwd, trash) is None  # nothing there: nothing to do
+
+
+async def test_without_a_trash_the_tmpdir_goes_before_the_call_returns(tmp_path: Path) -> None:
+    cwd = tmp_path / "job"
+    prepare_job_dir(cwd, None)
+    (cwd / "tmp" / "f").write_text("x")
+    assert clear_scratch(cwd, tmp_path / "no-trash") is None
+    assert list(cwd.iterdir()) == []
+
+
+async def test_what_an_earlier_run_left_in_the_trash_is_removed(tmp_path: Path) -> None:
+    trash = trash_in(tmp_path)
+    assert empty_trash(trash) is None
+    assert empty_trash(tmp_path / "absent") is None
+    (trash / "job-1" / "deep").mkdir(parents=True)
+    (trash / "job-1" / "deep" / "f").write_text("x")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep").write_text("root's")
+    (trash / "job-2").symlink_to(victim)  # a link the job left at its tmp, moved as a link
+    removal = empty_trash(trash)
     assert removal is not None
     await removal
-    assert sorted(p.name for p in cwd.iterdir()) == ["result"]  # the job's folder stays
-    assert clear_scratch(cwd) is None  # nothing there: nothing to do
+    assert list(trash.iterdir()) == []
+    assert (victim / "keep").read_text() == "root's"
 
 
 async def test_clearing_never_follows_a_link(tmp_path: Path) -> None:
-    cwd = tmp_path / "job"
+    cwd, trash = tmp_path / "job", trash_in(tmp_path)
     prepare_job_dir(cwd, None)
     victim = tmp_path / "victim"
     (victim / "deep").mkdir(parents=True)
     (victim / "deep" / "keep").write_text("root's")
     (cwd / "tmp").rmdir()
     (cwd / "tmp").symlink_to(victim)
-    removal = clear_scratch(cwd)
+    removal = clear_scratch(cwd, trash)
     assert removal is not None
     await removal
     assert (victim / "deep" / "keep").read_text() == "root's"
-    # A link inside the folder goes, what it points to stays.
-    for leftover in cwd.iterdir():
-        leftover.unlink()
+    assert list(cwd.iterdir()) == []
     prepare_job_dir(cwd, None)
     (cwd / "tmp" / "link").symlink_to(victim)
-    removal = clear_scratch(cwd)
+    removal = clear_scratch(cwd, trash)
     assert removal is not None
     await removal
     assert list(cwd.iterdir()) == []
+    assert list(trash.iterdir()) == []
     assert (victim / "deep" / "keep").read_text() == "root's"

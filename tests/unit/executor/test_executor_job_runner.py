@@ -97,7 +97,8 @@ async def test_a_cancel_reaches_a_queued_job_which_never_starts(tmp_path: Path) 
     outcome = p.record("g2").outcome
     assert outcome is not None
     assert (outcome.state, outcome.reason) == ("cancelled", "user asked")
-    assert p.fake.msg_ids(job_events("job-g2")) == ["g2:cancelled"]
+    # Reported after the record is on disk: waited for, not raced.
+    await until(lambda: p.fake.msg_ids(job_events("job-g2")) == ["g2:end"])
     p.launch.finish.set()
     await p.all_done()
     assert p.launch.spawned == ["g1"]
@@ -112,6 +113,73 @@ async def test_a_cancel_recorded_before_the_grant_means_it_never_starts(tmp_path
     outcome = p.record("g1").outcome
     assert outcome is not None
     assert (outcome.state, outcome.reason) == ("cancelled", "cancelled earlier")
+
+
+async def test_a_cancel_naming_a_grant_stops_that_grant_alone(tmp_path: Path) -> None:
+    # A job lost with its node and retried: its old grant is stopped when the node is back,
+    # its new grant on the same node runs on.
+    p = Parts(tmp_path, max_jobs=1)
+    for grant_id in ("j-1", "j-2"):
+        rec = st.received(grant(grant_id, "j"))
+        assert p.store.create(rec)
+        p.runner.launch(rec)
+    await until(lambda: p.launch.running == 1)
+    assert p.runner.cancel("j", "lost: node cut off", grant_id="j-2") == 1
+    await until(lambda: p.record("j-2").phase == "finished")
+    p.launch.finish.set()
+    await p.all_done()
+    assert p.launch.spawned == ["j-1"]
+    ended = {g: p.record(g).outcome for g in ("j-1", "j-2")}
+    assert {g: (o.state, o.told) if o else None for g, o in ended.items()} == {
+        "j-1": ("succeeded", False),
+        "j-2": ("cancelled", False),
+    }
+
+
+async def test_a_grant_placement_gave_up_ends_told(tmp_path: Path) -> None:
+    # Running, then given up (placement lost it with its node): its end is marked told, so
+    # the reporter sends it to placement alone; a mark saying so does the same for one queued.
+    p = Parts(tmp_path, max_jobs=1)
+    p.start("g1")
+    await until(lambda: p.launch.running == 1)
+    assert p.runner.cancel("job-g1", "lost: node cut off", "g1", given_up=True) == 1
+    p.store.mark_cancel("job-g2", "lost: node cut off", "g2", given_up=True)
+    p.start("g2")
+    await until(lambda: p.record("g1").phase == "finished")
+    await until(lambda: p.record("g2").phase == "finished")
+    await p.all_done()
+    for grant_id in ("g1", "g2"):
+        outcome = p.record(grant_id).outcome
+        assert outcome is not None
+        assert (outcome.state, outcome.told) == ("cancelled", True)
+    assert p.fake.msg_ids(job_events("job-g1")) == ["g1:running"]
+    assert p.fake.msg_ids(job_events("job-g2")) == []
+    assert sorted(p.fake.msg_ids(node_status(NODE))) == [
+        "g1:cancelled",
+        "g1:running",
+        "g2:cancelled",
+    ]
+
+
+async def test_a_cancel_mark_naming_a_grant_keeps_the_jobs_other_grants(tmp_path: Path) -> None:
+    p = Parts(tmp_path, max_jobs=1)
+    p.store.mark_cancel("j", "lost: node cut off", grant_id="j-1")
+    assert p.store.cancel_mark("j") is not None
+    assert p.store.cancel_mark("j", "j-1") is not None
+    assert p.store.cancel_mark("j", "j-2") is None
+    for grant_id in ("j-1", "j-2"):
+        rec = st.received(grant(grant_id, "j"))
+        assert p.store.create(rec)
+        p.runner.launch(rec)
+    p.launch.finish.set()
+    await p.all_done()
+    assert p.launch.spawned == ["j-2"]
+    outcome = p.record("j-1").outcome
+    assert outcome is not None
+    assert (outcome.state, outcome.reason) == ("cancelled", "lost: node cut off")
+    # A mark naming no grant (a job cancelled before placement gave it one) stops them all.
+    p.store.mark_cancel("k", "user asked")
+    assert p.store.cancel_mark("k", "k-7") is not None
 
 
 async def test_a_spawn_error_fails_the_job_and_frees_its_slot(tmp_path: Path) -> None:

@@ -95,7 +95,7 @@ async def test_a_finished_unreported_record_is_reported_again_under_its_ids(
     p = Parts(tmp_path)
     await p.reconcile(DONE, st.reported(st.finished(st.received(grant("g0")), OK)))
     assert p.fake.msg_ids(node_status(NODE)) == ["g1:succeeded"]  # g0 was settled already
-    assert p.fake.msg_ids(job_events("job-g1")) == ["g1:succeeded"]
+    assert p.fake.msg_ids(job_events("job-g1")) == ["g1:end"]
     assert p.store.unsettled() == []
     assert p.launch.spawned == []
 
@@ -173,4 +173,4 @@ async def test_a_starting_record_without_pid_finds_its_processes_by_env(tmp_path
         child.kill()
         child.wait()
     assert (p.outcome(grant_id).state, p.outcome(grant_id).reason) == ("lost", RESTARTED)
-    assert p.fake.msg_ids(job_events("job-1")) == [f"{grant_id}:lost"]
+    assert p.fake.msg_ids(job_events("job-1")) == [f"{grant_id}:end"]

@@ -85,10 +85,20 @@ async def test_both_reports_carry_the_grant_and_state_as_msg_id(tmp_path: Path) 
     rec = finished("g1", st.Outcome(state="failed", exit_code=2, reason="exit code 2"))
     assert await reporter(tmp_path, fake, asyncio.Event()).report(rec)
     assert fake.msg_ids(node_status(NODE)) == ["g1:failed"]
-    assert fake.msg_ids(job_events("job-g1")) == ["g1:failed"]
+    assert fake.msg_ids(job_events("job-g1")) == ["g1:end"]
     by_subject = {subject: payload for subject, payload, _ in fake.published}
     assert status_decoder.decode(by_subject[node_status(NODE)]).exit_code == 2
     assert isinstance(event_decoder.decode(by_subject[job_events("job-g1")]), Failed)
+
+
+async def test_an_end_placement_was_told_of_first_goes_to_placement_alone(tmp_path: Path) -> None:
+    # A job placement gave up with its node (lost), stopped here once the node was back: the
+    # status frees what its grant held; the job's events keep the one outcome they have.
+    fake = FakeJetStream()
+    told = st.Outcome(state="cancelled", reason="lost: node cut off", told=True)
+    assert await reporter(tmp_path, fake, asyncio.Event()).report(finished("g1", told))
+    assert fake.msg_ids(node_status(NODE)) == ["g1:cancelled"]
+    assert fake.msg_ids(job_events("job-g1")) == []
 
 
 async def test_a_failed_publish_is_retried_while_serving(tmp_path: Path) -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from gpulayer_contracts.events import GangRank, Grant
+from gpulayer_contracts.jobenv import EnvRefused, grant_environment
 from gpulayer_contracts.jobs import Distributed, JobRequest, rank_job_id
-from gpulayer_executor.env import EnvRefused, job_environment
 from gpulayer_executor.gang import (
     LaunchRefused,
     find_torchrun,
@@ -45,7 +45,7 @@ def rank_grant(
 
 
 def test_a_rank_gets_the_rendezvous_and_the_distributed_job_id() -> None:
-    env = job_environment(rank_grant(), BASE)
+    env = grant_environment(rank_grant(), BASE)
     assert {k: env[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK")} == {
         "MASTER_ADDR": "10.0.0.5",
         "MASTER_PORT": "29500",
@@ -60,7 +60,7 @@ def test_a_rank_gets_the_rendezvous_and_the_distributed_job_id() -> None:
 
 
 def test_without_a_launcher_one_process_per_node_is_its_rank() -> None:
-    env = job_environment(rank_grant(launcher=None, nproc=1), BASE)
+    env = grant_environment(rank_grant(launcher=None, nproc=1), BASE)
     assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == ("1", "0", "2")
 
 
@@ -71,7 +71,7 @@ def test_a_grant_without_gang_gets_no_rendezvous() -> None:
         node_id="n",
         accelerator="cpu",
     )
-    env = job_environment(grant, BASE)
+    env = grant_environment(grant, BASE)
     assert env["MASTER_ADDR"] == "localhost"  # the job's own: it is no distributed job
     assert "WORLD_SIZE" not in env
     assert "NODE_RANK" not in env
@@ -79,7 +79,7 @@ def test_a_grant_without_gang_gets_no_rendezvous() -> None:
 
 def test_a_rank_may_not_set_the_rendezvous_itself() -> None:
     with pytest.raises(EnvRefused, match="WORLD_SIZE is set by gpulayer"):
-        job_environment(rank_grant(env={"WORLD_SIZE": "8"}), BASE)
+        grant_environment(rank_grant(env={"WORLD_SIZE": "8"}), BASE)
 
 
 def test_torchrun_argv_is_the_static_rendezvous() -> None:

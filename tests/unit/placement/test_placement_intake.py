@@ -3,13 +3,16 @@ rule that new jobs are placed inline only while the scheduler is idle."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime
 from typing import Any, cast
 
 from nats.aio.msg import Msg
 from tests.unit.placement.placement_fakes import FakeConn, FakeJetStream, cpu_node, fake_scheduler
 
+from gpulayer_placement.dead_letters import MAX_DELIVER
 from gpulayer_placement.intake import Intake
+from gpulayer_placement.loops import handle_batch
 from gpulayer_placement.wake import Wake
 
 
@@ -128,3 +131,81 @@ async def test_a_dependency_a_pass_skipped_while_intake_held_it_is_looked_at_aga
     await intake.ingest([submit(b'{"job_id": "b", "command": ["true"], "after": ["a"]}')])
     assert "dependency_states" in conn.names()
     assert wake.capacity_changed  # asked again after the commit
+
+
+class OnceConn(FakeConn):
+    """``insert_jobs`` stores the ids once: asked again, they are known."""
+
+    async def fetch(self, sql: str, *args: Any) -> list[dict[str, Any]]:
+        rows = await super().fetch(sql, *args)
+        if self.calls[-1][0] == "insert_jobs":
+            self.rows["insert_jobs"] = []
+        return rows
+
+
+async def test_jobs_a_failed_batch_stored_are_announced_when_retried_one_by_one() -> None:
+    # The batch stores both jobs, then fails before announcing them (here: the events' publish
+    # raises). handle_batch retries its messages one at a time, on their first delivery still:
+    # each job is known by then, and must be announced, not taken for a repeated submit.
+    young = [{"job_id": j, "age_s": 0.1} for j in ("a", "b")]
+    conn = OnceConn({"insert_jobs": [{"job_id": "a"}, {"job_id": "b"}], "job_ages": young})
+    intake, wake, js = build(conn)
+    wake.capacity()  # a pass is due: no inline placement, the events alone are published
+    real = intake.publisher.publish_events
+    failures = [RuntimeError("nats: connection closed")]
+
+    async def publish_events(events: Any) -> bool:
+        if failures:
+            raise failures.pop()
+        return await real(events)
+
+    intake.publisher.publish_events = publish_events  # type: ignore[method-assign]
+    msgs = [submit(b'{"job_id": "a", "command": ["true"]}')]
+    msgs.append(submit(b'{"job_id": "b", "command": ["true"]}'))
+    await handle_batch(asyncio.Event(), list(msgs), intake.ingest, None)
+    assert sorted(h["Nats-Msg-Id"] for _, _, h in js.sent) == ["a:accepted", "b:accepted"]
+    assert all(m.acked for m in msgs)
+    # Announced: a later submit of the same id is a repeat again, acked without an event.
+    again = submit(b'{"job_id": "a", "command": ["true"]}')
+    await intake.ingest([again])
+    assert again.acked
+    assert len(js.sent) == 2
+
+
+class LastDelivery(AckedMsg):
+    """A submit JetStream delivers for the last time (MAX_DELIVER): a nak would drop it."""
+
+    nakked = False
+
+    async def nak(self, delay: float | None = None) -> None:
+        self.nakked = True
+
+    async def in_progress(self) -> None:
+        pass
+
+
+async def test_a_submit_on_its_last_delivery_waits_for_nats_to_store_its_announcement() -> None:
+    # JOB_EVENTS has no leader for a moment (a NATS server went away): the announcement
+    # can't be stored. The message is not nak'ed into oblivion: it is held and announced once
+    # NATS stores again (the fault run lost an accepted event so).
+    young = [{"job_id": "a", "age_s": 0.1}]
+    conn = OnceConn({"insert_jobs": [{"job_id": "a"}], "job_ages": young})
+    intake, wake, js = build(conn)
+    wake.capacity()
+    real = js.publish_async
+    refusals = [RuntimeError("nats: no response from stream")] * 2
+
+    async def publish_async(subject: str, payload: bytes, headers: Any = None) -> Any:
+        if refusals:
+            raise refusals.pop()
+        return await real(subject, payload, headers)
+
+    js.publish_async = publish_async  # type: ignore[method-assign]
+    reply = f"$JS.ACK.JOBS.placement-jobs.{MAX_DELIVER}.7.7.1700000000000000000.0"
+    msg = LastDelivery(cast(Any, None), subject="gpulayer.jobs.submit", reply=reply)
+    msg.data = b'{"job_id": "a", "command": ["true"]}'
+    await handle_batch(asyncio.Event(), [msg], intake.ingest, None)
+    assert refusals == []
+    assert [h["Nats-Msg-Id"] for _, _, h in js.sent] == ["a:accepted"]
+    assert msg.acked
+    assert not msg.nakked

@@ -12,6 +12,8 @@ from nats.aio.msg import Msg
 from tests.unit.placement.placement_fakes import FakeConn, FakeJetStream, FakePool, gpu_node
 
 from gpulayer_contracts import Heartbeat, encode
+from gpulayer_contracts.codec import cancel_decoder
+from gpulayer_contracts.subjects import MSG_ID_HEADER, node_control
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.lifecycle import Lifecycle
 from gpulayer_placement.liveness import Liveness
@@ -46,8 +48,10 @@ def beat(node: str, source: str | None = None) -> Msg:
 
 
 async def test_reaper_takes_only_silent_nodes_offline_and_loses_their_jobs() -> None:
-    lost = [{"job_id": "victim", "node_id": "silent", "owner": "alice"}]
-    conn = FakeConn({"lose_node_jobs": lost, "load_holds": []})
+    lost = [{"job_id": "victim", "node_id": "silent", "grant_id": "victim-1", "owner": "alice"}]
+    # What the job held moved to a fence (lose_node_jobs): the database still holds device 0.
+    fence = {"kind": "device", "job_id": None, "node_id": "silent", "resource": "exclusive"}
+    conn = FakeConn({"lose_node_jobs": lost, "load_holds": [{**fence, "amount": 0}]})
     liveness, fleet, wake, js = build(conn)
     fleet.upsert(gpu_node("silent", 1))
     fleet.upsert(gpu_node("beating", 1))
@@ -57,17 +61,23 @@ async def test_reaper_takes_only_silent_nodes_offline_and_loses_their_jobs() -> 
     assert conn.names()[:3] == ["set_offline", "lose_node_jobs", "SELECT pg_notify($1, $2)"]
     assert conn.calls[0][1] == (["silent"],)
     assert conn.calls[2][1] == ("gpulayer_allocations", "replica-1|silent")
-    # Its holds come from the database again (none left), for that node only.
+    # Its holds come from the database again, for that node only: the fenced device stays held.
     assert conn.calls[3] == ("load_holds", (["silent"],))
     silent, beating = fleet.get("silent"), fleet.get("beating")
     assert silent is not None
     assert beating is not None
     assert not silent.online
-    assert silent.exclusive == frozenset()
+    assert silent.exclusive == frozenset({0})
     assert beating.online
-    ((subject, data, _),) = js.sent
-    assert subject == "gpulayer.job.alice.victim.events"
-    assert b'"lost"' in data
+    (event, cancel) = js.sent
+    # The job's outcome, named as the executor names a grant's end: one of the two is kept.
+    assert event[0] == "gpulayer.job.alice.victim.events"
+    assert b'"lost"' in event[1]
+    assert event[2][MSG_ID_HEADER] == "victim-1:end"
+    # The node is asked to stop it (when it is back), placement having given it up.
+    assert cancel[0] == node_control("silent")
+    stop = cancel_decoder.decode(cancel[1])
+    assert (stop.job_id, stop.grant_id, stop.given_up) == ("victim", "victim-1", True)
     assert wake.capacity_changed
 
 

@@ -56,7 +56,7 @@ async def test_broken_and_hanging_probes_become_notes(monkeypatch) -> None:  # t
     good = Finding("good", frameworks={"numpy": "2.0.0"})
     started = time.monotonic()
     findings = await collect(CTX, [Broken(), Fixed("good", good), Hangs()])
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 30  # cut off at the guard, not hung (room for load)
     caps = build_capabilities("n1", findings)
     assert caps.frameworks == {"numpy": "2.0.0"}
     assert any(n.startswith("broken: probe failed: RuntimeError") for n in caps.notes)

@@ -96,6 +96,10 @@ class CancelJob(Wire, frozen=True):
     # The grant being cancelled: placement's signature binds the cancel to it. Empty from a
     # placement older than signing (whose cancels an executor that requires signatures refuses).
     grant_id: str = ""
+    # Placement has ended this grant's job already (``lost`` with its node, which was cut off
+    # rather than down): stop it, and report its end to placement alone (which frees what the
+    # grant held there); the job's outcome was told.
+    given_up: bool = False
 
 
 class LogLine(Wire, frozen=True):

@@ -57,6 +57,14 @@ API_VERBS += (API_QUOTA,)
 # Header names. Nats-Msg-Id is JetStream's own dedupe header.
 MSG_ID_HEADER = "Nats-Msg-Id"
 
+
+def end_msg_id(grant_id: str) -> str:
+    """The ``Nats-Msg-Id`` of a grant's end on its job's events, whoever reports it: the
+    executor (the job's own end) or placement (``lost`` with its node). Of the two, JetStream
+    keeps the first stored (within the stream's duplicate window): one outcome per grant."""
+    return f"{grant_id}:end"
+
+
 # A dead letter carries the original body and headers, plus these (docs/operations.md, "Dead
 # letters"). The original's Nats-Msg-Id moves to DLQ_MSG_ID_HEADER: the entry's own id is
 # ``<stream>:<sequence>``, so dead-lettering one message twice keeps one entry.

@@ -46,7 +46,12 @@ def preferred_port(port: int, host: str = "127.0.0.1") -> int:
 
 
 def _wait_for_port(
-    port: int, proc: subprocess.Popen[bytes], what: str, log: Path, timeout: float
+    port: int,
+    proc: subprocess.Popen[bytes],
+    what: str,
+    log: Path,
+    timeout: float,
+    host: str = "127.0.0.1",
 ) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -56,7 +61,7 @@ def _wait_for_port(
             )
         with (
             contextlib.suppress(OSError),
-            socket.create_connection(("127.0.0.1", port), timeout=0.2),
+            socket.create_connection((host, port), timeout=0.2),
         ):
             return
         time.sleep(0.02)
@@ -118,11 +123,15 @@ class EmbeddedNats:
         auth_conf: Path | None = None,
         tls: NatsTls | None = None,
         cluster: ClusterMember | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
+        # The address clients reach it on: loopback, or a test's own link to a network
+        # namespace (tests/faults: a node cut off). Routes between servers stay on loopback.
+        self.host = host
         # Absolute: the servers change their working directory (PostgreSQL into its data
         # directory), so a relative socket or lock path would point elsewhere.
         self.data_dir = Path(data_dir).absolute()
-        self.port = port or free_port()
+        self.port = port or free_port(host)
         self.monitor_port = monitor_port or free_port()
         self.auth_conf = auth_conf
         self.tls = tls
@@ -131,7 +140,7 @@ class EmbeddedNats:
 
     @property
     def url(self) -> str:
-        return f"{'tls' if self.tls else 'nats'}://127.0.0.1:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://{self.host}:{self.port}"
 
     def _config_file(self) -> Path | None:
         if self.auth_conf is None and self.tls is None:
@@ -159,7 +168,7 @@ class EmbeddedNats:
         log = self.data_dir / "nats-server.log"
         argv = [
             nats_server_binary(),
-            "-a", "127.0.0.1",
+            "-a", self.host,
             "-p", str(self.port),
             "-m", str(self.monitor_port),
             "-js",
@@ -177,7 +186,7 @@ class EmbeddedNats:
         if (conf := self._config_file()) is not None:
             argv += ["-c", str(conf)]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _wait_for_port(self.port, self.proc, "nats-server", log, timeout)
+        _wait_for_port(self.port, self.proc, "nats-server", log, timeout, self.host)
         return self
 
     def kill(self) -> None:
@@ -222,6 +231,7 @@ class EmbeddedNatsCluster:
         *,
         auth_conf: Path | None = None,
         name: str = "gpulayer",
+        host: str = "127.0.0.1",
     ) -> None:
         route_ports = [free_port() for _ in range(size)]
         self.servers = [
@@ -234,6 +244,7 @@ class EmbeddedNatsCluster:
                     port=route_ports[i],
                     route_ports=[p for j, p in enumerate(route_ports) if j != i],
                 ),
+                host=host,
             )
             for i in range(size)
         ]

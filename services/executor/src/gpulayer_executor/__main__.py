@@ -17,8 +17,9 @@ from typing import Any
 import msgspec
 
 from gpulayer_contracts.bounds import MAX_EXECUTOR_SLOTS, MAX_JOB_CPU_CORES, MAX_JOB_MEMORY_GB
+from gpulayer_contracts.jobenv import base_environment
 from gpulayer_executor import users
-from gpulayer_executor.env import RunAs, base_environment
+from gpulayer_executor.env import RunAs
 from gpulayer_executor.limits import MAX_PIDS
 from gpulayer_executor.service import ExecutorConfig
 from gpulayer_runtime.nats import connect, wait_for_streams

@@ -4,7 +4,10 @@ The job's folder (``<workdir>/jobs/<grant>``) is its working directory, private 
 from its creation, kept with the job's record after the end. Inside it, ``tmp`` is the job's
 ``TMPDIR``: private too, and taken away at the job's end, so nothing a job (or a tool it runs,
 such as torchrun's log folders) leaves in temporary files stays on the node or is seen by
-another job.
+another job. A TMPDIR with files in it is first moved out of the job's folder into the
+executor's own ``<workdir>/trash`` (one rename) and removed from there behind the end report:
+once the end is reported, the job's folder is whole and final, never half-removed under
+someone reading it (a user's script, a test walking it).
 """
 
 from __future__ import annotations
@@ -53,12 +56,36 @@ def prepare_job_dir(cwd: Path, run_as: RunAs | None) -> None:
         os.close(fd)
 
 
-def clear_scratch(cwd: Path) -> asyncio.Future[None] | None:
+def empty_trash(trash: Path) -> asyncio.Future[None] | None:
+    """The removal, in a thread, of what an earlier run left in the executor's trash folder
+    (stopped in the middle of a removal): None when there is nothing."""
+    try:
+        left = list(trash.iterdir())
+    except FileNotFoundError:
+        return None
+    if not left:
+        return None
+    loop = asyncio.get_running_loop()
+    return loop.run_in_executor(None, functools.partial(_remove_all, left))
+
+
+def _remove_all(paths: list[Path]) -> None:
+    for path in paths:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+
+def clear_scratch(cwd: Path, trash: Path) -> asyncio.Future[None] | None:
     """Take the job's TMPDIR away: when empty (most jobs), one ``rmdir``. Else it is renamed
-    out of the way at once and removed in a thread behind the job's end report, so a job that
-    left a million files doesn't hold its report (and so its devices) for the walk; the walk
-    never follows a link (``shutil.rmtree`` on Linux works through descriptors). Returns that
-    removal, for whoever wants to wait for it (None: nothing left to remove)."""
+    into ``trash`` (the executor's, on the same file system) at once and removed from there in
+    a thread behind the job's end report, so a job that left a million files doesn't hold its
+    report (and so its devices) for the walk, and nobody reading the job's folder after its
+    end sees a half-removed one. The walk never follows a link (``shutil.rmtree`` on Linux
+    works through descriptors). Returns that removal, for whoever wants to wait for it (None:
+    nothing left to remove)."""
     scratch = scratch_dir(cwd)
     try:
         scratch.rmdir()
@@ -67,10 +94,13 @@ def clear_scratch(cwd: Path) -> asyncio.Future[None] | None:
         return None
     except OSError:
         pass
-    gone = cwd / f".tmp-removed-{time.time_ns()}"
+    gone = trash / f"{cwd.name}-{time.time_ns()}"
     try:
         os.rename(scratch, gone)  # the entry itself: a link the job put there moves as a link
     except OSError:
-        gone = scratch
+        # No trash to move it to (removed under the executor): removed in place, before the
+        # report, so the job's folder is still final when its end is known.
+        _remove_all([scratch])
+        return None
     loop = asyncio.get_running_loop()
-    return loop.run_in_executor(None, functools.partial(shutil.rmtree, gone, ignore_errors=True))
+    return loop.run_in_executor(None, functools.partial(_remove_all, [gone]))

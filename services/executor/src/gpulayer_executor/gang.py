@@ -1,7 +1,7 @@
 """How a rank of a distributed job is started: its argv. Pure but for looking up torchrun.
 
 Without a launcher the job's command runs once on the node, its rendezvous in the environment
-(``env.job_environment``). With ``launcher = "torchrun"`` the command runs under torchrun with
+(``contracts.jobenv``). With ``launcher = "torchrun"`` the command runs under torchrun with
 a **static** rendezvous: placement already knows every rank, which node is rank 0 and the port
 reserved there, so each node is told its ``--node-rank`` and rank 0's address outright; c10d's
 dynamic rendezvous (nodes joining, ranks assigned on arrival, elastic sizes) would buy nothing

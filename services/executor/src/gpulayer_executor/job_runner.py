@@ -21,17 +21,11 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from gpulayer_contracts.events import Grant
+from gpulayer_contracts.jobenv import DEFAULT_PATH, EnvRefused, grant_device_env, grant_environment
 from gpulayer_executor import state as st
 from gpulayer_executor.cgroups import Hierarchy
 from gpulayer_executor.config import ExecutorConfig
-from gpulayer_executor.env import (
-    DEFAULT_PATH,
-    EnvRefused,
-    RunAs,
-    account_env,
-    device_env,
-    job_environment,
-)
+from gpulayer_executor.env import RunAs, account_env
 from gpulayer_executor.folders import clear_scratch, prepare_job_dir, scratch_dir
 from gpulayer_executor.gang import LaunchRefused, job_argv
 from gpulayer_executor.limits import JobLimits, NvidiaNodes, job_limits
@@ -117,6 +111,9 @@ class JobRunner:
         self._devices = NvidiaNodes(config.device_dir)
         self._slots = asyncio.Semaphore(config.max_jobs)
         self._jobs: dict[str, Job] = {}
+        # Grants placement gave up (lost with their node) being stopped: their end is told to
+        # placement alone (Outcome.told).
+        self._told: set[str] = set()
 
     @property
     def hierarchy(self) -> Hierarchy | None:
@@ -138,9 +135,19 @@ class JobRunner:
         self._jobs[rec.grant_id] = job
         job.task = asyncio.create_task(self._job_life(job), name=f"job-{rec.job_id}-{rec.grant_id}")
 
-    def cancel(self, job_id: str, reason: str) -> int:
-        """Stop every grant of the job held here (queued ones never start); how many."""
-        jobs = [j for j in self._jobs.values() if j.rec.job_id == job_id]
+    def cancel(
+        self, job_id: str, reason: str, grant_id: str = "", *, given_up: bool = False
+    ) -> int:
+        """Stop every grant of the job held here, or only ``grant_id`` when given (queued ones
+        never start); how many. ``given_up``: placement ended the job already (its end is then
+        reported to placement alone)."""
+        jobs = [
+            j
+            for j in self._jobs.values()
+            if j.rec.job_id == job_id and grant_id in ("", j.rec.grant_id)
+        ]
+        if given_up:
+            self._told.update(j.rec.grant_id for j in jobs)
         for job in jobs:
             job.request_stop(StopRequest(state="cancelled", reason=reason))
         return len(jobs)
@@ -205,8 +212,11 @@ class JobRunner:
 
     async def _queued_then_run(self, job: Job) -> st.Outcome | None:
         """The outcome to report, or None when the job stays queued for the next run."""
-        mark = self._store.cancel_mark(job.rec.job_id)  # a stat, and a small read if marked
+        # A stat, and a small read if marked.
+        mark = self._store.cancel_mark(job.rec.job_id, job.rec.grant_id)
         if mark is not None:
+            if mark.given_up:
+                self._told.add(job.rec.grant_id)
             job.request_stop(StopRequest(state="cancelled", reason=mark.reason))
         if not await self._acquire_slot(job):
             request = job.stop.result()
@@ -231,16 +241,16 @@ class JobRunner:
         if run_as is not None:
             base.update(account_env(run_as, cwd))
         try:
-            env = job_environment(grant, base)
+            env = grant_environment(grant, base)
         except EnvRefused as err:
             log.warning("job %s refused: %s", grant.job.job_id, err, extra=self._ctx(job.rec))
             return st.Outcome(state="failed", reason=str(err))
-        if grant.visible_env and grant.visible_env != device_env(grant):
+        if grant.visible_env and grant.visible_env != grant_device_env(grant):
             log.warning(
                 "grant %s: placement's visible_env %s differs from the rule's %s; using the rule",
                 grant.grant_id,
                 grant.visible_env,
-                device_env(grant),
+                grant_device_env(grant),
             )
         return env
 
@@ -349,8 +359,10 @@ class JobRunner:
 
     async def _adopted_life(self, job: Job, run: Path) -> None:
         try:
-            mark = self._store.cancel_mark(job.rec.job_id)
+            mark = self._store.cancel_mark(job.rec.job_id, job.rec.grant_id)
             if mark is not None:  # cancelled while the executor was down
+                if mark.given_up:
+                    self._told.add(job.rec.grant_id)
                 job.request_stop(StopRequest(state="cancelled", reason=mark.reason))
             # A slot, as when it started (not waiting on a stop: the job runs already).
             await self._slots.acquire()
@@ -389,6 +401,9 @@ class JobRunner:
         return job_limits(grant, pids_max=self._config.job_pids_max, nodes=nodes)
 
     async def _finish(self, job: Job, outcome: st.Outcome) -> None:
+        if self._told and job.rec.grant_id in self._told:
+            self._told.discard(job.rec.grant_id)
+            outcome = msgspec.structs.replace(outcome, told=True)
         await self._save(job, st.finished(job.rec, outcome))
         if self._tel.enabled:
             trace_job(self._tel, self._node_id, job, outcome)
@@ -400,9 +415,9 @@ class JobRunner:
             f": {outcome.reason}" if outcome.reason else "",
             extra=self._ctx(job.rec),
         )
-        # Before the end is reported: once it is, the job's TMPDIR is gone (what it held may
-        # still be being removed, behind the report).
-        clear_scratch(self._store.job_dir(job.rec.grant_id))
+        # Before the end is reported: once it is, the job's TMPDIR is gone from its folder (what
+        # it held may still be being removed from the trash, behind the report).
+        clear_scratch(self._store.job_dir(job.rec.grant_id), self._store.trash_dir)
         await self._reporter.report_finished(job.rec)
 
 

@@ -67,7 +67,7 @@ def cpu_quota_us(cores: float) -> int | None:
 
 def allowed_nvidia(grant: Grant) -> frozenset[int]:
     """The ``/dev/nvidia<N>`` a job may open: its granted CUDA devices when its sandbox grants
-    GPU compute, as the visibility variables say (``env.device_env``); none otherwise."""
+    GPU compute, as the visibility variables say (``jobenv.grant_device_env``); none otherwise."""
     if grant.accelerator != "cuda" or grant.job.sandbox.devices.gpu != "compute":
         return frozenset()
     return frozenset(grant.devices)

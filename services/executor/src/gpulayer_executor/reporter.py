@@ -1,8 +1,8 @@
 """Reporting a grant's state: a ``JobStatus`` to placement and the job event to its user.
 
-Both carry ``Nats-Msg-Id`` = ``<grant id>:<state>``, so a repeated report (a retry, or the
-next start reporting again what a crash left unconfirmed) is dropped by JetStream within its
-duplicate window.
+Both carry a ``Nats-Msg-Id`` (``<grant id>:<state>``; a job event of the grant's end,
+``<grant id>:end``), so a repeated report (a retry, or the next start reporting again what a
+crash left unconfirmed) is dropped by JetStream within its duplicate window.
 """
 
 from __future__ import annotations
@@ -23,7 +23,13 @@ from gpulayer_contracts.events import (
     Running,
     Succeeded,
 )
-from gpulayer_contracts.subjects import MSG_ID_HEADER, job_events, node_status, valid_owner
+from gpulayer_contracts.subjects import (
+    MSG_ID_HEADER,
+    end_msg_id,
+    job_events,
+    node_status,
+    valid_owner,
+)
 from gpulayer_executor import state as st
 from gpulayer_executor.writer import DurableWriter
 
@@ -123,15 +129,37 @@ class Reporter:
 
     async def report(self, rec: st.GrantRecord) -> bool:
         """Publish the record's state to placement and to the job's events. True when both
-        were stored; False leaves the record unreported for the next start to retry."""
+        were stored; False leaves the record unreported for the next start to retry.
+
+        A grant's end event is named ``<grant>:end``, as placement names the ``lost`` of a job
+        it gave up with its node: whichever is stored first is the job's one outcome (within
+        the stream's duplicate window). An end placement was told of first (``told``) goes
+        to placement alone."""
         status, event = status_for(rec, self._node_id)
         msg_id = f"{rec.grant_id}:{status.state}"
+        to_status = self._publish(node_status(self._node_id), encode(status), msg_id)
+        if rec.outcome is not None and rec.outcome.told:
+            return await to_status
+        event_id = msg_id if rec.outcome is None else end_msg_id(rec.grant_id)
         # Independent streams: both in flight at once, one round trip instead of two.
         to_placement, to_user = await asyncio.gather(
-            self._publish(node_status(self._node_id), encode(status), msg_id),
-            self._publish(job_events(rec.job_id, event.owner), encode(event), msg_id),
+            to_status,
+            self._publish(job_events(rec.job_id, event.owner), encode(event), event_id),
         )
         return to_placement and to_user
+
+    async def report_never_came(self, job_id: str, grant_id: str, reason: str) -> bool:
+        """To placement alone: a grant it gave up never reached this node, and never runs
+        here. What placement kept fenced for it is free."""
+        status = JobStatus(
+            job_id=job_id,
+            grant_id=grant_id,
+            node_id=self._node_id,
+            state="cancelled",
+            reason=reason,
+        )
+        msg_id = f"{grant_id}:cancelled"
+        return await self._publish(node_status(self._node_id), encode(status), msg_id)
 
     async def report_finished(self, rec: st.GrantRecord) -> None:
         """Report a finished record; once both streams stored it, mark it ``reported`` (in the

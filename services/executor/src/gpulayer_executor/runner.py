@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 # by a process we could not find) before we read what they hold and close them.
 PIPE_DRAIN_S = 0.5
 
-# Set in every job's environment (env.job_environment); inherited by whatever the job starts.
+# Set in every job's environment (gpulayer_contracts.jobenv); inherited by whatever the job starts.
 MARKER = "GPULAYER_GRANT_ID"
 
 

@@ -26,6 +26,7 @@ from gpulayer_contracts.subjects import node_heartbeat
 from gpulayer_executor import cgroups
 from gpulayer_executor import state as st
 from gpulayer_executor.config import ExecutorConfig
+from gpulayer_executor.folders import empty_trash
 from gpulayer_executor.intake import GrantIntake
 from gpulayer_executor.job_runner import JobRunner
 from gpulayer_executor.reconcile import Reconciler
@@ -111,12 +112,15 @@ class Executor:
             verifier=_verifier(config),
         )
         self._side_tasks: list[asyncio.Task[None]] = []
+        self._trash_removal: asyncio.Future[None] | None = None
         self.ready = asyncio.Event()  # set once reconciled and consuming
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set, then shut down (see docs/executor.md, "Stopping")."""
         if self.fork_server is not None:
             self.fork_server.start()
+        # Leftovers of a removal an earlier run did not finish go in a thread meanwhile.
+        self._trash_removal = empty_trash(self.store.trash_dir)
         await self.intake.subscribe()
         await self.reconciler.reconcile()
         self._side_tasks = [

@@ -55,6 +55,9 @@ class Outcome(msgspec.Struct, frozen=True, kw_only=True):
     signal: int | None = None
     reason: str | None = None
     at: datetime = msgspec.field(default_factory=utcnow)
+    # Placement gave the job up before it ended here (lost with its node): the end goes to
+    # placement alone, the job's events already have its outcome.
+    told: bool = False
 
 
 class ProcessInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -131,6 +134,14 @@ class CancelMark(msgspec.Struct, frozen=True, kw_only=True):
     job_id: str
     reason: str
     at: datetime = msgspec.field(default_factory=utcnow)
+    # The grant the cancel named: a job lost with its node and retried may come back to this
+    # node under a new grant, which the old grant's stop must not touch. "": every grant.
+    grant_id: str = ""
+    # Placement gave the grant up (CancelJob.given_up).
+    given_up: bool = False
+
+    def applies_to(self, grant_id: str) -> bool:
+        return self.grant_id in ("", grant_id)
 
 
 _record_decoder = msgspec.json.Decoder(GrantRecord)
@@ -192,7 +203,8 @@ def _private_dir(path: Path) -> None:
 
 
 class StateStore:
-    """Grant records and cancel marks in ``root/state.db``; job folders under ``root/jobs``.
+    """Grant records and cancel marks in ``root/state.db``; job folders under ``root/jobs``
+    (their TMPDIRs removed through ``root/trash``).
 
     Thread-safe: one connection behind a lock (callers write from a thread, so the event loop
     doesn't wait for an fsync). Every write commits with ``synchronous=FULL``: on disk before
@@ -209,6 +221,10 @@ class StateStore:
         self.run_dir = self.root / "run"
         with contextlib.suppress(FileExistsError):
             self.run_dir.mkdir(mode=0o700)
+        # What jobs left in their TMPDIR, moved out of their folders to be removed (folders.py).
+        self.trash_dir = self.root / "trash"
+        with contextlib.suppress(FileExistsError):
+            self.trash_dir.mkdir(mode=0o700)
         self.db_path = self.root / "state.db"
         # Grants hold the jobs' env, which may carry secrets: only the executor reads them. The
         # file is created 0600 before SQLite opens it, and SQLite gives the WAL and
@@ -331,17 +347,21 @@ class StateStore:
             )
             return self._decoded(rows.fetchall())
 
-    def mark_cancel(self, job_id: str, reason: str) -> None:
-        """Remember a cancel (durably) so that a grant for the job arriving later never starts."""
+    def mark_cancel(
+        self, job_id: str, reason: str, grant_id: str = "", *, given_up: bool = False
+    ) -> None:
+        """Remember a cancel (durably) so that a grant for the job arriving later never starts
+        (only ``grant_id``, when the cancel named one)."""
         if not re.fullmatch(JOB_ID_PATTERN, job_id):
             return
-        mark = CancelMark(job_id=job_id, reason=reason)
+        mark = CancelMark(job_id=job_id, reason=reason, grant_id=grant_id, given_up=given_up)
         self._write(
             "INSERT OR REPLACE INTO cancels (job_id, record, at) VALUES (?, ?, ?)",
             (job_id, _encoder.encode(mark), mark.at.timestamp()),
         )
 
-    def cancel_mark(self, job_id: str) -> CancelMark | None:
+    def cancel_mark(self, job_id: str, grant_id: str | None = None) -> CancelMark | None:
+        """The job's cancel mark; with ``grant_id``, only one that applies to that grant."""
         with self._lock:
             row = self._db.execute(
                 "SELECT record FROM cancels WHERE job_id = ?", (job_id,)
@@ -349,9 +369,10 @@ class StateStore:
         if row is None:
             return None
         try:
-            return _cancel_decoder.decode(row[0])
+            mark = _cancel_decoder.decode(row[0])
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None
+        return mark if grant_id is None or mark.applies_to(grant_id) else None
 
     def prune(self, older_than_s: float) -> int:
         """Forget settled records, their job folders and cancel marks older than the limit.

@@ -39,7 +39,7 @@ from gpulayer_contracts.profiles import expand_profile
 from gpulayer_contracts.subjects import ANONYMOUS, JOBS_SUBMIT_ALL, owner_from_submit
 from gpulayer_placement import dependencies
 from gpulayer_placement.dead_letters import MAX_DELIVER, DeadLetters
-from gpulayer_placement.loops import consume
+from gpulayer_placement.loops import Unpublished, consume
 from gpulayer_placement.outcome import Outcome
 from gpulayer_placement.publisher import ANNOUNCE_AGAIN_WITHIN_S, Publisher
 from gpulayer_placement.scheduler import Scheduler
@@ -86,6 +86,7 @@ class Stored:
     outcome: Outcome | None = None
     epoch: int = 0
     locked: bool = False
+    announced: bool = False  # its accepted/rejected events were stored
 
 
 class Intake:
@@ -114,6 +115,11 @@ class Intake:
         self.dead = dead if dead is not None else DeadLetters(js, telemetry, max_payload)
         # The server's, from its INFO: a job whose grant would not fit it is refused.
         self.max_payload = max_payload
+        # Jobs a batch stored (committed) before it failed: not announced by it. The same
+        # messages come back on their first delivery still (handle_batch retries a failed
+        # batch one message at a time) and must announce them, not take them for known jobs
+        # submitted again (the fault run found such a job with no ``accepted`` event).
+        self._unannounced: set[str] = set()
 
     async def subscribe(self) -> JetStreamContext.PullSubscription:
         """The durable pull consumer on the JOBS work queue, every owner's submit subject."""
@@ -139,22 +145,39 @@ class Intake:
         """Store, announce and (when the scheduler is idle) place one batch, then ack it."""
         batch = self.read(msgs)
         stored = await self._store(batch)
+        try:
+            await self._announce_and_ack(msgs, batch, stored)
+        except BaseException:
+            if not stored.announced:
+                self._unannounced.update(stored.new)
+            raise
+
+    async def _announce_and_ack(self, msgs: list[Msg], batch: Batch, stored: Stored) -> None:
         events = await self._announcements(batch, stored.new)
         outcome = stored.outcome
         if outcome is not None:
             published = await self.publisher.publish_outcome(outcome, before=events)
+            unavailable = self.publisher.unavailable  # read before another task publishes
             await self.scheduler.gate.send_cancels(outcome)  # preemptions it chose (queue policy)
         else:
             published = await self.publisher.publish_events(events)
+            unavailable = self.publisher.unavailable
         dead = {id(d[0]) for d in batch.dead}
         settled = [m for m in msgs if id(m) not in dead]
         if published:
             self.publisher.settle(events)
+            self._unannounced.difference_update(e.job_id for e in events)
+            stored.announced = True
             await asyncio.gather(*(m.ack() for m in settled))
         else:
             # Stored, not announced: the redelivery announces it (grants: the resend loop), and
             # until then this replica puts the announcement before the job's next event.
             self.publisher.owe(events)
+            if unavailable:
+                # NATS can't store them now (a stream electing a leader can take seconds):
+                # retried as for a database away, so no message runs out of deliveries (the
+                # fault run lost an accepted event so once, its message past the limit).
+                raise Unpublished(f"{len(events)} announcements not stored")
             await asyncio.gather(*(m.nak(delay=1.0) for m in settled), return_exceptions=True)
         for msg, reason, why, job_id in batch.dead:
             await self.dead.send(msg, reason, why, job_id)
@@ -332,26 +355,35 @@ class Intake:
         jobs). A refused row is stored as rejected, naming PostgreSQL's error, with its body as
         printable text; one refused even so goes to the DLQ."""
         stored = Stored()
-        for job_id, (_, body, state, parent) in list(b.rows.items()):
-            reason = "; ".join(b.rejections[job_id]) if job_id in b.rejections else None
-            try:
-                stored.new |= await self._insert_one(b, job_id, body, state, reason, parent)
-                continue
-            except DATA_ERRORS as err:
-                why = clip_text(f"$: could not be stored: {err}".replace("\x00", "\\x00"))
-            b.accepted.pop(job_id, None)
-            b.rejections[job_id] = [why]
-            text = _stored_text(body)
-            b.rows[job_id] = (job_id, text, "rejected", parent)
-            try:
-                stored.new |= await self._insert_one(b, job_id, text, "rejected", why, parent)
-            except DATA_ERRORS as err:
-                msg = b.origin.pop(job_id)
-                del b.rows[job_id], b.rejections[job_id]
-                b.dead.append((msg, f"could not be stored: {err}", "unstorable", job_id))
+        try:
+            for job_id, (_, body, state, parent) in list(b.rows.items()):
+                await self._store_row(b, stored, job_id, body, state, parent)
+        except BaseException:
+            self._unannounced.update(stored.new)  # each row was its own commit
+            raise
         stored.fresh = [j for j in b.accepted if j in stored.new]
         self.scheduler.remember({j: b.accepted[j] for j in stored.fresh}, b.submitted)
         return stored
+
+    async def _store_row(
+        self, b: Batch, stored: Stored, job_id: str, body: str, state: str, parent: str | None
+    ) -> None:
+        reason = "; ".join(b.rejections[job_id]) if job_id in b.rejections else None
+        try:
+            stored.new |= await self._insert_one(b, job_id, body, state, reason, parent)
+            return
+        except DATA_ERRORS as err:
+            why = clip_text(f"$: could not be stored: {err}".replace("\x00", "\\x00"))
+        b.accepted.pop(job_id, None)
+        b.rejections[job_id] = [why]
+        text = _stored_text(body)
+        b.rows[job_id] = (job_id, text, "rejected", parent)
+        try:
+            stored.new |= await self._insert_one(b, job_id, text, "rejected", why, parent)
+        except DATA_ERRORS as err:
+            msg = b.origin.pop(job_id)
+            del b.rows[job_id], b.rejections[job_id]
+            b.dead.append((msg, f"could not be stored: {err}", "unstorable", job_id))
 
     async def _insert_one(
         self, b: Batch, job_id: str, body: str, state: str, reason: str | None, parent: str | None
@@ -378,7 +410,11 @@ class Intake:
         # the ack: their events may never have gone out, so they are said again under the same
         # message ids, if young enough for JetStream to drop a copy that did get out.
         again = await self._announce_again(
-            [j for j in b.rows if j not in new and _redelivered(b.origin[j])]
+            [
+                j
+                for j in b.rows
+                if j not in new and (_redelivered(b.origin[j]) or j in self._unannounced)
+            ]
         )
         events: list[JobEvent] = []
         for job_id in b.rows:

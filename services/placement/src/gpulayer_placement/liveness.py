@@ -21,7 +21,13 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from gpulayer_contracts import CancelJob, Heartbeat, Lost, WorkerCapabilities, encode
+from gpulayer_contracts import (
+    CancelJob,
+    Heartbeat,
+    Lost,
+    WorkerCapabilities,
+    encode,
+)
 from gpulayer_contracts.bounds import node_id_errors, validate_capabilities, validate_heartbeat
 from gpulayer_contracts.codec import (
     InvalidInput,
@@ -33,6 +39,7 @@ from gpulayer_contracts.health import drift, vanished
 from gpulayer_contracts.subjects import (
     NODE_WILDCARD_CAPABILITIES,
     NODE_WILDCARD_HEARTBEAT,
+    end_msg_id,
     node_from_subject,
 )
 from gpulayer_placement.fleet import Fleet, Offer
@@ -316,12 +323,35 @@ class Liveness:
             self.fleet.set_online(node, False)
             log.warning("node %s is offline: %s", node, reason, extra=job_context(node_id=node))
         await self.sync.reload(stale)
-        await self.publisher.publish_events(
-            [
-                Lost(job_id=r["job_id"], node_id=r["node_id"], reason=reason, owner=r["owner"])
-                for r in lost
-            ]
-        )
+        # The node may be cut off rather than down, its jobs still running: each is asked to
+        # stop (CONTROL keeps the cancel until the executor is back), and what it held stays
+        # fenced until the executor reports its end (release_fences).
+        # The job's one outcome: named as the executor names a grant's end, so that of the two
+        # (this, and the job's own end reported late by a node that was only cut off) the
+        # first stored is the one kept.
+        events = [
+            self.publisher.event_item(
+                Lost(job_id=r["job_id"], node_id=r["node_id"], reason=reason, owner=r["owner"]),
+                msg_id=end_msg_id(r["grant_id"]) if r["grant_id"] else None,
+            )
+            for r in lost
+        ]
+        cancels = [
+            self.publisher.cancel_item(
+                r["node_id"],
+                CancelJob(
+                    job_id=r["job_id"],
+                    reason=f"lost: {reason}",
+                    grant_id=r["grant_id"],
+                    given_up=True,
+                ),
+            )
+            for r in lost
+            if r["grant_id"]
+        ]
+        await self.publisher.publish(events)
         if lost:
             self.wake.capacity()
         await self.lifecycle.announce(settled)
+        if cancels:
+            await self.publisher.publish_committed(cancels, "stops of jobs lost with their node")

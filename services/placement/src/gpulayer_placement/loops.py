@@ -7,8 +7,10 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import nats.errors
+import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import FetchTimeoutError
@@ -60,8 +62,47 @@ async def consume(
         await handle_batch(stop, msgs, handle, dead)
 
 
+T = TypeVar("T")
+
+# What JetStream answers while it can't serve a request now (a server starting, a stream or
+# consumer electing a leader, a machine too busy to answer in time), as opposed to a refusal.
+NATS_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.ServiceUnavailableError,
+)
+
+
+async def until_nats_answers(
+    stop: asyncio.Event, what: str, call: Callable[[], Awaitable[T]], limit_s: float = 120.0
+) -> T:
+    """``call()`` again, with backoff, while JetStream can't answer now (logged each time),
+    for up to ``limit_s``; then its error. For start-up: a replica started beside a NATS
+    cluster still electing its leaders must wait for it, not exit."""
+    loop = asyncio.get_running_loop()
+    deadline, delay = loop.time() + limit_s, 0.25
+    while True:
+        try:
+            return await call()
+        except NATS_UNAVAILABLE as err:
+            if loop.time() + delay > deadline or stop.is_set():
+                raise
+            log.warning("%s: NATS did not answer (%r); trying again in %gs", what, err, delay)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 5.0)
+
+
+class Unpublished(Exception):
+    """What a handler had to publish could not be stored now (a stream without a leader for a
+    moment, after a NATS server went away): retried like a database that can't be reached, so
+    that no message runs out of deliveries meanwhile."""
+
+
 def transient(err: BaseException) -> bool:
-    """A database that can't be reached now, as opposed to one that refused this data."""
+    """A database or a stream that can't be reached now, as opposed to one that refused this
+    data."""
+    if isinstance(err, Unpublished):
+        return True
     return isinstance(err, DB_ERRORS) and not isinstance(err, DATA_ERRORS)
 
 
@@ -108,9 +149,10 @@ async def _retry_later(
     dead: DeadLetters | None,
     err: BaseException,
 ) -> None:
-    """The database is unreachable: nak for redelivery (the handlers are idempotent). A
-    message on its last delivery is not the one to blame: it is kept (in progress) and handled
-    here again once the database answers, never dead-lettered or left undelivered."""
+    """The database (or a stream) is unreachable: nak for redelivery (the handlers are
+    idempotent). A message on its last delivery is not the one to blame: it is kept (in
+    progress) and handled here again once the server answers, never dead-lettered or left
+    undelivered."""
     log.warning("batch of %d failed, will be redelivered: %s", len(msgs), err)
     held = [m for m in msgs if last_delivery(m)]
     for m in msgs:

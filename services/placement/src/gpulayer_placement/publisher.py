@@ -90,6 +90,8 @@ class Publisher:
         # Jobs stored but whose accepted/rejected event failed to publish: said again first,
         # before any later event of theirs from this replica.
         self._unannounced: dict[str, JobEvent] = {}
+        # The last publish failed for want of NATS (not for a message too big to send).
+        self.unavailable = False
         # A node's devices as last reported (service.py wires the fleet's): a grant of a MIG
         # instance names its parent GPU and the instance's UUID.
         self.devices_of: Callable[[str], list[AcceleratorDevice] | None] = lambda _node: None
@@ -128,7 +130,9 @@ class Publisher:
             await asyncio.wait_for(asyncio.gather(*futures), self.settings.publish_timeout_s)
         except Exception as err:
             log.warning("publishing %d messages failed: %r", len(items), err)
+            self.unavailable = True
             return False
+        self.unavailable = False
         return not too_big
 
     async def publish_committed(self, items: list[Item], what: str) -> bool:

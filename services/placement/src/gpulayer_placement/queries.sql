@@ -22,8 +22,9 @@ RETURNING nodes.node_id;
 SELECT node_id, capabilities::text AS capabilities, online, last_seen FROM nodes;
 
 -- name: load_holds
--- What nodes' jobs hold, in one snapshot: devices ('device': device index, mode), reservations
--- ('reservation': job, resource, amount) and recorded capacities ('capacity': resource, value).
+-- What nodes' jobs (and fences) hold, in one snapshot: devices ('device': device index, mode),
+-- reservations ('reservation': job, resource, amount) and recorded capacities ('capacity':
+-- resource, value).
 -- NULL for $1: every node.
 SELECT 'device' AS kind, NULL AS job_id, node_id, mode AS resource, device_index::bigint AS amount
 FROM allocations WHERE $1::text[] IS NULL OR node_id = ANY($1::text[])
@@ -31,21 +32,28 @@ UNION ALL
 SELECT 'reservation', job_id, node_id, resource, amount
 FROM reservations WHERE $1::text[] IS NULL OR node_id = ANY($1::text[])
 UNION ALL
+-- Fences (0022) hold as their jobs did; a fence's reservations are keyed by its grant.
+SELECT kind, CASE WHEN kind = 'reservation' THEN 'fence:' || grant_id END, node_id, resource,
+       amount
+FROM fences WHERE $1::text[] IS NULL OR node_id = ANY($1::text[])
+UNION ALL
 SELECT 'capacity', NULL, node_id, resource, capacity
 FROM node_resources
 WHERE capacity IS NOT NULL AND resource IN ('cpu', 'memory', 'slots')
   AND ($1::text[] IS NULL OR node_id = ANY($1::text[]));
 
 -- name: set_offline
--- Nodes whose heartbeats stopped; their placed and running jobs are lost and release devices.
+-- Nodes whose heartbeats stopped; their placed and running jobs are lost (lose_node_jobs).
 UPDATE nodes SET online = false WHERE node_id = ANY($1::text[]) AND online
 RETURNING node_id;
 
 -- name: lose_node_jobs
+-- The jobs are over for placement; what they held on the node moves to fences (0022), held
+-- until the node's executor reports each grant's end: a node cut off may still run them.
 WITH lost AS (
     UPDATE jobs SET state = 'lost', reason = $2, updated_at = now()
     WHERE node_id = ANY($1::text[]) AND state IN ('placed', 'running')
-    RETURNING jobs.job_id, jobs.node_id, jobs.owner, jobs.state, jobs.reason,
+    RETURNING jobs.job_id, jobs.node_id, jobs.grant_id, jobs.owner, jobs.state, jobs.reason,
        jobs.gang_id, jobs.rank,
        -- lifecycle: what lifecycle.plan needs for a retry or a restart, NULL for most jobs
        -- (migrations/0021); has_dependents: a job waits for it.
@@ -53,11 +61,35 @@ WITH lost AS (
        EXISTS (SELECT 1 FROM job_dependencies d WHERE d.after_id = jobs.job_id) AS has_dependents
 ), released AS (
     DELETE FROM allocations a USING lost WHERE a.job_id = lost.job_id
+    RETURNING a.job_id, a.node_id, 'device' AS kind, a.mode AS resource,
+        a.device_index::bigint AS amount
 ), freed AS (
     DELETE FROM reservations r USING lost WHERE r.job_id = lost.job_id
+    RETURNING r.job_id, r.node_id, 'reservation' AS kind, r.resource, r.amount
+), fenced AS (
+    INSERT INTO fences (grant_id, node_id, job_id, kind, resource, amount)
+    SELECT l.grant_id, h.node_id, h.job_id, h.kind, h.resource, h.amount
+    FROM (SELECT * FROM released UNION ALL SELECT * FROM freed) AS h
+    JOIN lost l USING (job_id)
+    WHERE l.grant_id IS NOT NULL
 )
-SELECT job_id, node_id, owner, state, reason, lifecycle, has_dependents, gang_id, rank
+SELECT job_id, node_id, grant_id, owner, state, reason, lifecycle, has_dependents, gang_id, rank
 FROM lost;
+
+-- name: release_fences
+-- Reports of grants whose job is no longer theirs (lost with its node): what the grant held
+-- there is free now. Other replicas are told which nodes changed.
+WITH s AS (
+    SELECT * FROM unnest($1::text[], $2::text[]) AS s(grant_id, node_id)
+), gone AS (
+    DELETE FROM fences f USING s
+    WHERE f.grant_id = s.grant_id AND f.node_id = s.node_id
+    RETURNING f.grant_id, f.node_id, f.kind, f.resource, f.amount
+)
+SELECT grant_id, node_id, kind, resource, amount,
+       (SELECT pg_notify('gpulayer_allocations', $3 || '|' || string_agg(DISTINCT node_id, ','))
+        FROM gone HAVING count(*) > 0) AS notified
+FROM gone;
 
 -- name: insert_jobs
 -- $6: owners; NULL (a caller of an older version) is 'anonymous'. Priority and preemptible

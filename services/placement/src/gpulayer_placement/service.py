@@ -43,7 +43,7 @@ from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.intake import Intake
 from gpulayer_placement.lifecycle import Lifecycle
 from gpulayer_placement.liveness import Liveness
-from gpulayer_placement.loops import every
+from gpulayer_placement.loops import every, until_nats_answers
 from gpulayer_placement.metrics import Gauges
 from gpulayer_placement.observations import Observations
 from gpulayer_placement.policy import Policy, load_active, load_policy
@@ -211,15 +211,18 @@ class PlacementService:
             await self.sync.load_allocations(conn)
             await load_policy(self.policy, conn)
         await self.sync.listen()
-        self._subs += await self.liveness.subscribe()
+        # Consumers are made or looked up through JetStream's API, which may not answer for a
+        # while after the servers start (leaders elected) or under load: waited for.
+        stop = self.stop
+        self._subs += await until_nats_answers(stop, "capabilities", self.liveness.subscribe)
         self._subs += await self.observations.subscribe()
-        jobs = await self.intake.subscribe()
-        status = await self.status.subscribe()
+        jobs = await until_nats_answers(stop, "the submits' consumer", self.intake.subscribe)
+        status = await until_nats_answers(stop, "the reports' consumer", self.status.subscribe)
         self._subs += [jobs, status]
         self._subs += await self.api.subscribe()
         self._subs.append(await self.dead.watch_advisories(self.nc))
         self.wake.capacity()
-        s, stop = self.settings, self.stop
+        s = self.settings
         self._spawn("ingest", self.intake.run(jobs))
         self._spawn("status", self.status.run(status))
         self._spawn("schedule", self.scheduler.run())

@@ -171,6 +171,7 @@ class ExecutorStatus:
                 per_job = {r["job_id"]: r for r in changed}
                 settled = await self.lifecycle.settle(conn, per_job.values())
             finished = sorted({r["job_id"] for r in changed if r["state"] != "running"})
+            await self._unfence(rows, per_job)
             for r in changed:
                 if r["device_index"] is not None:
                     self.fleet.release(r["node_id"], [r["device_index"]], r["mode"])
@@ -185,6 +186,31 @@ class ExecutorStatus:
         await asyncio.gather(*(m.ack() for m in msgs if id(m) not in dead))
         for msg, reason, why, job_id in poison:
             await self.dead.send(msg, reason, why, job_id)
+
+    async def _unfence(self, rows: list[Report], applied: dict[str, asyncpg.Record]) -> None:
+        """Ends reported of grants that changed no job: those of jobs lost with their node
+        (cut off, not down) free what their grant held there. Rare, so the common batch pays
+        nothing for it: only reports no job took are looked for among the fences."""
+        ended = [(r[1], r[2]) for r in rows if r[3] != "running" and r[0] not in applied]
+        if not ended:
+            return
+        async with self.pool.acquire() as conn:
+            gone = await Store.fetch(
+                conn,
+                "release_fences",
+                [grant for grant, _ in ended],
+                [node for _, node in ended],
+                self.replica_id,
+            )
+        for r in gone:
+            if r["kind"] == "device":
+                self.fleet.release(r["node_id"], [r["amount"]], r["resource"])
+            else:
+                self.fleet.unreserve(f"fence:{r['grant_id']}")
+        if gone:
+            for grant, node in sorted({(r["grant_id"], r["node_id"]) for r in gone}):
+                log.info("grant %s on node %s ended: what it held there is free again", grant, node)
+            self.wake.capacity()
 
     async def _requeued(self, changed: list[asyncpg.Record]) -> None:
         """Preempted jobs whose executor stopped them are waiting again: say so, with why."""

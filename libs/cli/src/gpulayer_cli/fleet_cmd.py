@@ -1,0 +1,115 @@
+"""The commands about the fleet: ``nodes``, ``doctor``, ``matrix`` and ``profiles``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+
+from gpulayer_cli import common
+from gpulayer_cli.common import EXIT_UNREACHABLE
+
+
+def _render_nodes(console: Console, data: Any, devices: bool = False) -> None:
+    from gpulayer_cli.render import nodes_table
+
+    console.print(nodes_table(data))
+    if devices:
+        from gpulayer_cli.doctor import render_node_devices
+
+        render_node_devices(console, data)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """The node's probe detects again; what changed, and the node's health."""
+    import nats.errors
+
+    from gpulayer_cli.doctor import ask_doctor, print_report
+
+    async def go(nc: Any) -> int:
+        try:
+            report = await ask_doctor(nc, args.node, args.timeout)
+        except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError) as err:
+            print(
+                f"gpulayer: no probe answered for node {args.node!r} "
+                f"({type(err).__name__}): is its probe running?",
+                file=sys.stderr,
+            )
+            return EXIT_UNREACHABLE
+        return print_report(common.console(), report, args.json)
+
+    return asyncio.run(common.with_nats(go))
+
+
+def _render_matrix(console: Console, data: Any) -> None:
+    from gpulayer_cli.render import matrix_table
+
+    console.print(matrix_table(data))
+
+
+def cmd_matrix(args: argparse.Namespace) -> int:
+    """The matrix is part of this version's contracts: no running service needed."""
+    from gpulayer_contracts.matrix import SUPPORT_MATRIX
+
+    if args.json:
+        print(json.dumps(SUPPORT_MATRIX, indent=2))
+    else:
+        _render_matrix(common.console(), SUPPORT_MATRIX)
+    return 0
+
+
+def _render_profiles(console: Console, data: Any) -> None:
+    from gpulayer_cli.render import profiles_table
+
+    if not data:
+        console.print("no runtime profiles (placement's GPULAYER_PROFILES is unset)")
+        return
+    console.print(profiles_table(data))
+    for entry in data:
+        if entry["reasons"]:
+            console.print(f"[bold]{entry['profile']}[/]: {entry['satisfy']}/{entry['nodes']}")
+            for reason in entry["reasons"]:
+                console.print(f"  - {reason}")
+
+
+def add_nodes(sub: Any) -> None:
+    from gpulayer_contracts.subjects import API_NODES
+
+    n = sub.add_parser("nodes", help="the fleet: platforms, accelerators, APIs, state")
+    n.add_argument("--json", action="store_true")
+    n.add_argument(
+        "--devices", action="store_true", help="each node's health and its devices' observations"
+    )
+    n.set_defaults(fn=common.api_command(API_NODES, lambda a: {}, _render_nodes))
+
+
+def add_doctor(sub: Any) -> None:
+    dr = sub.add_parser(
+        "doctor",
+        help="ask a node's probe to detect again now; print what changed and its health "
+        "(0 healthy or undetected, 1 degraded or unhealthy, 3 no answer)",
+    )
+    dr.add_argument("node")
+    dr.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for the probe")
+    dr.add_argument("--json", action="store_true")
+    dr.set_defaults(fn=cmd_doctor)
+
+
+def add_matrix(sub: Any) -> None:
+    m = sub.add_parser("matrix", help="what gpulayer may schedule, per accelerator")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(fn=cmd_matrix)
+
+
+def add_profiles(sub: Any) -> None:
+    from gpulayer_contracts.subjects import API_PROFILES
+
+    pr = sub.add_parser(
+        "profiles", help="runtime profiles, and how many nodes satisfy each now (and why not)"
+    )
+    pr.add_argument("--json", action="store_true")
+    pr.set_defaults(fn=common.api_command(API_PROFILES, lambda a: {}, _render_profiles))

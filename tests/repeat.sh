@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The flake hunt (`make test-repeat N=5`): `make test` N times, one after the other, on a fresh
+# clone of this checkout's HEAD (what is committed: a clean clone, as CI has). Prints each run's
+# exit status, time and pytest summary, and every failing test by name; exits 1 unless all N
+# were green. The logs stay in the folder it names.
+set -uo pipefail
+n=${1:-5}
+case $n in '' | *[!0-9]* | 0) echo "N must be a whole number of runs, 1 or more (got '$n')" >&2; exit 2 ;; esac
+root=$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)
+work=$(mktemp -d "${TMPDIR:-/tmp}/gpulayer-repeat.XXXXXX")
+git clone -q "$root" "$work/clone" || exit 2
+echo "test-repeat: $n runs of make test on a clone of $(git -C "$root" rev-parse --short HEAD) in $work"
+green=0
+for i in $(seq 1 "$n"); do
+    start=$(date +%s)
+    (cd "$work/clone" && make test) >"$work/run-$i.log" 2>&1
+    rc=$?
+    secs=$(($(date +%s) - start))
+    summary=$(grep -E '(passed|failed|error).* in [0-9.]+s' "$work/run-$i.log" | tail -1 | tr -d '=' | sed 's/^ *//;s/ *$//')
+    printf 'run %d/%d: exit %d, %dm%02ds: %s\n' "$i" "$n" "$rc" $((secs / 60)) $((secs % 60)) "${summary:-no pytest summary (see $work/run-$i.log)}"
+    grep -E '^(FAILED|ERROR) ' "$work/run-$i.log" | sed 's/^/    /'
+    [ "$rc" -eq 0 ] && green=$((green + 1))
+done
+echo "test-repeat: $green of $n runs green (logs: $work)"
+[ "$green" -eq "$n" ]
