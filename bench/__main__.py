@@ -639,10 +639,16 @@ async def observations_group(run: Run) -> None:
 async def web_group(run: Run) -> None:
     """The fleet page's answer times at 1,000 nodes and 10,000 jobs, and what 50 viewers cost
     placement (bench/web.py)."""
-    from bench.web import web_figures
+    from bench.web import refresh_through_placement, web_figures
 
     for f in await web_figures():
         run.add(f)
+
+    async def work() -> None:
+        async with run.scenario("web") as s:
+            run.add(await refresh_through_placement(s))
+
+    await _guard(run, [("web_refresh_through_placement_1k_nodes", "ms")], work)
 
 
 async def output_group(run: Run) -> None:

@@ -17,9 +17,12 @@ import msgspec
 import uvicorn
 
 from bench.fleet import fleet
+from bench.harness import BenchError, Scenario, load_fleet
 from bench.report import Figure
+from gpulayer_runtime.nats import connect
 from gpulayer_web.app import build_app
 from gpulayer_web.cache import FleetCache
+from gpulayer_web.reader import NatsReader
 
 NODES = 1_000
 JOBS = 10_000
@@ -158,3 +161,32 @@ async def web_figures() -> list[Figure]:
         Figure("web_placement_requests_from_50_viewers", by_viewers, "requests"),
     ]
     return figures
+
+
+async def refresh_through_placement(s: Scenario, n: int = NODES, rounds: int = 5) -> Figure:
+    """One refresh of the cache through NATS against the real placement holding ``n`` nodes,
+    asked as a viewer (median of ``rounds``): what one interval costs, for every viewer."""
+    await load_fleet(s, fleet("webapi", n), timeout=max(30.0, n / 200))
+    creds = s.auth.mint("viewer", "bench-web") if s.auth is not None else None
+    nc = await connect(s.nats.url, "bench-web", creds=str(creds) if creds else None)
+    try:
+        reader = NatsReader(nc, "bench-web" if creds else "anonymous", timeout=30.0)
+        cache = FleetCache(reader.ask, reader.events, jobs_limit=JOBS)
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            await cache.refresh()
+            times.append((time.perf_counter() - t0) * 1000)
+            if cache.snapshot.error:
+                raise BenchError(cache.snapshot.error)
+        got = len(cache.snapshot.nodes)
+    finally:
+        await nc.close()
+    if got != n:
+        raise BenchError(f"the cache read {got} of {n} nodes")
+    return Figure(
+        "web_refresh_through_placement_1k_nodes",
+        statistics.median(times),
+        "ms",
+        note=f"{n} nodes read in pages of 100 through NATS as a viewer; runs {times}",
+    )

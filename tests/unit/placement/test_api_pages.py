@@ -24,13 +24,15 @@ def _node_row(i: int) -> dict[str, object]:
 
 
 async def test_nodes_in_pages() -> None:
-    api = _api(FakeConn({"list_nodes": [_node_row(i) for i in range(5)]}))
-    assert [n["node_id"] for n in await api.nodes(b"")] == ["n0", "n1", "n2", "n3", "n4"]
-    page = await api.nodes(b'{"offset": 2, "limit": 2}')
-    assert [n["node_id"] for n in page] == ["n2", "n3"]
-    assert await api.nodes(b'{"offset": 9, "limit": 2}') == []
+    conn = FakeConn({"list_nodes": [_node_row(i) for i in range(2)]})
+    api = _api(conn)
+    assert [n["node_id"] for n in await api.nodes(b"")] == ["n0", "n1"]
+    await api.nodes(b'{"offset": 2, "limit": 2}')
     # Worst values are clamped, never an error or the whole list by accident.
-    assert [n["node_id"] for n in await api.nodes(b'{"offset": -3, "limit": 0}')] == ["n0"]
+    await api.nodes(b'{"offset": -3, "limit": 0}')
+    assert [args for name, args in conn.calls if name == "list_nodes"] == [
+        (0, None), (2, 2), (0, 1)
+    ]  # fmt: skip
     with pytest.raises(msgspec.ValidationError):
         await api.nodes(b'{"offset": "x"}')
 

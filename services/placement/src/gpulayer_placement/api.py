@@ -213,10 +213,9 @@ class Api:
 
     async def nodes(self, data: bytes, caller: str = ANONYMOUS) -> Any:
         q = msgspec.json.decode(data or b"{}", type=_NodesQuery)
+        limit = None if q.limit is None else max(q.limit, 1)
         async with self.pool.acquire() as conn:
-            rows = await Store.fetch(conn, "list_nodes")
-        start = max(q.offset, 0)
-        rows = rows[start : None if q.limit is None else start + max(q.limit, 1)]
+            rows = await Store.fetch(conn, "list_nodes", max(q.offset, 0), limit)
         out = []
         for r in rows:
             caps = capabilities_decoder.decode(r["capabilities"])

@@ -257,7 +257,9 @@ LIMIT $2 OFFSET $3;
 SELECT node_id, capabilities::text AS capabilities, online, last_seen, first_seen,
        (SELECT count(*) FROM jobs j WHERE j.node_id = n.node_id AND j.state IN ('placed', 'running'))
            AS active_jobs
-FROM nodes n ORDER BY node_id;
+-- A page of the fleet (LIMIT NULL: the rest of it).
+FROM nodes n ORDER BY node_id
+OFFSET $1 LIMIT $2;
 
 -- name: job_counts
 SELECT state, count(*) AS n FROM jobs GROUP BY state;
