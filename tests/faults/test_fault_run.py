@@ -77,16 +77,21 @@ TERMINAL = {"succeeded", "failed", "cancelled", "lost", "rejected"}
 
 
 def command(markers: Path, job_id: str, kind: str) -> list[str]:
-    """A job that writes its run's marker (its start, then its end) and ends as ``kind`` says."""
+    """A job that writes its run's marker (its start, then its end) and ends as ``kind`` says.
+    Every kind writes its end on SIGTERM too: a run stopped early (a cancel, or a grant
+    placement gave up with its node, started when the node came back) says when it ended,
+    else the checker would hold its device forever."""
     m = f"{markers}/{job_id}.$$"
     now = "$(date +%s.%N)"
     start = f'echo "$PWD|$GPULAYER_DEVICES|{now}" > {m}'
     end = f"echo {now} >> {m}"
+    trap = f"trap '{end}; exit 143' TERM"
     if kind == "cancelled":  # until its SIGTERM, which the trap answers
-        script = f"{start}; trap '{end}; exit 143' TERM; sleep 120 & wait $!; {end}"
+        script = f"{start}; {trap}; sleep 120 & wait $!; {end}"
     else:
         code = 0 if kind == "succeeded" else 3
-        script = f"{start}; sleep {random.uniform(0.2, 1.5):.2f}; {end}; exit {code}"
+        pause = f"{random.uniform(0.2, 1.5):.2f}"
+        script = f"{start}; {trap}; sleep {pause} & wait $!; {end}; exit {code}"
     return ["sh", "-c", script]
 
 
