@@ -3,12 +3,15 @@ it checks, and has a place of its own in the explanation order (issue 27)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import pytest
 from tests.unit.matching.rule_cases import EXAMPLES
 
 from gpulayer_contracts.jobs import Distributed, GpuUsage, Requirements
 from gpulayer_matching import NodeView, explain
+from gpulayer_matching import rules as rules_package
 from gpulayer_matching.registry import OUTCOMES, RULES, outcome
 from gpulayer_matching.rules.base import DeviceRule, HostRule, NodeRule
 
@@ -85,3 +88,14 @@ def test_a_profile_is_named_only_for_what_it_supplied() -> None:
     assert explain(with_profile, [view]).reasons[0].endswith("(profile torch@1)")
     other = msgspec.structs.replace(job, profile="torch@1", profile_fields=["python"])
     assert "profile" not in explain(other, [view]).reasons[0]
+
+
+def test_the_rules_page_lists_every_outcome_and_its_module() -> None:
+    text = (Path(__file__).resolve().parents[3] / "docs" / "placement-rules.md").read_text()
+    for rule in RULES:
+        for said in rule.outcomes:
+            assert f"`{said.name}" in text, f"docs/placement-rules.md: {said.name} missing"
+    modules = Path(rules_package.__file__).parent
+    for module in modules.glob("*.py"):
+        if module.stem not in ("__init__", "base"):
+            assert f"`{module.name}`" in text, f"docs/placement-rules.md: {module.name} missing"
