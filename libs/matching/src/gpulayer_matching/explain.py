@@ -9,9 +9,9 @@ import msgspec
 
 from gpulayer_matching.capability import capability
 from gpulayer_matching.facts import FACTS, facts_of
-from gpulayer_matching.place import host_miss, place
+from gpulayer_matching.place import place
 from gpulayer_matching.plan import Plan
-from gpulayer_matching.registry import LIVE_RANK, OUTCOMES, outcome
+from gpulayer_matching.registry import HOST_CHECKS, LIVE_RANK, OUTCOMES, outcome
 from gpulayer_matching.rules.base import Tally
 from gpulayer_matching.rules.health import UNHEALTHY, sick_reasons
 from gpulayer_matching.views import NodeView, NoPlacement, Placement
@@ -51,7 +51,11 @@ def explain_plan(plan: Plan, nodes: Sequence[NodeView]) -> NoPlacement:
         if not cap.ok:
             _count(tallies, cap.rank, cap.rule, view.node_id, cap.value)
             continue
-        miss = host_miss(plan, view)
+        miss = None
+        for check in HOST_CHECKS:  # host_miss, inline: once per node
+            failed = check(plan, view)
+            if failed is not None and (miss is None or failed.rank < miss.rank):
+                miss = failed
         if miss is not None and miss.rank < LIVE_RANK:
             _count(tallies, miss.rank, miss.rule, view.node_id, miss.value)
             continue

@@ -29,7 +29,7 @@ from gpulayer_matching.facts import FACTS, facts_of
 from gpulayer_matching.place import host_miss, place
 from gpulayer_matching.plan import compile_plan
 from gpulayer_matching.registry import LIVE_RANK, OCCUPANCY_CHECKS
-from gpulayer_matching.verdicts import CPU
+from gpulayer_matching.verdicts import CPU, Miss
 from gpulayer_matching.views import Decision, NodeView, NoPlacement, Placement
 
 __all__ = [
@@ -65,24 +65,19 @@ def match(job: JobRequest, nodes: Sequence[NodeView]) -> Decision:
                 cap = capability(plan, facts)
             if not cap.ok:
                 continue
-            # Both must pass, and neither has side effects: a job that holds devices asks for
-            # them first (most nodes a busy fleet scans fail there); one that holds none, its
-            # host resources (placing it is only building the answer).
-            if cap.mode == CPU:
-                for check in OCCUPANCY_CHECKS:
-                    if check(plan, view) is not None:
-                        break
-                else:
-                    placed = place(plan, cap, view)
-                    if isinstance(placed, Placement):
-                        return placed
+            # Devices and host resources must both pass, and neither check has side effects:
+            # a job that holds devices asks for them first (most nodes a busy fleet scans fail
+            # there); one that holds none, its host resources (placing it only builds the answer).
+            placed = None if cap.mode == CPU else place(plan, cap, view)
+            if isinstance(placed, Miss):
                 continue
-            placed = place(plan, cap, view)
-            if isinstance(placed, Placement):
-                for check in OCCUPANCY_CHECKS:  # host_miss less liveness, inline
-                    if check(plan, view) is not None:
-                        break
-                else:
+            for check in OCCUPANCY_CHECKS:  # host_miss less liveness, inline
+                if check(plan, view) is not None:
+                    break
+            else:
+                if placed is None:
+                    placed = place(plan, cap, view)
+                if isinstance(placed, Placement):
                     return placed
     return explain_plan(plan, nodes)
 

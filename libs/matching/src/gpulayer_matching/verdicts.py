@@ -3,6 +3,8 @@ it fails (``Fail``) and why a node that could take the job can't now (``Miss``).
 
 from __future__ import annotations
 
+import msgspec
+
 from gpulayer_contracts.jobs import Accelerator, GpuUse
 
 __all__ = ["COUNT", "CPU", "POOL", "Cap", "Fail", "Miss"]
@@ -13,16 +15,14 @@ POOL = 2  # no count, use shared/exclusive (the apis_any runner style): the node
 CPU = 3  # no count, use none: no devices
 
 
-class Fail:
+class Fail(msgspec.Struct, frozen=True, gc=False):
     """A node fails ``rule`` (an outcome's name, ``framework:<name>`` for the per-name ones) at
-    ``rank``; ``value`` is its nearest miss (a number, a version, a text), or None."""
+    ``rank``; ``value`` is its nearest miss (a number, a version, a text), or None. (A struct:
+    built in C, as the host rules build one per node scanned that is short of something.)"""
 
-    __slots__ = ("rank", "rule", "value")
-
-    def __init__(self, rank: int, rule: str, value: object = None) -> None:
-        self.rank = rank
-        self.rule = rule
-        self.value = value
+    rank: int
+    rule: str
+    value: object = None
 
 
 class Miss:
