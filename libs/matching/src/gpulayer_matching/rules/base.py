@@ -87,15 +87,18 @@ class Outcome:
 
 @dataclass(frozen=True, slots=True)
 class Rule:
-    """A concern whose check the matcher runs itself (liveness, occupancy of devices): only
-    its outcomes and words live in the rule module."""
+    """A rule: its concern and its outcomes. The subclasses add the check the matcher runs at
+    their step; a bare ``Rule`` is applied by the placement step while it chooses devices
+    (devices in use, shared GPU memory: ``place``) or by ``explain`` (health), with the helpers
+    its module gives them."""
 
     concern: str
     outcomes: tuple[Outcome, ...]
 
 
 # check(plan, facts, gpu, as_cpu): a node-wide capability; ``gpu``: the job's GPU section for the
-# node's platform; ``as_cpu``: the job would be placed as cpu work (no devices held) there.
+# node's platform; ``as_cpu``: the job would be placed as cpu work (no devices held) there,
+# which is known once the device rules ran (False for the node rules before them).
 NodeCheck = Callable[[Plan, Facts, Gpu, bool], Fail | None]
 # check(plan, facts, acc, devices, n): the devices of ``acc`` still eligible that pass, or why
 # fewer than ``n`` do.
