@@ -509,12 +509,13 @@ async def test_the_auth_command_mints_credentials_a_running_server_accepts(
     assert main(["auth", "--dir", str(tmp_path / "none"), "add-user", "dave"]) == 2
 
 
-async def test_placement_hears_the_max_deliveries_advisory(
-    secure_nats: SecureNats, admin: Client
-) -> None:
+async def test_placement_hears_the_max_deliveries_advisory(secure_nats: SecureNats) -> None:
     """Placement dead-letters a message left at a consumer's max_deliver when the server's
     advisory arrives (dead_letters.py): its credential must let it subscribe to that."""
-    async with client(secure_nats, "placement", "") as placement:
+    async with (
+        client(secure_nats, "placement", "") as placement,
+        client(secure_nats, "admin", "root") as admin,
+    ):
         heard: asyncio.Queue[str] = asyncio.Queue()
 
         async def on_advisory(msg: Msg) -> None:
@@ -525,11 +526,15 @@ async def test_placement_hears_the_max_deliveries_advisory(
         )
         await placement.nc.flush()
         subject = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.JOBS.placement-jobs"
-        await admin.publish(subject, b"{}")
-        await admin.flush()
+        await admin.nc.publish(subject, b"{}")
+        await admin.nc.flush()
         try:
             assert await asyncio.wait_for(heard.get(), 30) == subject
         except TimeoutError:
-            errors = [placement.errors.get_nowait() for _ in range(placement.errors.qsize())]
-            raise AssertionError(f"no advisory heard; placement's errors: {errors}") from None
+            said = {
+                who: [w.errors.get_nowait() for _ in range(w.errors.qsize())]
+                for who, w in (("placement", placement), ("admin", admin))
+            }
+            raise AssertionError(f"no advisory heard; errors: {said}") from None
         assert placement.errors.empty()
+        assert admin.errors.empty()
