@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -40,6 +41,9 @@ NAMES = {"user": "alice", "admin": "root", "node": NODE}
 SECRET = "hf_role_table_secret"
 SLEEPERS = {o: (f"{o}-sleep", f"{o}-sleep-api") for o in ("alice", "bob", "root")}
 DENIED = 4
+# Long enough that a user's doctor waiting for the probe's answer (before issue 31: it waited
+# this long, then said "no probe answered") is told from one refused at once.
+DOCTOR_TIMEOUT_S = 45
 
 
 class Stack:
@@ -165,7 +169,7 @@ def _argv(row: Row, role: str, folder: Path) -> list[str]:
     return {
         "submit": ["submit", str(job_file)],
         "nodes": ["nodes", "--devices"],
-        "doctor": ["doctor", NODE, "--timeout", "30"],
+        "doctor": ["doctor", NODE, "--timeout", str(DOCTOR_TIMEOUT_S)],
         "doctor-last": ["doctor", NODE, "--last"],
         "jobs": ["jobs"],
         "services": ["services"],
@@ -222,18 +226,22 @@ def _check_cli(row: Row, role: str, rc: int, out: str, err: str) -> list[str]:
 
 @pytest.mark.parametrize("row", CLI_ROWS, ids=[r.case for r in CLI_ROWS])
 async def test_each_command_for_each_role(stack: Stack, row: Row) -> None:
-    async def run(role: str) -> tuple[str, int, str, str]:
+    async def run(role: str) -> tuple[str, int, str, str, float]:
         # A local command must not need NATS: it runs against a port nothing listens on.
         url = "nats://127.0.0.1:1" if row.outcome(role) == "local" else None
         argv = _argv(row, role, stack.folder)
+        started = time.monotonic()
         rc, out, err = await gpulayer(*argv, env=stack.env(role, url), timeout=90)
-        return role, rc, out, err
+        return role, rc, out, err, time.monotonic() - started
 
     results = await asyncio.gather(*(run(role) for role in ROLES_SHOWN))
-    wrong = [w for role, rc, out, err in results for w in _check_cli(row, role, rc, out, err)]
+    wrong = [w for role, rc, out, err, _ in results for w in _check_cli(row, role, rc, out, err)]
     assert not wrong, "\n".join(wrong)
-    by_role = {role: (rc, out, err) for role, rc, out, err in results}
+    by_role = {role: (rc, out, err) for role, rc, out, err, _ in results}
     _check_details(row, by_role)
+    if row.case == "doctor":  # refused at once, not after waiting out the doctor's timeout
+        took = {role: s for role, *_, s in results}
+        assert took["user"] < DOCTOR_TIMEOUT_S, took
 
 
 def _check_details(row: Row, by_role: dict[str, tuple[int, str, str]]) -> None:

@@ -89,3 +89,24 @@ async def test_other_errors_and_results_pass_through() -> None:
     assert await denials.guard(value()) == 7
     with pytest.raises(nats.errors.TimeoutError):
         await denials.guard(fails())
+
+
+async def test_a_guard_stopped_from_outside_ends_what_it_guards_first() -> None:
+    denials = Denials()
+    ended = asyncio.Event()
+
+    async def follows() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            # Its own clean-up takes turns of the loop (unsubscribing, say).
+            for _ in range(3):
+                await asyncio.sleep(0)
+            ended.set()
+
+    outer = asyncio.create_task(denials.guard(follows()))
+    await asyncio.sleep(0)
+    outer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await outer
+    assert ended.is_set()  # before the caller goes on (to close the connection)

@@ -43,7 +43,10 @@ def who(settings: Any) -> str:
     from gpulayer_cli.denials import describe
     from gpulayer_runtime.auth import identity_of
 
-    return describe(identity_of(settings.creds) if settings.creds else None)
+    if not settings.creds:
+        return describe(None)
+    identity = identity_of(settings.creds)
+    return describe(identity) if identity else f"the credential {settings.creds}"
 
 
 async def with_nats(fn: Callable[[Any], Awaitable[int]], *, quiet: bool = False) -> int:
@@ -64,12 +67,12 @@ async def with_nats(fn: Callable[[Any], Awaitable[int]], *, quiet: bool = False)
 
     try:
         settings = nats_settings()
+        # Also quiet: it reports nothing but permission violations, to the operation they end.
+        denials = Denials(who(settings))
     except (ConfigError, AuthError) as err:
         say(str(err))
         return EXIT_INVALID
     url = settings.url
-    # Also quiet: it reports nothing but permission violations, to the operation they end.
-    denials = Denials(who(settings))
     try:
         nc = await asyncio.wait_for(
             connect(

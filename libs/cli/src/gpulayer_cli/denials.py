@@ -114,18 +114,25 @@ class Denials:
             pending: set[asyncio.Future[Any]] = {task, waiter}
             await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
-            task.cancel()
+            # Stopped from outside (Ctrl-C): ``aw`` ends first, so that nothing it does runs
+            # on after its caller closed the connection.
+            await _cancelled(task)
             raise
         finally:
             self._waiting.remove(entry)
         succeeded = task.done() and not task.cancelled() and task.exception() is None
         if waiter.done() and not succeeded:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await _cancelled(task)
             raise waiter.result()
         waiter.cancel()
         return task.result()
+
+
+async def _cancelled(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and wait until it has ended, whatever it ends with."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
 
 
 _WATCHED: weakref.WeakKeyDictionary[Any, Denials] = weakref.WeakKeyDictionary()

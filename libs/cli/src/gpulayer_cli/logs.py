@@ -29,7 +29,7 @@ from gpulayer_cli.denials import Denials, PermissionDenied, describe, watch
 from gpulayer_contracts.codec import log_line_decoder
 from gpulayer_contracts.events import TERMINAL_EVENT_TYPES
 from gpulayer_contracts.subjects import ANONYMOUS, job_events, job_logs
-from gpulayer_runtime.auth import identity_of
+from gpulayer_runtime.auth import AuthError, identity_of
 from gpulayer_runtime.nats import connect
 
 LOGS_STREAM = "LOGS"
@@ -106,7 +106,12 @@ async def run_logs(
         return 2
     args = dict(connect_args or {})
     creds = args.get("creds")
-    denials = Denials(describe(identity_of(creds) if creds else None))
+    try:
+        identity = identity_of(creds) if creds else None
+    except AuthError as e:
+        err.write(f"gpulayer logs: {e}\n")
+        return 2
+    denials = Denials(describe(identity) if identity or not creds else f"the credential {creds}")
     try:
         nc = await connect(
             nats_url,
