@@ -22,6 +22,9 @@ def test_parse_violation_reads_the_servers_words_as_nats_py_passes_them() -> Non
     assert parse_violation(
         'nats: Permissions Violation for Subscription to "gpulayer.job.bob.>" using queue "q"'
     ) == ("subscribe", "gpulayer.job.bob.>")
+    assert parse_violation(
+        'nats: permissions violation for publish with reply of "_inbox.user-alice.x"'
+    ) == ("publish", "_inbox.user-alice.x")
     assert parse_violation("nats: stale connection") is None
     assert parse_violation("nats: permissions violation for publish to ") is None
 

@@ -21,8 +21,11 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 # nats-server: "Permissions Violation for Publish to %q" / "for Subscription to %q" (an optional
-# " using queue %q" follows a queue subscription's).
-_VIOLATION = re.compile(r'permissions violation for (publish|subscription) to "([^"]*)"', re.I)
+# " using queue %q" follows a queue subscription's) / "for Publish with Reply of %q" (a reply
+# subject the credential may not receive on).
+_VIOLATION = re.compile(
+    r'permissions violation for (publish|subscription) (?:to|with reply of) "([^"]*)"', re.I
+)
 
 # What a denied subject is for, in the words of docs/security.md's role table.
 _WHAT = (
