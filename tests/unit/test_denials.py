@@ -78,6 +78,14 @@ async def test_the_innermost_guard_gets_the_violation_and_the_outer_goes_on() ->
     assert await asyncio.wait_for(denials.guard(inner()), 5) == "degraded"
 
 
+async def test_a_jetstream_subject_no_guard_named_gets_its_api_tokens_back() -> None:
+    denials = Denials("user bob")
+    await _violation(denials, "$js.api.stream.info.dlq")
+    assert denials.seen[-1].subject == "$JS.API.STREAM.INFO.DLQ"
+    await _violation(denials, "gpulayer.node.vm.doctor")
+    assert denials.seen[-1].subject == "gpulayer.node.vm.doctor"
+
+
 async def test_other_errors_and_results_pass_through() -> None:
     denials = Denials()
     await denials.on_error(nats.errors.Error("nats: slow consumer"))

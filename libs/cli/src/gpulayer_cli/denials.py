@@ -32,13 +32,13 @@ _WHAT = (
     (re.compile(r"^gpulayer\.node\.[^.]+\.doctor$"), "asking a node's probe to detect again"),
     (
         re.compile(r"^\$JS\.API\.CONSUMER\.CREATE\.JOB_EVENTS\.", re.I),
-        "reading a job's events (its owner's and admins' right)",
+        "reading a job's events: its owner and admins may",
     ),
     (
         re.compile(r"^\$JS\.API\.CONSUMER\.CREATE\.LOGS\.", re.I),
-        "reading a job's logs (its owner's and admins' right)",
+        "reading a job's logs: its owner and admins may",
     ),
-    (re.compile(r"^\$JS\.API\.STREAM\.INFO\.DLQ$", re.I), "reading the dead letters (admins)"),
+    (re.compile(r"^\$JS\.API\.STREAM\.INFO\.DLQ$", re.I), "reading the dead letters: admins may"),
     (re.compile(r"^gpulayer\.api\.[^.]+$"), "asking placement's API without a user's name"),
     (re.compile(r"^gpulayer\.jobs\.submit"), "submitting jobs"),
 )
@@ -78,6 +78,15 @@ def describe(identity: tuple[str, str] | None) -> str:
     return f"{role} {name}" if name else role
 
 
+def _spelt(subject: str) -> str:
+    """A lower-cased JetStream API subject as the server has it: its API tokens and stream name
+    (gpulayer's are upper-case) up again; the filter after them stays as reported."""
+    tokens = subject.split(".")
+    if subject.lower().startswith("$js.api.") and len(tokens) >= 5:
+        return ".".join([t.upper() for t in tokens[:5]] + tokens[5:])
+    return subject
+
+
 class Denials:
     """The error callback of one CLI connection; the violations it reported, handed to the
     innermost ``guard`` waiting when they arrive."""
@@ -97,12 +106,12 @@ class Denials:
         if self._waiting:
             waiter, known = self._waiting[-1]
             # nats-py lower-cases the server's message: the subject as the caller spelt it.
-            subject = next((s for s in known if s.lower() == subject.lower()), subject)
+            subject = next((s for s in known if s.lower() == subject.lower()), _spelt(subject))
             denied = PermissionDenied(action, subject, self.who)
             if not waiter.done():
                 waiter.set_result(denied)
         else:
-            denied = PermissionDenied(action, subject, self.who)
+            denied = PermissionDenied(action, _spelt(subject), self.who)
         self.seen.append(denied)
 
     async def guard(self, aw: Awaitable[T], *subjects: str) -> T:

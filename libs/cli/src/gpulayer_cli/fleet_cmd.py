@@ -42,7 +42,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             report = await guard(nc, ask_doctor(nc, args.node, args.timeout), subject)
         except PermissionDenied as err:
             print(
-                f"gpulayer: {err}; showing node {args.node!r}'s last health as placement "
+                f"gpulayer: {err}; showing node {args.node}'s last health as placement "
                 "holds it (an admin's credential re-detects)",
                 file=sys.stderr,
             )
