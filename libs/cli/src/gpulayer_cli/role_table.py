@@ -174,7 +174,10 @@ def markdown() -> str:
         "|" + "---|" * len(head),
     ]
     for row in TABLE:
-        command = f"`gpulayer {row.command}`" if row.kind == "cli" else f"API {row.command}"
+        what, _, when = row.command.partition(" (")
+        command = (f"`gpulayer {what}`" if row.kind == "cli" else f"API {what}") + (
+            f" ({when}" if when else ""
+        )
         cells = [row.outcome(role) for role in ROLES_SHOWN]
         lines.append("| " + " | ".join([command, row.uses, *cells, row.note]) + " |")
     return "\n".join(lines) + "\n"
