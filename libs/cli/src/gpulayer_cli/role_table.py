@@ -8,7 +8,7 @@ credential a person holds, what happens.
   lacks: the subject NATS refused (publish or subscribe) or the right placement refused;
 - ``local``: it never talks to NATS, so the role doesn't matter.
 
-docs/security.md shows ``markdown()`` (tests/unit/test_role_table.py checks the page, and that
+docs/security.md shows ``markdown()`` (tests/unit/test_role_table_doc.py checks the page, and that
 every command and API verb is here); tests/e2e/test_role_table.py walks every cell over a real
 stack with real credentials. ``python -m gpulayer_cli.role_table`` prints the table.
 """
