@@ -66,6 +66,8 @@ GOAL_FLOOD_RATIO = 2.0
 # Security issue: placement with NATS auth and grant signing on at least 0.9x its throughput
 # with both off.
 GOAL_SIGNING_RATIO = 0.9
+# Fleet page issue (29): the fleet page at 1,000 nodes and the jobs page at 10,000 jobs.
+GOAL_WEB_PAGE_MS = 200.0
 
 
 # The peer workload's size (issue 19): 5,000 jobs, as the issue measured Ray.
@@ -634,6 +636,21 @@ async def observations_group(run: Run) -> None:
     await _guard(run, names, work)
 
 
+async def web_group(run: Run) -> None:
+    """The fleet page's answer times at 1,000 nodes and 10,000 jobs, and what 50 viewers cost
+    placement (bench/web.py)."""
+    from bench.web import refresh_through_placement, web_figures
+
+    for f in await web_figures():
+        run.add(f)
+
+    async def work() -> None:
+        async with run.scenario("web") as s:
+            run.add(await refresh_through_placement(s))
+
+    await _guard(run, [("web_refresh_through_placement_1k_nodes", "ms")], work)
+
+
 async def output_group(run: Run) -> None:
     """A job printing 200 MB through the executor's pipes against the same job with its output
     to /dev/null (bench/figures.py ``output_flood``)."""
@@ -668,6 +685,9 @@ def judge_all(run: Run) -> None:
     goal("requests_with_over_without", ">=", 0.9, ">= 0.9 x (no host requests bind)")
     goal("observations_applied_share", ">=", 0.95, ">= 0.95 (placement keeps up)")
     goal("policy_with_over_without", ">=", 0.8, ">= 0.8 x (no priorities or quotas)")
+    goal("web_fleet_page_1k_nodes_p99", "<=", GOAL_WEB_PAGE_MS)
+    goal("web_jobs_page_10k_jobs_p99", "<=", GOAL_WEB_PAGE_MS)
+    goal("web_placement_requests_from_50_viewers", "<=", 0.0)
     p1k = run.get("placement_1k_nodes")
     p10k = run.get("placement_10k_nodes")
     if p1k and p10k:
@@ -742,6 +762,7 @@ async def amain(args: argparse.Namespace) -> list[Figure]:
             ("observations", lambda: observations_group(run)),
             ("policy", lambda: policy_group(run)),
             ("gang", lambda: gang_group(run)),
+            ("web", lambda: web_group(run)),
         ]
         for name, group in groups:
             if name == "peers" and not args.peers:
@@ -775,7 +796,8 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         help=(
             "comma-separated groups: probe,limits,placement1k,replicas,latency,placement10k,requests,observations,"
-            "loop,peers,output,signing,policy,gang,telemetry; peers needs --peers and runs with loop"
+            "loop,peers,output,signing,policy,gang,web,telemetry; peers needs --peers and runs "
+            "with loop"
         ),
     )
     p.add_argument(

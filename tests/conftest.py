@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
+import shutil
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -27,7 +31,7 @@ import asyncpg
 import pytest
 from nats.aio.client import Client
 from tests import helpers
-from tests.workload import Workload, make_workload_venv
+from tests.workload import TORCH, Workload, make_workload_venv
 
 from gpulayer_runtime.auth import AuthStore
 from gpulayer_runtime.nats import connect
@@ -97,6 +101,36 @@ def pytest_configure(config: pytest.Config) -> None:
             _worker_cgroups.append(folder)
         except OSError:
             continue  # not writable here: this hierarchy stays shared
+
+
+# A test using the workload venv may be the one that builds it (pip installs numpy and torch:
+# minutes on a loaded machine), or waits for another worker building it: its setup counts
+# against its timeout, so it gets this one.
+WORKLOAD_TIMEOUT_S = 900
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "workload_venv" not in getattr(item, "fixturenames", ()):
+            continue
+        marker = item.get_closest_marker("timeout")
+        if marker is None or (marker.args and marker.args[0] < WORKLOAD_TIMEOUT_S):
+            item.add_marker(pytest.mark.timeout(WORKLOAD_TIMEOUT_S), append=False)
+
+
+# Lines a test asks to be shown at the end of the run, passed or not (the fault run's counts):
+# ``record_property("summary_line", ...)``, which pytest-xdist carries from the worker.
+_summary_lines: list[str] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call":
+        _summary_lines.extend(str(v) for k, v in report.user_properties if k == "summary_line")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for line in _summary_lines:
+        terminalreporter.write_line(line)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -285,20 +319,44 @@ async def secure_nats(tmp_path: Path, auth_store: AuthStore) -> AsyncIterator[Se
         server.stop()
 
 
+def _workload_cache() -> Path:
+    """Where the workload venv is kept between runs: ``GPULAYER_TEST_CACHE`` or
+    ``~/.cache/gpulayer-tests``, one folder per interpreter and torch version."""
+    root = Path(os.environ.get("GPULAYER_TEST_CACHE") or Path.home() / ".cache" / "gpulayer-tests")
+    tag = hashlib.sha256(f"{sys.executable}|{sys.version}|{TORCH}".encode()).hexdigest()[:12]
+    return root / f"workload-py{sys.version_info[0]}{sys.version_info[1]}-{tag}"
+
+
+def _usable(workload: Workload) -> bool:
+    """The kept venv still imports what it was made with (the machine may have changed)."""
+    imports = "import numpy" + (", torch" if workload.torch else "")
+    try:
+        done = subprocess.run([workload.python, "-c", imports], capture_output=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
 @pytest.fixture(scope="session")
-def workload_venv(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Workload:
-    """A throwaway venv with numpy, and torch==2.13.0 where pip can install it (tests/workload.py),
-    once per run: under pytest-xdist the first worker that needs it builds it in the run's
-    shared temporary folder, under a lock, and the others wait for it and reuse it."""
-    if worker_id == "master":
-        return make_workload_venv(tmp_path_factory.mktemp("workload") / "venv")
-    shared = tmp_path_factory.getbasetemp().parent / "workload"
-    shared.mkdir(exist_ok=True)
-    made = shared / "workload.json"
-    with (shared / "lock").open("w") as lock:
+def workload_venv() -> Workload:
+    """A venv with numpy, and torch==2.13.0 where pip can install it (tests/workload.py), made
+    once and kept between runs (pip installing torch takes minutes; ``make test-repeat`` runs
+    the suite five times): the first worker that needs it builds it under a lock, the others
+    (and later runs) wait for it and reuse it. One made without torch (pip could not get it)
+    is made again next run."""
+    cache = _workload_cache()
+    cache.mkdir(parents=True, exist_ok=True)
+    made = cache / "workload.json"
+    with (cache / "lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, a failure included
         if made.exists():
-            return Workload(**json.loads(made.read_text()))
-        workload = make_workload_venv(shared / "venv")
+            kept = Workload(**json.loads(made.read_text()))
+            if kept.torch is not None and _usable(kept):
+                return kept
+            made.unlink()
+        venv = cache / "venv"
+        if venv.exists():
+            shutil.rmtree(venv)
+        workload = make_workload_venv(venv)
         made.write_text(json.dumps(vars(workload)))
         return workload

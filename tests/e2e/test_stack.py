@@ -114,6 +114,12 @@ async def test_dev_up_once_runs_the_examples(tmp_path: Path) -> None:
     executor_log = (tmp_path / ".gpulayer" / "logs" / "gpulayer-executor.log").read_text()
     assert "signed grants=required (1 keys" in executor_log
     assert "refused grant" not in executor_log
+    # The fleet page: its URL on a line of its own, served there, as the read-only viewer.
+    url = re.search(r"^web {9}(http://127\.0\.0\.1:\d+)$", text, re.MULTILINE)
+    assert url, text
+    web_log = (tmp_path / ".gpulayer" / "logs" / "gpulayer-web.log").read_text()
+    assert f"Uvicorn running on {url.group(1)}" in web_log
+    assert "caller=web" in web_log
 
 
 async def test_readme_snippet_runs_against_dev_up(tmp_path: Path) -> None:

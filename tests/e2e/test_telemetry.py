@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import secrets
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -75,12 +76,15 @@ async def test_one_trace_per_job_and_metrics(
         waiter = asyncio.create_task(events_until(nc, {"otel-1"}))
         await asyncio.sleep(0)
         await nc.flush()
+        submitted = time.monotonic()
         await nc.jetstream().publish(
             JOBS_SUBMIT,
             json.dumps({"job_id": "otel-1", "command": ["true"]}).encode(),
             headers={MSG_ID_HEADER: "otel-1", "traceparent": traceparent},
         )
         seen = await waiter
+        # Submit to grant took no longer than submit to the job's end as seen here.
+        ended_within_s = time.monotonic() - submitted
         assert seen["otel-1"][-1] == "succeeded"
 
         r = receiver.received
@@ -132,7 +136,10 @@ async def test_one_trace_per_job_and_metrics(
         grant_latency = [
             p for p in r.metrics if p.name == "gpulayer.placement.submit_to_grant.duration"
         ]
-        assert any(p.value >= 1 and 0 < p.total < 10 for p in grant_latency)
+        # In seconds (a unit slip to ms would be ~1000x over), whatever the machine's load.
+        assert any(p.value >= 1 and 0 < p.total <= ended_within_s for p in grant_latency), [
+            (p.value, p.total, ended_within_s) for p in grant_latency
+        ]
         online = [
             p.value
             for p in r.metrics

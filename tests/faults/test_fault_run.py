@@ -60,7 +60,7 @@ from gpulayer_runtime.auth import AuthStore
 from gpulayer_runtime.nats import connect, ensure_streams
 from gpulayer_runtime.servers import EmbeddedNatsCluster, EmbeddedPostgres
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(290)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 NODES = {"fr-t4": "t4-2x", "fr-h100": "h100-dgx-8x"}
@@ -77,16 +77,21 @@ TERMINAL = {"succeeded", "failed", "cancelled", "lost", "rejected"}
 
 
 def command(markers: Path, job_id: str, kind: str) -> list[str]:
-    """A job that writes its run's marker (its start, then its end) and ends as ``kind`` says."""
+    """A job that writes its run's marker (its start, then its end) and ends as ``kind`` says.
+    Every kind writes its end on SIGTERM too: a run stopped early (a cancel, or a grant
+    placement gave up with its node, started when the node came back) says when it ended,
+    else the checker would hold its device forever."""
     m = f"{markers}/{job_id}.$$"
     now = "$(date +%s.%N)"
     start = f'echo "$PWD|$GPULAYER_DEVICES|{now}" > {m}'
     end = f"echo {now} >> {m}"
+    trap = f"trap '{end}; exit 143' TERM"
     if kind == "cancelled":  # until its SIGTERM, which the trap answers
-        script = f"{start}; trap '{end}; exit 143' TERM; sleep 120 & wait $!; {end}"
+        script = f"{start}; {trap}; sleep 120 & wait $!; {end}"
     else:
         code = 0 if kind == "succeeded" else 3
-        script = f"{start}; sleep {random.uniform(0.2, 1.5):.2f}; {end}; exit {code}"
+        pause = f"{random.uniform(0.2, 1.5):.2f}"
+        script = f"{start}; {trap}; sleep {pause} & wait $!; {end}; exit {code}"
     return ["sh", "-c", script]
 
 
@@ -214,7 +219,11 @@ def cut_off() -> Iterator[netns.NetNs | None]:
 
 
 async def test_fault_run(
-    auth_store: AuthStore, nats_creds: str | None, tmp_path: Path, cut_off: netns.NetNs | None
+    auth_store: AuthStore,
+    nats_creds: str | None,
+    tmp_path: Path,
+    cut_off: netns.NetNs | None,
+    record_property: Callable[[str, object], None],
 ) -> None:
     # Three servers, listening where the cut node reaches them (this end of its link).
     host = cut_off.host_ip if cut_off is not None else "127.0.0.1"
@@ -249,8 +258,10 @@ async def test_fault_run(
         counts = check(
             submitted, expected, events, read_markers(markers, node_of), cut, lost_on=lost_on
         )
-        line = f"fault run: {counts.line()}"
+        partition = "with" if cut_off is not None else "without"
+        line = f"fault run ({partition} the partition): {counts.line()}"
         print(line)
+        record_property("summary_line", line)  # shown at the end of `make test`
         (tmp_path / "fault-run.txt").write_text(line + "\n" + "\n".join(counts.problems) + "\n")
         assert counts.accepted == counts.submitted == len(expected), (line, counts.problems[:20])
         assert counts.ended == counts.accepted, (line, counts.problems[:20])

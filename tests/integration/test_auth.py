@@ -20,6 +20,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from tests.conftest import SecureNats
 
 from gpulayer_contracts.subjects import (
+    JOB_WILDCARD_EVENTS,
     MAX_DELIVERIES_ADVISORY,
     MSG_ID_HEADER,
     jobs_submit,
@@ -283,6 +284,87 @@ async def test_user_cannot_read_another_users_events_or_logs(
     assert (await js_admin.stream_info("LOGS")).state.consumer_count == 0
 
 
+async def test_viewer_reads_but_cannot_submit_cancel_or_publish(
+    secure_nats: SecureNats, admin: Client
+) -> None:
+    """The fleet page's read-only role: the API's reads and any job's events; the server
+    refuses submitting, cancelling, publishing node or job subjects, and reading logs."""
+    js_admin = admin.jetstream()
+    await js_admin.publish("gpulayer.job.bob.j1.events", b'{"type": "accepted"}')
+    await js_admin.publish("gpulayer.job.bob.j1.logs", b'{"line": "HF_TOKEN=secret"}')
+    asked = await admin.subscribe("gpulayer.api.*.web")
+    async with client(secure_nats, "viewer", "web") as web:
+        js = web.nc.jetstream()
+        for subject in (jobs_submit("web"), jobs_submit(), jobs_submit("bob")):
+            with pytest.raises(nats.errors.Error):
+                await js.publish(subject, b'{"job_id": "x", "command": ["true"]}', timeout=1)
+            await web.violation("Publish", subject)
+        for subject in (
+            "gpulayer.api.cancel.web",
+            "gpulayer.api.cancel",
+            "gpulayer.api.nodes",  # the bare subject is the anonymous caller: every right
+            "gpulayer.api.nodes.alice",
+            node_capabilities("n1"),
+            node_heartbeat("n1"),
+            node_status("n1"),
+            node_grants("n1"),
+            "gpulayer.node.n1.control",
+            "gpulayer.job.bob.j1.events",
+            "gpulayer.job.bob.j1.logs",
+            "gpulayer.dlq.x",
+        ):
+            await web.nc.publish(subject, b"{}")
+            await web.violation("Publish", subject)
+        for subject in ("gpulayer.job.>", "gpulayer.node.*.grants", "_INBOX.>", "gpulayer.api.>"):
+            await web.nc.subscribe(subject)
+            await web.violation("Subscription", subject)
+        with pytest.raises((nats.errors.TimeoutError, nats.js.errors.Error)):
+            await js.add_consumer(
+                "LOGS", ConsumerConfig(name="peek", filter_subject="gpulayer.job.bob.j1.logs"),
+                timeout=1,
+            )  # fmt: skip
+        await web.violation("Publish", "$JS.API.CONSUMER.CREATE.LOGS.peek.gpulayer.job.bob.j1.logs")
+        with pytest.raises((nats.errors.TimeoutError, nats.js.errors.Error)):
+            await js.purge_stream("JOB_EVENTS")
+        await web.violation("Publish", "$JS.API.STREAM.PURGE.JOB_EVENTS")
+        # What it may do: ask the API's reads as itself, read any job's events on its inbox.
+        for verb in ("nodes", "jobs", "job", "explain", "matrix", "quota"):
+            await web.nc.publish(f"gpulayer.api.{verb}.web", b"{}")
+        await web.nc.flush()
+        got = [(await asked.next_msg(timeout=5)).subject for _ in range(6)]
+        assert got == [
+            f"gpulayer.api.{v}.web" for v in ("nodes", "jobs", "job", "explain", "matrix", "quota")
+        ]
+        inbox = web.nc.new_inbox()
+        assert inbox.startswith(inbox_prefix("viewer", "web") + ".")
+        sub = await web.nc.subscribe(inbox)
+        await js.add_consumer(
+            "JOB_EVENTS",
+            ConsumerConfig(
+                name="timeline",
+                filter_subject="gpulayer.job.bob.j1.events",
+                deliver_subject=inbox,
+                deliver_policy=DeliverPolicy.ALL,
+            ),
+        )
+        assert (await sub.next_msg(timeout=5)).data == b'{"type": "accepted"}'
+        # Every job's new events at once (the page refreshes on them): a wildcard filter.
+        every = web.nc.new_inbox()
+        woken = await web.nc.subscribe(every)
+        await js.add_consumer(
+            "JOB_EVENTS",
+            ConsumerConfig(name="wake", filter_subject=JOB_WILDCARD_EVENTS, deliver_subject=every,
+                           deliver_policy=DeliverPolicy.NEW),
+        )  # fmt: skip
+        await js_admin.publish("gpulayer.job.carol.j9.events", b'{"type": "placed"}')
+        assert (await woken.next_msg(timeout=5)).subject == "gpulayer.job.carol.j9.events"
+        assert web.nc.is_connected
+    for stream in ("JOBS", "GRANTS", "STATUS", "CONTROL"):
+        assert (await js_admin.stream_info(stream)).state.messages == 0, stream
+    assert (await js_admin.stream_info("JOB_EVENTS")).state.messages == 2
+    assert (await js_admin.stream_info("LOGS")).state.consumer_count == 0
+
+
 async def test_user_cannot_purge_or_delete_a_stream(secure_nats: SecureNats, admin: Client) -> None:
     await admin.jetstream().publish(jobs_submit("alice"), b"{}")
     async with client(secure_nats, "user", "alice") as alice:
@@ -311,7 +393,9 @@ async def test_only_placement_and_admins_create_streams(secure_nats: SecureNats)
 
 async def test_credentials_carry_the_roles_permissions(auth_store: AuthStore) -> None:
     """What the server is given is what ``roles.permissions`` says (docs/security.md shows it)."""
-    for role, name in (("placement", ""), ("node", "n1"), ("user", "u1"), ("admin", "a1")):
+    for role, name in (
+        ("placement", ""), ("node", "n1"), ("user", "u1"), ("admin", "a1"), ("viewer", "v1")
+    ):  # fmt: skip
         path = auth_store.ensure(role, name)  # type: ignore[arg-type]
         assert path.stat().st_mode & 0o077 == 0
         lines = path.read_text().splitlines()
@@ -321,16 +405,25 @@ async def test_credentials_carry_the_roles_permissions(auth_store: AuthStore) ->
         assert claims["nats"]["sub"]["allow"] == list(perms.subscribe)
         assert ("resp" in claims["nats"]) == perms.allow_responses
         assert identity_of(path) == (role, "placement" if role == "placement" else name)
-    assert set(ROLES) == {"placement", "node", "user", "admin"}
+    assert set(ROLES) == {"placement", "node", "user", "admin", "viewer"}
 
 
 def test_names_that_would_break_subjects_or_identities_are_refused(auth_store: AuthStore) -> None:
     for bad in ("", "a.b", "*", ">", "a b", "-lead", "x" * 65, "anonymous"):
         with pytest.raises(ValueError, match="name"):
             auth_store.mint("user", bad)
+    for bad in ("", "a.b", "*", "anonymous"):
+        with pytest.raises(ValueError, match="name"):
+            auth_store.mint("viewer", bad)
     auth_store.mint("admin", "ops")
     with pytest.raises(AuthError, match="already an admin"):
         auth_store.mint("user", "ops")
+    # A viewer is known to the API by name too: it never shares one with a user or an admin.
+    with pytest.raises(AuthError, match="already an admin"):
+        auth_store.mint("viewer", "ops")
+    auth_store.mint("viewer", "board")
+    with pytest.raises(AuthError, match="already a viewer"):
+        auth_store.mint("user", "board")
 
 
 def _openssl(*args: str) -> None:
@@ -400,6 +493,9 @@ async def test_the_auth_command_mints_credentials_a_running_server_accepts(
         assert main(["auth", "--dir", str(folder), "add-node", "gpu-7"]) == 0
         node_creds = capsys.readouterr().out.strip().splitlines()[-1]
         assert main(["auth", "--dir", str(folder), "add-user", "carol"]) == 0
+        assert main(["auth", "--dir", str(folder), "add-viewer", "board"]) == 0
+        viewer_creds = capsys.readouterr().out.strip().splitlines()[-1]
+        assert identity_of(viewer_creds) == ("viewer", "board")
         assert main(["auth", "--dir", str(folder), "add-user", "bad.name"]) == 2
         assert "bad.name" in capsys.readouterr().err
         nc = await connect(server.url, "minted", creds=node_creds)

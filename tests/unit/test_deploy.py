@@ -157,7 +157,7 @@ def test_images_are_pinned_and_built_once() -> None:
     image = services["placement"]["image"]
     for name, svc in services.items():
         ref = str(svc["image"])
-        if name in OURS:
+        if name in (*OURS, "web"):
             assert ref == image, f"{name} does not run the one built image"
             continue
         repo, _, tag = ref.rpartition(":")
@@ -337,10 +337,21 @@ def test_each_service_connects_with_its_own_credentials() -> None:
         "placement": "./auth/creds/placement.creds",
         "probe": f"./auth/creds/node-{node}.creds",
         "executor": f"./auth/creds/node-{node}.creds",
+        "web": "./auth/creds/viewer-web.creds",
     }
     for name, source in expected.items():
         creds = _env(services[name])["GPULAYER_NATS_CREDS"]
         assert _generated(services[name]).get(creds) == source, name
+
+
+def test_the_fleet_page_reads_no_database_and_publishes_on_loopback() -> None:
+    web = _services()["web"]
+    env = _env(web)
+    assert "GPULAYER_DATABASE_URL" not in env
+    assert "postgres" not in (web.get("depends_on") or {})
+    assert [interpolate(h, {}) for h, _ in _published(web)] == ["127.0.0.1"]
+    # Bound to the container's interfaces, it still answers only the published names.
+    assert interpolate(env["GPULAYER_WEB_ALLOWED_HOSTS"], {}) == "127.0.0.1,localhost"
 
 
 def test_the_executor_runs_jobs_as_another_account() -> None:

@@ -14,7 +14,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "security.md"
 
 
 @pytest.mark.parametrize(
-    ("role", "name"), [("placement", ""), ("node", "gpu-01"), ("user", "alice")]
+    ("role", "name"), [("placement", ""), ("node", "gpu-01"), ("user", "alice"), ("viewer", "web")]
 )
 def test_security_doc_lists_each_roles_permissions(role: Role, name: str) -> None:
     text = DOC.read_text()

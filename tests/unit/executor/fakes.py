@@ -138,7 +138,7 @@ class FakeLaunch:
             self.running -= 1
 
 
-async def until(check: Callable[[], bool], timeout: float = 5.0) -> None:
+async def until(check: Callable[[], bool], timeout: float = 30.0) -> None:
     """Poll ``check`` until it is true: for counters of a fake, which nothing can wait on."""
     async with asyncio.timeout(timeout):
         while True:

@@ -259,3 +259,32 @@ async def test_signing_off_an_unsigned_cancel_stops_the_job_but_marks_nothing(
     # A job submitted later under that id would not be stopped by it.
     assert p.store.cancel_mark("job-later") is None
     assert p.store.cancel_mark("job-g1") is None
+
+
+@pytest.mark.parametrize("verifier", [VERIFIER, None], ids=["signed", "signing-off"])
+async def test_a_given_up_grant_that_never_came_is_reported_ended_and_never_starts(
+    tmp_path: Path, verifier: Verifier | None
+) -> None:
+    # Placement lost the job with this node (cut off) before its grant reached it: it keeps
+    # what the grant would hold fenced until this node says the grant ended, so it is told at
+    # once; the grant, should it still come, never starts (its end goes to placement alone).
+    p = Parts(tmp_path, verifier)
+    stop = CancelJob(job_id="job-g9", reason="lost: node cut off", grant_id="g9", given_up=True)
+    await p.intake.on_cancel(FakeMsg(encode(stop), signed=("cancel", "g9")).msg)
+    assert p.fake.msg_ids(node_status(NODE)) == ["g9:cancelled"]
+    assert p.fake.msg_ids(job_events("job-g9")) == []
+    await p.intake.on_grant(FakeMsg(encode(grant("g9")), signed=("grant", "g9")).msg)
+    await p.settle()
+    assert p.launch.spawned == []
+    rec = p.store.load("g9")
+    assert rec is not None
+    assert rec.outcome is not None
+    assert (rec.outcome.state, rec.outcome.told) == ("cancelled", True)
+    await until(lambda: p.fake.msg_ids(node_status(NODE)) == ["g9:cancelled", "g9:cancelled"])
+    assert p.fake.msg_ids(job_events("job-g9")) == []
+    # A given-up grant the node did run is reported by its own end, not twice.
+    await p.intake.on_grant(FakeMsg(encode(grant("g8")), signed=("grant", "g8")).msg)
+    await p.settle()
+    stop = CancelJob(job_id="job-g8", reason="lost: node cut off", grant_id="g8", given_up=True)
+    await p.intake.on_cancel(FakeMsg(encode(stop), signed=("cancel", "g8")).msg)
+    assert p.fake.msg_ids(node_status(NODE)).count("g8:cancelled") == 0

@@ -97,7 +97,8 @@ async def test_a_cancel_reaches_a_queued_job_which_never_starts(tmp_path: Path) 
     outcome = p.record("g2").outcome
     assert outcome is not None
     assert (outcome.state, outcome.reason) == ("cancelled", "user asked")
-    assert p.fake.msg_ids(job_events("job-g2")) == ["g2:end"]
+    # Reported after the record is on disk: waited for, not raced.
+    await until(lambda: p.fake.msg_ids(job_events("job-g2")) == ["g2:end"])
     p.launch.finish.set()
     await p.all_done()
     assert p.launch.spawned == ["g1"]

@@ -133,6 +133,44 @@ async def test_a_dependency_a_pass_skipped_while_intake_held_it_is_looked_at_aga
     assert wake.capacity_changed  # asked again after the commit
 
 
+async def test_a_dependency_a_pass_woken_before_the_transaction_skipped_is_looked_at_again() -> (
+    None
+):
+    """The node joined (capacity changed) just before the intake transaction began; the pass it
+    woke ran while the transaction held the dependency locked, and skipped it. No capacity
+    change during the transaction, but a pass ran beside it: another pass once committed (the
+    suite met this: the dependency kept "no nodes in the fleet" until the periodic pass)."""
+    wake_ref: list[Wake] = []
+
+    class Conn(FakeConn):
+        async def fetch(self, sql: str, *args: Any) -> list[dict[str, Any]]:
+            rows = await super().fetch(sql, *args)
+            if self.calls[-1][0] == "dependency_states":
+                wake_ref[0].take()  # the pass woken before the transaction runs now
+                wake_ref[0].begin_pass()
+                wake_ref[0].passing = False  # and ends, having skipped the locked rows
+            return rows
+
+    conn = Conn(
+        {
+            "dependency_states": [{"job_id": "a", "state": "pending", "owner": "anonymous"}],
+            "insert_jobs": [{"job_id": "b"}],
+        }
+    )
+    intake, wake, _ = build(conn)
+    wake_ref.append(wake)
+    wake.capacity()  # before the transaction: its epoch is the same after
+    await intake.ingest([submit(b'{"job_id": "b", "command": ["true"], "after": ["a"]}')])
+    assert "dependency_states" in conn.names()
+    assert wake.capacity_changed  # asked again after the commit
+    # With no pass beside it and no capacity change, nothing more is asked.
+    wake.take()
+    conn.rows["insert_jobs"] = [{"job_id": "c"}]
+    Conn.fetch = FakeConn.fetch  # type: ignore[method-assign]
+    await intake.ingest([submit(b'{"job_id": "c", "command": ["true"], "after": ["a"]}')])
+    assert not wake.capacity_changed
+
+
 class OnceConn(FakeConn):
     """``insert_jobs`` stores the ids once: asked again, they are known."""
 

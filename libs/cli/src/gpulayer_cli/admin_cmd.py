@@ -89,7 +89,7 @@ def add_keys(sub: Any) -> None:
 def add_quota(sub: Any) -> None:
     from gpulayer_contracts.subjects import API_QUOTA
 
-    qp = sub.add_parser("quota", help="per-owner quotas (admins): set, delete, list")
+    qp = sub.add_parser("quota", help="per-owner quotas: list (anyone), set and delete (admins)")
     qs = qp.add_subparsers(dest="quota_op", required=True)
     for name, text in (
         ("set", "set an owner's (or the default) quota; -1 clears a limit"),

@@ -1,5 +1,5 @@
 """``gpulayer auth``: make the operator and account once, then mint a credential per node,
-user or admin, with its role's NATS permissions. Minting needs only the auth folder's account
+user, admin or read-only viewer, with its role's NATS permissions. Minting needs only the auth folder's account
 signing key; the server's config never changes (docs/security.md)."""
 
 from __future__ import annotations
@@ -25,9 +25,12 @@ def cmd_auth(args: argparse.Namespace) -> int:
             return 0
         if not store.exists():
             raise AuthError(f"{store.folder} has no account yet: run `gpulayer auth init` first")
-        role: Role = {"add-node": "node", "add-user": "user", "add-admin": "admin"}.get(
-            args.auth_command, "placement"
-        )  # type: ignore[assignment]
+        role: Role = {
+            "add-node": "node",
+            "add-user": "user",
+            "add-admin": "admin",
+            "add-viewer": "viewer",
+        }.get(args.auth_command, "placement")  # type: ignore[assignment]
         path = store.mint(role, getattr(args, "name", ""))
     except (AuthError, ValueError) as err:
         print(f"gpulayer auth: {err}", file=sys.stderr)
@@ -56,6 +59,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         ("add-node", "a node (its probe and executor): NODE is its GPULAYER_NODE_ID"),
         ("add-user", "a user: submits, follows and cancels its own jobs"),
         ("add-admin", "an admin: everything; list it in placement's GPULAYER_ADMINS"),
+        ("add-viewer", "a read-only viewer (the fleet page): reads, never submits or cancels"),
     ):
         p = auth_sub.add_parser(command, help=f"mint the credential of {what}")
         p.add_argument("name")

@@ -51,7 +51,10 @@ from gpulayer_runtime.signing import (
 # dev up's own connection: it declares the streams and watches every job's events.
 DEV_ADMIN = "admin"
 
-SERVICES = ("gpulayer-placement", "gpulayer-executor", "gpulayer-probe")
+SERVICES = ("gpulayer-placement", "gpulayer-executor", "gpulayer-probe", "gpulayer-web")
+# The fleet page's viewer credential (read-only), and its usual port.
+WEB_VIEWER = "web"
+WEB_DEFAULT_PORT = 8470
 # Files in the examples folder that are no job: the outcomes expected, and the runtime profiles
 # placement is given (GPULAYER_PROFILES, unless the environment names another file).
 EXPECTATIONS, PROFILES = "expectations.toml", "profiles.toml"
@@ -76,6 +79,7 @@ class Stack:
     creds: dict[str, str] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     servers: list[EmbeddedNats | EmbeddedPostgres] = field(default_factory=list)
+    web_url: str = ""
 
 
 def load_examples(folder: Path, run_tag: str) -> list[Example]:
@@ -163,6 +167,7 @@ def _credentials(stack: Stack, data_dir: Path) -> Path:
         "gpulayer-probe": str(store.ensure("node", stack.node_id)),
         "dev": str(store.ensure("admin", DEV_ADMIN)),
         "user": str(store.ensure("user", DEV_USER)),
+        "gpulayer-web": str(store.ensure("viewer", WEB_VIEWER)),
     }
     return store.server_conf
 
@@ -198,11 +203,19 @@ def start_services(stack: Stack, console: Console, env: dict[str, str]) -> None:
     if stack.creds:
         child_env.setdefault("GPULAYER_ADMINS", DEV_ADMIN)
     own = signing_settings(stack.data_dir, env)
+    # The fleet page on loopback, on its usual port when free (GPULAYER_WEB_PORT wins).
+    host = env.get("GPULAYER_WEB_HOST") or "127.0.0.1"
+    port = env.get("GPULAYER_WEB_PORT") or str(preferred_port(WEB_DEFAULT_PORT, host))
+    own["gpulayer-web"] = {"GPULAYER_WEB_HOST": host, "GPULAYER_WEB_PORT": port}
+    shown = f"[{host}]" if ":" in host else host
+    stack.web_url = f"http://{shown}:{port}"
     for name in SERVICES:
         log_path = stack.data_dir / "logs" / f"{name}.log"
         service_env = dict(child_env)
         if name in stack.creds:
             service_env["GPULAYER_NATS_CREDS"] = stack.creds[name]
+        if name == "gpulayer-web":  # it reads through placement's API, never the database
+            service_env.pop("GPULAYER_DATABASE_URL", None)
         with open(log_path, "ab") as log:
             stack.procs[name] = subprocess.Popen(
                 [_bin(name)],
@@ -211,6 +224,7 @@ def start_services(stack: Stack, console: Console, env: dict[str, str]) -> None:
                 stderr=subprocess.STDOUT,
             )
         console.print(f"started {name} (pid {stack.procs[name].pid}, log {log_path})")
+    console.print(f"web         [bold]{stack.web_url}[/bold]")
 
 
 def signing_settings(data_dir: Path, env: dict[str, str]) -> dict[str, dict[str, str]]:

@@ -7,7 +7,7 @@ nodes can reach (``host.advertise_address``). A loopback address (a probe that f
 falls back to 127.0.0.1) reaches only nodes on the same host: such a gang is placed only on
 nodes reporting one host name, where it can still meet. Pure, like the matcher: node views in, a
 ``GangPlacement`` (rank 0 first) or the reasons why not out. The per-node rules are the
-matcher's own (``_capability``, ``_host_miss``, ``_place``), so a gang's rank and a
+matcher's own (``capability``, ``host_miss``, ``place``), so a gang's rank and a
 single-node job are judged alike.
 """
 
@@ -20,19 +20,12 @@ import msgspec
 
 from gpulayer_contracts.capabilities import WorkerCapabilities
 from gpulayer_contracts.jobs import JobRequest
-from gpulayer_matching.matcher import (
-    _FACTS,
-    NodeView,
-    NoPlacement,
-    Placement,
-    _capability,
-    _compile,
-    _explain,
-    _facts,
-    _host_miss,
-    _place,
-    _Plan,
-)
+from gpulayer_matching.capability import capability
+from gpulayer_matching.explain import explain_plan
+from gpulayer_matching.facts import FACTS, facts_of
+from gpulayer_matching.place import host_miss, place
+from gpulayer_matching.plan import Plan, compile_plan
+from gpulayer_matching.views import NodeView, NoPlacement, Placement
 
 __all__ = [
     "GangPlacement",
@@ -75,25 +68,25 @@ def is_loopback(addr: str) -> bool:
         return False
 
 
-def _fits(plan: _Plan, view: NodeView) -> Placement | None:
+def _fits(plan: Plan, view: NodeView) -> Placement | None:
     if not view.online or view.executor_down:
         return None
     caps = view.capabilities
-    facts = _FACTS.get(id(caps))
+    facts = FACTS.get(id(caps))
     if facts is None or facts.caps is not caps:
-        facts = _facts(caps)
+        facts = facts_of(caps)
     cap = facts.results.get(plan.key)
     if cap is None:
-        cap = _capability(plan, facts)
-    if not cap.ok or _host_miss(plan, view) is not None:
+        cap = capability(plan, facts)
+    if not cap.ok or host_miss(plan, view) is not None:
         return None
-    placed = _place(plan, cap, view)
+    placed = place(plan, cap, view)
     return placed if isinstance(placed, Placement) else None
 
 
 def fitting_nodes(job: JobRequest, nodes: Sequence[NodeView]) -> list[Placement]:
     """Every node of ``nodes`` that could take one rank of ``job`` now, in order."""
-    plan = _compile(job)
+    plan = compile_plan(job)
     if plan.failure is not None:
         return []
     return [p for view in nodes if (p := _fits(plan, view)) is not None]
@@ -103,9 +96,9 @@ def match_gang(job: JobRequest, nodes: Sequence[NodeView]) -> GangPlacement | No
     """N distinct nodes that each take one rank of ``job`` now, in the order given, rank 0 on
     the first that advertises an address (any for N = 1); else why not."""
     want = job.distributed.nodes if job.distributed is not None else 1
-    plan = _compile(job)
+    plan = compile_plan(job)
     if plan.failure is not None:
-        return _explain(plan, nodes)
+        return explain_plan(plan, nodes)
     fits: list[tuple[Placement, str | None]] = []
     hosts: dict[str, list[int]] = {}  # host name -> indices in fits (loopback rendezvous)
     master: int | None = None
@@ -140,14 +133,14 @@ def explain_gang(
     nodes: Sequence[NodeView],
     *,
     found: int | None = None,
-    plan: _Plan | None = None,
+    plan: Plan | None = None,
 ) -> NoPlacement:
     """Why the gang can't be placed now: ``needs 2 nodes with 1 free cuda device: 1 found``,
     then the per-node reasons of the matcher; ``unsatisfiable`` when fewer than N nodes could
     ever take a rank."""
     want = job.distributed.nodes if job.distributed is not None else 1
-    plan = plan if plan is not None else _compile(job)
-    single = _explain(plan, nodes)
+    plan = plan if plan is not None else compile_plan(job)
+    single = explain_plan(plan, nodes)
     if plan.failure is not None:
         return single
     if found is None:
@@ -175,7 +168,7 @@ def explain_gang(
     )
 
 
-def _what(plan: _Plan) -> str:
+def _what(plan: Plan) -> str:
     """What each node must have free: ``1 free cuda device``, ``room for one rank``."""
     n = plan.n
     if n == 0:

@@ -253,15 +253,18 @@ class AuthStore:
 
     def mint(self, role: Role, name: str = "") -> Path:
         """Write (or rewrite) the credential of identity ``name`` in ``role``; returns its path.
-        Needs only the account's signing key. Refuses a user and an admin of the same name,
-        since the API trusts the caller token of admins by name."""
+        Needs only the account's signing key. Refuses a user, an admin or a viewer of one name, since
+        the API knows its callers by name."""
         if role == "placement":
             name = "placement"
         else:
             check_name(name, f"{role} name")
-        other = {"user": "admin", "admin": "user"}.get(role)
-        if other and self.creds_path(other, name).exists():  # type: ignore[arg-type]
-            raise AuthError(f"{name!r} is already an {other}: pick another name")
+        # The API knows a caller by name alone: one name is one user, admin or viewer.
+        named: tuple[Role, ...] = ("user", "admin", "viewer")
+        for other in named if role in named else ():
+            if other != role and self.creds_path(other, name).exists():
+                article = "an" if other == "admin" else "a"
+                raise AuthError(f"{name!r} is already {article} {other}: pick another name")
         perms = permissions(role, name)
         user_seed = new_seed(nkeys.PREFIX_BYTE_USER)
         account_pub = public_key(self._seed("account"))

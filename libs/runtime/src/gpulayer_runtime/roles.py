@@ -19,8 +19,12 @@ import msgspec
 
 from gpulayer_contracts.subjects import MAX_DELIVERIES_ADVISORY, PREFIX, STREAMS
 
-Role = Literal["placement", "node", "user", "admin"]
-ROLES: tuple[Role, ...] = ("placement", "node", "user", "admin")
+Role = Literal["placement", "node", "user", "admin", "viewer"]
+ROLES: tuple[Role, ...] = ("placement", "node", "user", "admin", "viewer")
+
+# The API verbs a viewer may ask: reads only (no cancel). ``quota`` answers a non-admin with the
+# list alone (placement refuses set and delete to anyone but admins).
+VIEWER_VERBS = ("nodes", "jobs", "job", "explain", "matrix", "profiles", "services", "quota")
 
 # Names a user may not take: the owner of jobs submitted without auth, and the prefix tokens of
 # other roles' inboxes are kept apart by ``inbox_prefix`` already.
@@ -69,10 +73,12 @@ def permissions(role: Role, name: str) -> Permissions:
     check_name(name, f"{role} name")
     if role == "node":
         return _node(name)
+    if role in ("user", "viewer") and name in RESERVED_NAMES:
+        raise ValueError(f"{role} name {name!r} is reserved")
     if role == "user":
-        if name in RESERVED_NAMES:
-            raise ValueError(f"user name {name!r} is reserved")
         return _user(name)
+    if role == "viewer":
+        return _viewer(name)
     raise ValueError(f"unknown role {role!r}")
 
 
@@ -172,4 +178,20 @@ def _user(name: str) -> Permissions:
             *js_api,
         ),
         subscribe=(f"{own_jobs}.>", f"{inbox_prefix('user', name)}.>"),
+    )
+
+
+def _viewer(name: str) -> Permissions:
+    """Read-only (the fleet page, issue 29): what the API shows every user, every job's events
+    and the nodes' device observations; no submit, no cancel, no publish, no logs."""
+    return Permissions(
+        publish=(
+            *(f"{PREFIX}.api.{verb}.{name}" for verb in VIEWER_VERBS),
+            # Whether placement declared the stream yet (it starts before placement may).
+            f"{_JS}.STREAM.INFO.JOB_EVENTS",
+            # Any job's events (its timeline, and the live page): a named consumer whose filter
+            # (in the subject) is some job's events, never its logs.
+            f"{_JS}.CONSUMER.CREATE.JOB_EVENTS.*.{PREFIX}.job.*.*.events",
+        ),
+        subscribe=(f"{PREFIX}.node.*.observations", f"{inbox_prefix('viewer', name)}.>"),
     )

@@ -239,10 +239,13 @@ class GrantIntake:
         if why is not None:
             await self._drop(msg, "cancel", cancel.job_id, cancel.grant_id, why)
             return
-        if self._verifier is not None:
+        given_up = cancel.given_up and bool(cancel.grant_id)
+        if self._verifier is not None or given_up:
             # Placement signed it, and placement cancels only jobs it placed here: remembered
             # durably first, so a grant for this job arriving later (the two streams are not
-            # ordered with each other) or still queued after a restart never starts.
+            # ordered with each other) or still queued after a restart never starts. A grant
+            # placement gave up is marked even unsigned: the mark stops that grant alone, and
+            # its end is about to be reported as if it had come (below).
             await asyncio.to_thread(
                 functools.partial(
                     self._store.mark_cancel,
@@ -260,3 +263,15 @@ class GrantIntake:
             cancel.job_id, cancel.reason, cancel.grant_id, given_up=cancel.given_up
         )
         log.info("cancel for job %s (%s): %d active grants", cancel.job_id, cancel.reason, stopped)
+        if given_up and not stopped:
+            await self._never_came(cancel.job_id, cancel.grant_id, cancel.reason)
+
+    async def _never_came(self, job_id: str, grant_id: str, reason: str) -> None:
+        """A grant placement gave up (lost with this node) that this node has no record of:
+        placement, which holds what the grant would have used fenced until this node reports
+        its end, is told it ended here. The mark written before stops it should it still come
+        (a grant placement could not publish before the loss is never resent)."""
+        if await asyncio.to_thread(self._store.load, grant_id) is not None:
+            return  # received and ended already: its own end was (or will be) reported
+        log.info("grant %s of job %s never reached this node: reported ended", grant_id, job_id)
+        await self._reporter.report_never_came(job_id, grant_id, reason)

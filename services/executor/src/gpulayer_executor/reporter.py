@@ -148,6 +148,19 @@ class Reporter:
         )
         return to_placement and to_user
 
+    async def report_never_came(self, job_id: str, grant_id: str, reason: str) -> bool:
+        """To placement alone: a grant it gave up never reached this node, and never runs
+        here. What placement kept fenced for it is free."""
+        status = JobStatus(
+            job_id=job_id,
+            grant_id=grant_id,
+            node_id=self._node_id,
+            state="cancelled",
+            reason=reason,
+        )
+        msg_id = f"{grant_id}:cancelled"
+        return await self._publish(node_status(self._node_id), encode(status), msg_id)
+
     async def report_finished(self, rec: st.GrantRecord) -> None:
         """Report a finished record; once both streams stored it, mark it ``reported`` (in the
         next commit, not waited for: losing the mark costs only a deduplicated repeat)."""

@@ -71,6 +71,15 @@ class _JobQuery(msgspec.Struct, frozen=True):
 class _JobsQuery(msgspec.Struct, frozen=True):
     state: str | None = None
     limit: int = 100
+    offset: int = 0  # pages: the fleet page reads more jobs than fit in one reply
+
+
+class _NodesQuery(msgspec.Struct, frozen=True):
+    """A page of the node list (all of it by default); a reply holds ~1 MB, so a fleet of
+    thousands is read page by page."""
+
+    offset: int = 0
+    limit: int | None = None
 
 
 class _QuotaQuery(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -211,8 +220,10 @@ class Api:
         return encode({"ok": False, "error": f"the reply ({len(data)} bytes) is too large"})
 
     async def nodes(self, data: bytes, caller: str = ANONYMOUS) -> Any:
+        q = msgspec.json.decode(data or b"{}", type=_NodesQuery)
+        limit = None if q.limit is None else max(q.limit, 1)
         async with self.pool.acquire() as conn:
-            rows = await Store.fetch(conn, "list_nodes")
+            rows = await Store.fetch(conn, "list_nodes", max(q.offset, 0), limit)
         out = []
         for r in rows:
             caps = capabilities_decoder.decode(r["capabilities"])
@@ -236,7 +247,9 @@ class Api:
     async def jobs(self, data: bytes, caller: str = ANONYMOUS) -> Any:
         q = msgspec.json.decode(data or b"{}", type=_JobsQuery)
         async with self.pool.acquire() as conn:
-            rows = await Store.fetch(conn, "list_jobs", q.state, min(max(q.limit, 1), 10_000))
+            rows = await Store.fetch(
+                conn, "list_jobs", q.state, min(max(q.limit, 1), 10_000), max(q.offset, 0)
+            )
         out = [{k: _iso(v) for k, v in dict(r).items()} for r in rows]
         for job in out:  # fair share: the owner's recent GPU-seconds, lowest goes first
             job["owner_usage_gpu_s"] = round(self.policy.usage(job.get("owner") or ANONYMOUS), 1)
@@ -409,12 +422,13 @@ class Api:
         return note
 
     async def quota(self, data: bytes, caller: str = ANONYMOUS) -> Any:
-        """Admins only: ``{"op": "list"}``, ``{"op": "set", ...QuotaRequest}``,
+        """``{"op": "list"}`` for anyone (quotas and their use are what every user may see, as
+        the fleet page's owners view shows); admins only: ``{"op": "set", ...QuotaRequest}``,
         ``{"op": "delete", "owner": name}`` (owner None: the default quota)."""
-        if not self.privileged(caller):
-            log.warning("refused: %s tried to manage quotas", caller)
-            raise ApiDenied("only admins may see or change quotas (placement's GPULAYER_ADMINS)")
         q = msgspec.json.decode(data or b"{}", type=_QuotaQuery)
+        if q.op != "list" and not self.privileged(caller):
+            log.warning("refused: %s tried to change quotas", caller)
+            raise ApiDenied("only admins may change quotas (placement's GPULAYER_ADMINS)")
         owner = quotas.DEFAULT_OWNER if q.owner is None else q.owner
         if q.owner is not None and (not q.owner or any(c in q.owner for c in ".*> \t\x00")):
             raise ApiError(f"owner {q.owner!r} is not an identity name")

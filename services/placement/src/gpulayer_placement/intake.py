@@ -86,6 +86,9 @@ class Stored:
     outcome: Outcome | None = None
     epoch: int = 0
     locked: bool = False
+    # The scheduler's pass count, and whether one was running, when the transaction began.
+    passes: int = 0
+    passing: bool = False
     announced: bool = False  # its accepted/rejected events were stored
 
 
@@ -183,12 +186,15 @@ class Intake:
             await self.dead.send(msg, reason, why, job_id)
         if stored.fresh and outcome is None:
             self.wake.jobs(stored.fresh)
-        if self.wake.epoch != stored.epoch and (
+        beside = stored.passing or self.wake.passing or self.wake.passes != stored.passes
+        if (self.wake.epoch != stored.epoch or beside) and (
             stored.locked or (outcome is not None and outcome.waiting)
         ):
-            # Capacity changed while this transaction held waiting rows (its own new ones, or
-            # the dependencies it checked): a pass then skipped them (SKIP LOCKED). Look again
-            # now that they are free.
+            # Capacity changed, or a pass ran, while this transaction held waiting rows (its
+            # own new ones, or the dependencies it checked): a pass then skipped them (SKIP
+            # LOCKED). Look again now that they are free. (A pass woken by a node joining ran
+            # while the next submit's transaction held its dependency locked: that job kept
+            # "no nodes in the fleet" until the thorough pass.)
             self.wake.capacity()
 
     def read(self, msgs: list[Msg]) -> Batch:
@@ -328,6 +334,7 @@ class Intake:
         try:
             async with self.pool.acquire() as conn, conn.transaction():
                 stored.epoch = self.wake.epoch
+                stored.passes, stored.passing = self.wake.passes, self.wake.passing
                 # Dependencies first: unknown, foreign or failed ones and cycles reject the job.
                 stored.locked = any(job.after for job in b.accepted.values())
                 checked = await dependencies.check(conn, b.accepted, b.owners)

@@ -244,18 +244,22 @@ FROM jobs WHERE job_id = $1;
 
 -- name: list_jobs
 SELECT job_id, state, submitted_at, updated_at, node_id, accelerator, devices, exit_code, reason,
-       owner, kind, array_id, requeues, priority, is_gang
+       owner, kind, array_id, requeues, priority, is_gang,
+       -- The job's own name (the fleet page lists it); NULL for a request that is no object.
+       request->>'name' AS name
 FROM jobs
 -- A distributed job's ranks are shown under it (gpulayer job), not as jobs of their own.
 WHERE ($1::text IS NULL OR state = $1) AND gang_id IS NULL
 ORDER BY submitted_at DESC, job_id
-LIMIT $2;
+LIMIT $2 OFFSET $3;
 
 -- name: list_nodes
 SELECT node_id, capabilities::text AS capabilities, online, last_seen, first_seen,
        (SELECT count(*) FROM jobs j WHERE j.node_id = n.node_id AND j.state IN ('placed', 'running'))
            AS active_jobs
-FROM nodes n ORDER BY node_id;
+-- A page of the fleet (LIMIT NULL: the rest of it).
+FROM nodes n ORDER BY node_id
+OFFSET $1 LIMIT $2;
 
 -- name: job_counts
 SELECT state, count(*) AS n FROM jobs GROUP BY state;

@@ -106,7 +106,7 @@ class Scheduler:
             if self.stop.is_set():
                 return
             new, full, thorough = self.wake.take()
-            self.wake.passing = True
+            self.wake.begin_pass()
             try:
                 if full or thorough:
                     await self._schedule_all(early_stop=not thorough)

@@ -18,8 +18,10 @@ class Wake:
     thorough: bool = False
     # Counts capacity changes, so work that ran beside one can tell it missed it.
     epoch: int = 0
-    # The scheduler is in a pass.
+    # The scheduler is in a pass; passes counts the passes begun, so that work holding waiting
+    # rows locked can tell a pass ran beside it (and skipped those rows: SKIP LOCKED).
     passing: bool = False
+    passes: int = 0
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
     def jobs(self, ids: list[str]) -> None:
@@ -42,6 +44,10 @@ class Wake:
         """No pass running or due: new jobs can be matched where they are ingested without
         overtaking anything older (same rule as a pass over new jobs only)."""
         return not (self.passing or self.capacity_changed or self.thorough or self.new_jobs)
+
+    def begin_pass(self) -> None:
+        self.passing = True
+        self.passes += 1
 
     def take(self) -> tuple[list[str], bool, bool]:
         """The work asked for so far (new jobs, capacity changed, thorough), cleared."""
