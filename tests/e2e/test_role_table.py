@@ -1,7 +1,7 @@
 """The role table (``gpulayer_cli.role_table``, shown in docs/security.md) walked over one real
 stack: placement, executor and probe as processes with their own credentials against a
 nats-server with the generated auth config, and the ``gpulayer`` command line run with a user's,
-an admin's and a node's credential. Every (command, role) cell must do what the table says:
+a viewer's, an admin's and a node's credential. Every (command, role) cell must do what the table says:
 ``works`` exits as the command does, ``partial`` works and names on stderr the permission it
 lacks, ``denied`` exits 4 with one line naming it, ``local`` works with NATS unreachable; never
 a traceback or a bare ``nats: timeout``."""
@@ -27,7 +27,7 @@ from gpulayer_cli.client import ApiDenied, ApiFailed, api, follow_events, submit
 from gpulayer_cli.denials import Denials, PermissionDenied, watch
 from gpulayer_cli.role_table import ROLES_SHOWN, TABLE, Row
 from gpulayer_contracts import JobRequest
-from gpulayer_contracts.subjects import ANONYMOUS, API_VERBS
+from gpulayer_contracts.subjects import ANONYMOUS, API_VERBS, api_subject
 from gpulayer_runtime.auth import AuthStore
 from gpulayer_runtime.nats import connect
 from gpulayer_runtime.servers import EmbeddedNats
@@ -35,9 +35,9 @@ from gpulayer_runtime.servers import EmbeddedNats
 pytestmark = pytest.mark.e2e
 
 NODE = "roles-node"
-# Who acts in each role: the user alice, the admin root, the node's own credential. bob owns
-# "another user's" jobs.
-NAMES = {"user": "alice", "admin": "root", "node": NODE}
+# Who acts in each role: the user alice, the read-only viewer eve, the admin root, the node's
+# own credential. bob owns "another user's" jobs.
+NAMES = {"user": "alice", "viewer": "eve", "admin": "root", "node": NODE}
 SECRET = "hf_role_table_secret"
 SLEEPERS = {o: (f"{o}-sleep", f"{o}-sleep-api") for o in ("alice", "bob", "root")}
 DENIED = 4
@@ -158,8 +158,8 @@ async def _cancel_sleepers(stack: Stack) -> None:
 
 
 def _own(role: str) -> str:
-    """The job the role owns ("own job" cells); a node owns none: alice's."""
-    return {"user": "alice", "admin": "root", "node": "alice"}[role]
+    """The job the role owns ("own job" cells); a viewer or a node owns none: alice's."""
+    return {"user": "alice", "admin": "root"}.get(role, "alice")
 
 
 def _argv(row: Row, role: str, folder: Path) -> list[str]:
@@ -241,7 +241,7 @@ async def test_each_command_for_each_role(stack: Stack, row: Row) -> None:
     _check_details(row, by_role)
     if row.case == "doctor":  # refused at once, not after waiting out the doctor's timeout
         took = {role: s for role, *_, s in results}
-        assert took["user"] < DOCTOR_TIMEOUT_S, took
+        assert max(took["user"], took["viewer"]) < DOCTOR_TIMEOUT_S, took
 
 
 def _check_details(row: Row, by_role: dict[str, tuple[int, str, str]]) -> None:
@@ -249,21 +249,25 @@ def _check_details(row: Row, by_role: dict[str, tuple[int, str, str]]) -> None:
     if row.case == "doctor":
         # A user: one line naming the doctor subject, then the node's last health at once
         # (not "no probe answered" after the timeout).
-        _, out, err = by_role["user"]
-        assert f"may not publish to gpulayer.node.{NODE}.doctor" in err, err
-        assert "no probe answered" not in err
-        assert NODE in out
+        for role in ("user", "viewer"):
+            _, out, err = by_role[role]
+            assert f"may not publish to gpulayer.node.{NODE}.doctor" in err, err
+            assert "no probe answered" not in err
+            assert NODE in out
         _, out, err = by_role["admin"]  # the probe re-detected
         assert "permission denied" not in err
         assert "detection before" in out, out
     if row.case in ("job-other", "job-own"):
-        for role in ("user", "admin"):
+        for role in ("user", "viewer", "admin"):
             rc, out, err = by_role[role]
             shown = json.loads(out)
             env = shown["job"]["request"]["env"]
-            sees_events = row.case == "job-own" or role == "admin"
-            assert env == ({"T": SECRET} if sees_events else {"T": "<redacted>"}), (role, env)
-            if sees_events:
+            owns = row.case == "job-own" and role in ("user", "admin")
+            assert env == ({"T": SECRET} if owns or role == "admin" else {"T": "<redacted>"}), (
+                role,
+                env,
+            )
+            if row.case == "job-own" or role != "user":  # a viewer reads any job's events
                 assert shown["events"][-1]["type"] == "succeeded", (role, shown)
             else:
                 assert shown["events"] is None
@@ -277,7 +281,7 @@ def _check_details(row: Row, by_role: dict[str, tuple[int, str, str]]) -> None:
         assert "out of bob" in by_role["admin"][1]
         # Its events come first (a distributed job's ranks are named there): either refusal.
         assert ".gpulayer.job.bob.bob-done." in by_role["user"][2]
-    if row.case in ("cancel-other", "quota-list", "quota-set"):
+    if row.case in ("cancel-other", "quota-set"):
         assert "permission denied" in by_role["user"][2]
     for rc, _, err in by_role.values():
         if rc == DENIED:  # the line names who lacks what
@@ -324,9 +328,11 @@ async def test_each_api_verb_for_each_role(stack: Stack, row: Row) -> None:
         denied = isinstance(got, (PermissionDenied, ApiDenied))
         assert denied == (expected == "denied"), (row.case, role, got)
         if isinstance(got, PermissionDenied):
-            assert got.subject == f"gpulayer.api.{verb}", got  # as spelt, named
+            caller = NAMES[role] if role != "node" else ANONYMOUS
+            assert got.subject == api_subject(f"gpulayer.api.{verb}", caller), got  # as spelt
             assert got.action == "publish"
-        if expected == "partial":  # another's job: the record without env values
-            assert got["request"]["env"] == {"T": "<redacted>"}
-        elif verb == "job" and not denied:
-            assert got["request"]["env"] == {"T": SECRET}
+        whose = row.case.rsplit("-", 1)[-1]
+        if verb == "job" and not denied:  # env values: the owner's and admins' alone
+            owns = whose == "own" and role in ("user", "admin")
+            secret = {"T": SECRET} if owns or role == "admin" else {"T": "<redacted>"}
+            assert got["request"]["env"] == secret, (row.case, role, got)

@@ -22,7 +22,7 @@ import msgspec
 Outcome = Literal["works", "partial", "denied", "local"]
 # The roles a person's credential has (placement's is the service's own). A new role gets a
 # column here: the unit test fails until it has one.
-ROLES_SHOWN: tuple[str, ...] = ("user", "admin", "node")
+ROLES_SHOWN: tuple[str, ...] = ("user", "viewer", "admin", "node")
 
 
 class Row(msgspec.Struct, frozen=True, kw_only=True):
@@ -34,6 +34,7 @@ class Row(msgspec.Struct, frozen=True, kw_only=True):
     command: str
     uses: str
     user: Outcome
+    viewer: Outcome
     admin: Outcome
     node: Outcome
     note: str = ""
@@ -43,7 +44,7 @@ class Row(msgspec.Struct, frozen=True, kw_only=True):
         return value
 
 
-def _cli(case: str, command: str, uses: str, user: Outcome, note: str = "") -> Row:
+def _cli(case: str, command: str, uses: str, user: Outcome, viewer: Outcome, note: str = "") -> Row:
     """A command that talks to NATS: admins may do it, a node's credential may not (it has no
     user name to ask placement's API as, and no right on jobs or the API)."""
     return Row(
@@ -52,6 +53,7 @@ def _cli(case: str, command: str, uses: str, user: Outcome, note: str = "") -> R
         command=command,
         uses=uses,
         user=user,
+        viewer=viewer,
         admin="works",
         node="denied",
         note=note,
@@ -65,13 +67,14 @@ def _local(case: str, command: str, note: str = "") -> Row:
         command=command,
         uses="no NATS",
         user="local",
+        viewer="local",
         admin="local",
         node="local",
         note=note,
     )
 
 
-def _api(verb: str, user: Outcome, whose: str = "", note: str = "") -> Row:
+def _api(verb: str, user: Outcome, viewer: Outcome, whose: str = "", note: str = "") -> Row:
     """A placement API verb; ``whose``: "own" or "other" for a verb about one job."""
     return Row(
         kind="api",
@@ -79,6 +82,7 @@ def _api(verb: str, user: Outcome, whose: str = "", note: str = "") -> Row:
         command=verb + {"": "", "own": " (own job)", "other": " (another user's job)"}[whose],
         uses=f"`gpulayer.api.{verb}.<caller>`",
         user=user,
+        viewer=viewer,
         admin="works",
         node="denied",
         note=note,
@@ -89,61 +93,89 @@ _EVENTS = "API job, `$JS.API.CONSUMER.CREATE.JOB_EVENTS.*.gpulayer.job.<owner>.<
 _LOGS = "`$JS.API.CONSUMER.CREATE.LOGS.*.gpulayer.job.<owner>.<job>.logs`"
 
 TABLE: tuple[Row, ...] = (
-    _cli("submit", "submit FILE", "`gpulayer.jobs.submit.<user>`, API job", "works"),
-    _cli("nodes", "nodes [--devices]", "API nodes", "works"),
+    _cli(
+        "submit",
+        "submit FILE",
+        "`gpulayer.jobs.submit.<user>`, API job",
+        "works",
+        "denied",
+        "a viewer reads, never submits",
+    ),
+    _cli("nodes", "nodes [--devices]", "API nodes", "works", "works"),
     _cli(
         "doctor",
         "doctor NODE",
         "`gpulayer.node.<node>.doctor` (request to the probe)",
         "partial",
-        "re-detection is for admins: a user gets the node's last health from placement, after "
-        "a line naming the doctor subject it may not publish to",
+        "partial",
+        "re-detection is for admins: a user or viewer gets the node's last health from "
+        "placement, after a line naming the doctor subject it may not publish to",
     ),
-    _cli("doctor-last", "doctor NODE --last", "API nodes", "works"),
-    _cli("jobs", "jobs", "API jobs", "works"),
-    _cli("services", "services", "API services", "works"),
-    _cli("job-own", "job JOB (own job)", _EVENTS, "works"),
+    _cli("doctor-last", "doctor NODE --last", "API nodes", "works", "works"),
+    _cli("jobs", "jobs", "API jobs", "works", "works"),
+    _cli("services", "services", "API services", "works", "works"),
+    _cli(
+        "job-own",
+        "job JOB (own job)",
+        _EVENTS,
+        "works",
+        "works",
+        "a viewer owns no job: any job's, env values `<redacted>`, its events shown",
+    ),
     _cli(
         "job-other",
         "job JOB (another user's job)",
         _EVENTS,
         "partial",
-        "the record with env values `<redacted>`; instead of the events, a line naming the "
-        "consumer subject it may not publish to",
+        "works",
+        "a user gets the record with env values `<redacted>` and, instead of the events, a "
+        "line naming the consumer subject it may not publish to; a viewer reads any job's "
+        "events (env values `<redacted>` too)",
     ),
-    _cli("explain", "explain JOB (any job)", "API explain", "works"),
-    _cli("cancel-own", "cancel JOB (own job)", "API cancel", "works"),
+    _cli("explain", "explain JOB (any job)", "API explain", "works", "works"),
+    _cli(
+        "cancel-own",
+        "cancel JOB (own job)",
+        "API cancel",
+        "works",
+        "denied",
+        "a viewer may not ask the cancel verb at all",
+    ),
     _cli(
         "cancel-other",
         "cancel JOB (another user's job)",
         "API cancel",
         "denied",
-        "placement refuses: only the job's owner or an admin may cancel it",
+        "denied",
+        "placement refuses a user: only the job's owner or an admin may cancel it",
     ),
-    _cli("logs-own", "logs JOB (own job)", _LOGS, "works"),
+    _cli("logs-own", "logs JOB (own job)", _LOGS, "works", "denied", "a viewer reads no logs"),
     _cli(
         "logs-other",
         "logs JOB (another user's job)",
         _LOGS,
         "denied",
-        "a user may read only its own jobs' logs",
+        "denied",
+        "only the job's owner and admins read its logs",
     ),
+    _cli("quota-list", "quota list", "API quota", "works", "works"),
     _cli(
-        "quota-list",
-        "quota list",
+        "quota-set",
+        "quota set OWNER ...",
         "API quota",
         "denied",
-        "placement refuses: only admins (GPULAYER_ADMINS) may see or change quotas",
+        "denied",
+        "placement refuses: only admins (GPULAYER_ADMINS) may change quotas",
     ),
-    _cli("quota-set", "quota set OWNER ...", "API quota", "denied", "as quota list"),
     _cli(
         "dlq",
         "dlq",
         "`$JS.API.STREAM.INFO.DLQ`, `$JS.API.STREAM.MSG.GET.DLQ`",
         "denied",
+        "denied",
         "the dead letters are for admins",
     ),
-    _cli("profiles", "profiles", "API profiles", "works"),
+    _cli("profiles", "profiles", "API profiles", "works", "works"),
     _local("matrix", "matrix", "this version's support matrix"),
     _local("schema", "schema [NAME]"),
     _local("check", "check FILE", "this machine's own probe"),
@@ -152,17 +184,17 @@ TABLE: tuple[Row, ...] = (
     _local("keys", "keys generate DIR"),
     _local("auth", "auth ...", "needs the auth folder's signing key (a file), not a role"),
     _local("dev", "dev up", "starts its own stack"),
-    _api("nodes", "works"),
-    _api("jobs", "works"),
-    _api("job", "works", "own"),
-    _api("job", "partial", "other", "env values of another's job are `<redacted>`"),
-    _api("explain", "works"),
-    _api("cancel", "works", "own"),
-    _api("cancel", "denied", "other", "placement refuses: only the owner or an admin"),
-    _api("matrix", "works"),
-    _api("profiles", "works"),
-    _api("services", "works"),
-    _api("quota", "denied", note="placement refuses: admins only"),
+    _api("nodes", "works", "works"),
+    _api("jobs", "works", "works"),
+    _api("job", "works", "works", "own", "a viewer's: any job, env values `<redacted>`"),
+    _api("job", "partial", "partial", "other", "env values of another's job are `<redacted>`"),
+    _api("explain", "works", "works"),
+    _api("cancel", "works", "denied", "own", "a viewer may not publish on the cancel verb"),
+    _api("cancel", "denied", "denied", "other", "placement refuses: only the owner or an admin"),
+    _api("matrix", "works", "works"),
+    _api("profiles", "works", "works"),
+    _api("services", "works", "works"),
+    _api("quota", "works", "works", note="the list; set and delete: admins only (as quota set)"),
 )
 
 
