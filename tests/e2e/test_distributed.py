@@ -123,7 +123,10 @@ async def run_job(
 
 
 def rank_files(folder: Path) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(folder.rglob("rank*.json"))]
+    """What the ranks wrote in their job folders under the node's work folder ``folder``: only
+    ``jobs/`` is walked, final once the job ended (the executor's own ``trash/`` is being
+    emptied behind the end report, and is no job's)."""
+    return [json.loads(p.read_text()) for p in sorted((folder / "jobs").rglob("rank*.json"))]
 
 
 async def test_two_nodes_torchrun_gloo_all_reduce(
@@ -151,9 +154,9 @@ async def test_two_nodes_torchrun_gloo_all_reduce(
         reports = [e for e in rank_events if e.__struct_config__.tag in ("running", "succeeded")]
         assert [getattr(e, "rank", None) for e in reports] == [rank, rank]
         # Each node ran exactly its 2 workers, global ranks 2R and 2R + 1, each summing 1..4.
-        folder = stack.work[node_of[rank]]
+        folder = stack.work[node_of[rank]] / "jobs"
         assert sorted(p.name for p in folder.rglob("pid-*")) == [f"pid-{rank}-0", f"pid-{rank}-1"]
-        seen = rank_files(folder)
+        seen = rank_files(folder.parent)
         assert [r["rank"] for r in seen] == [2 * rank, 2 * rank + 1]
         # The rank's TMPDIR was in its job folder, torchrun's own temporary folder in it, and
         # it is gone now that the rank has ended (the node's /tmp keeps nothing of the job).

@@ -54,7 +54,7 @@ from gpulayer_contracts.subjects import (
     node_status,
 )
 from gpulayer_executor.service import Executor, ExecutorConfig
-from gpulayer_placement import intake as intake_module
+from gpulayer_placement import submits as submits_module
 from gpulayer_placement.service import PlacementService, Settings
 from gpulayer_placement.store import create_pool
 from gpulayer_runtime.nats import connect, ensure_streams
@@ -337,7 +337,7 @@ async def test_rows_postgresql_refuses_are_rejected_one_by_one(
             result = self.real(job)
             return type(result)(errors=[], warnings=result.warnings)
 
-    monkeypatch.setattr(intake_module, "validate_job", Accepting(validate_job))
+    monkeypatch.setattr(submits_module, "validate_job", Accepting(validate_job))
     bad, good = f"pg-bad-{uuid.uuid4().hex[:8]}", f"pg-good-{uuid.uuid4().hex[:8]}"
 
     class Fake(Msg):

@@ -528,7 +528,7 @@ async def test_placement_hears_the_max_deliveries_advisory(
         await admin.publish(subject, b"{}")
         await admin.flush()
         try:
-            assert await asyncio.wait_for(heard.get(), 10) == subject
+            assert await asyncio.wait_for(heard.get(), 30) == subject
         except TimeoutError:
             errors = [placement.errors.get_nowait() for _ in range(placement.errors.qsize())]
             raise AssertionError(f"no advisory heard; placement's errors: {errors}") from None

@@ -78,6 +78,9 @@ async def test_reaper_takes_only_silent_nodes_offline_and_loses_their_jobs() -> 
     assert cancel[0] == node_control("silent")
     stop = cancel_decoder.decode(cancel[1])
     assert (stop.job_id, stop.grant_id, stop.given_up) == ("victim", "victim-1", True)
+    # Named apart from a user's cancel of the same grant, which CONTROL would otherwise take
+    # for a repeat and drop (the fault run left a fence so).
+    assert cancel[2][MSG_ID_HEADER] == "cancel:victim-1:given-up"
     assert wake.capacity_changed
 
 

@@ -201,9 +201,12 @@ class Publisher:
 
     def cancel_item(self, node_id: str, cancel: CancelJob) -> Item:
         """A cancel for the executor of ``node_id``, signed and bound to the cancelled grant;
-        named ``cancel:<grant id>`` so a repeat is dropped."""
+        named ``cancel:<grant id>`` so a repeat is dropped. A grant given up with its node is
+        named apart: a user's cancel of it shortly before must not make CONTROL drop it (the
+        node, back, must answer it for the grant's fence to be lifted)."""
         data = encode(cancel)
-        h = {MSG_ID_HEADER: f"cancel:{cancel.grant_id}"}
+        name = f"cancel:{cancel.grant_id}" + (":given-up" if cancel.given_up else "")
+        h = {MSG_ID_HEADER: name}
         if self.signer is not None:
             h.update(self.signer.headers("cancel", node_id, cancel.grant_id, data))
         return node_control(node_id), data, h
