@@ -16,6 +16,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from opentelemetry.trace import SpanKind
 
+from gpulayer_cli.denials import guard
 from gpulayer_contracts import JobEvent, JobRequest, encode, is_terminal
 from gpulayer_contracts.codec import event_decoder
 from gpulayer_contracts.subjects import (
@@ -37,6 +38,10 @@ class ApiUnavailable(RuntimeError):
 
 class ApiFailed(RuntimeError):
     pass
+
+
+class ApiDenied(ApiFailed):
+    """Placement refused the caller a right it lacks (cancel another's job, quotas)."""
 
 
 def _traceparent(parent: str | None) -> str:
@@ -74,7 +79,7 @@ async def submit(
     ) as span:
         traceparent = _traceparent(parent) if span is None else inject({}, span)["traceparent"]
         headers = {MSG_ID_HEADER: job.job_id, "traceparent": traceparent}
-        await nc.jetstream().publish(subject, encode(job), headers=headers)
+        await guard(nc, nc.jetstream().publish(subject, encode(job), headers=headers), subject)
     return traceparent.split("-")[1]
 
 
@@ -93,11 +98,12 @@ async def read_subject(
     (docs/security.md). Not acked; the server removes it once the subscription is gone."""
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox, cb=cb)
+    name = secrets.token_hex(8)
     try:
-        info = await nc.jetstream().add_consumer(
+        add = nc.jetstream().add_consumer(
             stream,
             ConsumerConfig(
-                name=secrets.token_hex(8),
+                name=name,
                 filter_subject=subject,
                 deliver_subject=inbox,
                 deliver_policy=deliver_policy,
@@ -106,6 +112,7 @@ async def read_subject(
                 mem_storage=True,
             ),
         )
+        info = await guard(nc, add, f"$JS.API.CONSUMER.CREATE.{stream}.{name}.{subject}")
     except BaseException:
         await sub.unsubscribe()
         raise
@@ -155,14 +162,17 @@ async def api(
     credentials: placement answers each caller with its own rights."""
     subject = api_subject(subject, caller)
     try:
-        reply = await nc.request(subject, encode(payload or {}), timeout=timeout)
+        reply = await guard(
+            nc, nc.request(subject, encode(payload or {}), timeout=timeout), subject
+        )
     except (NoRespondersError, NatsTimeoutError) as err:
         raise ApiUnavailable(
             f"no placement service answered on {subject} (is gpulayer running? {type(err).__name__})"
         ) from err
     body = msgspec.json.decode(reply.data)
     if not body.get("ok"):
-        raise ApiFailed(body.get("error", "unknown error"))
+        error = body.get("error", "unknown error")
+        raise ApiDenied(f"permission denied: {error}") if body.get("denied") else ApiFailed(error)
     if body.get("note"):  # e.g. a list cut to fit one message
         print(f"gpulayer: {body['note']}", file=sys.stderr)
     return body.get("data")

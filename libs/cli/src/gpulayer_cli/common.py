@@ -14,6 +14,8 @@ from typing import Any
 from rich.console import Console
 
 EXIT_FAILED, EXIT_INVALID, EXIT_UNREACHABLE = 1, 2, 3
+# The credential lacks a permission the command needs (NATS refused it, or placement did).
+EXIT_DENIED = 4
 
 
 def nats_settings() -> Any:
@@ -36,16 +38,25 @@ def console() -> Console:
     return Console(highlight=False, soft_wrap=True, width=width)
 
 
-async def _quiet(err: Exception) -> None:
-    """The CLI reports a failed connection once, itself, instead of per attempt."""
+def who(settings: Any) -> str:
+    """The credential's identity in words (``user alice``), for permission messages."""
+    from gpulayer_cli.denials import describe
+    from gpulayer_runtime.auth import identity_of
+
+    if not settings.creds:
+        return describe(None)
+    identity = identity_of(settings.creds)
+    return describe(identity) if identity else f"the credential {settings.creds}"
 
 
 async def with_nats(fn: Callable[[Any], Awaitable[int]], *, quiet: bool = False) -> int:
     """Connect as the CLI's identity and run ``fn``; failures to connect are one line (none
-    with ``quiet``) and exit status 3, a bad setting exit status 2."""
+    with ``quiet``) and exit status 3, a bad setting exit status 2, a permission the credential
+    lacks (NATS or placement refused it) exit status 4."""
     import nats.errors
 
-    from gpulayer_cli.client import ApiFailed, ApiUnavailable
+    from gpulayer_cli.client import ApiDenied, ApiFailed, ApiUnavailable
+    from gpulayer_cli.denials import Denials, PermissionDenied, watch
     from gpulayer_runtime.auth import AuthError
     from gpulayer_runtime.nats import connect
     from gpulayer_runtime.settings import ConfigError
@@ -56,6 +67,8 @@ async def with_nats(fn: Callable[[Any], Awaitable[int]], *, quiet: bool = False)
 
     try:
         settings = nats_settings()
+        # Also quiet: it reports nothing but permission violations, to the operation they end.
+        denials = Denials(who(settings))
     except (ConfigError, AuthError) as err:
         say(str(err))
         return EXIT_INVALID
@@ -67,7 +80,7 @@ async def with_nats(fn: Callable[[Any], Awaitable[int]], *, quiet: bool = False)
                 "gpulayer-cli",
                 max_reconnect_attempts=0,
                 allow_reconnect=False,
-                error_cb=_quiet,
+                error_cb=denials.on_error,
                 **settings.connect_args(),
             ),
             5,
@@ -88,8 +101,12 @@ async def with_nats(fn: Callable[[Any], Awaitable[int]], *, quiet: bool = False)
     except (OSError, TimeoutError) as err:
         say(f"cannot reach NATS at {url}: {str(err) or 'no server answered'}")
         return EXIT_UNREACHABLE
+    watch(nc, denials)
     try:
-        return await fn(nc)
+        return await denials.guard(fn(nc))
+    except (PermissionDenied, ApiDenied) as err:
+        say(str(err))
+        return EXIT_DENIED
     except ApiUnavailable as err:
         print(f"gpulayer: {err}", file=sys.stderr)
         return EXIT_UNREACHABLE

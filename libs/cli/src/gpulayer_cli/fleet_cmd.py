@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 
 from gpulayer_cli import common
-from gpulayer_cli.common import EXIT_UNREACHABLE
+from gpulayer_cli.common import EXIT_FAILED, EXIT_UNREACHABLE
 
 
 def _render_nodes(console: Console, data: Any, devices: bool = False) -> None:
@@ -25,14 +25,28 @@ def _render_nodes(console: Console, data: Any, devices: bool = False) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    """The node's probe detects again; what changed, and the node's health."""
+    """The node's probe detects again; what changed, and the node's health. Re-detection is
+    for admins (only they may publish on the doctor subject): anyone else, and ``--last``,
+    gets the node's last health as placement holds it."""
     import nats.errors
 
+    from gpulayer_cli.denials import PermissionDenied, guard
     from gpulayer_cli.doctor import ask_doctor, print_report
+    from gpulayer_contracts.subjects import node_doctor
 
     async def go(nc: Any) -> int:
+        if args.last:
+            return await _last_health(nc, args.node, args.json)
+        subject = node_doctor(args.node)
         try:
-            report = await ask_doctor(nc, args.node, args.timeout)
+            report = await guard(nc, ask_doctor(nc, args.node, args.timeout), subject)
+        except PermissionDenied as err:
+            print(
+                f"gpulayer: {err}; showing node {args.node}'s last health as placement "
+                "holds it (an admin's credential re-detects)",
+                file=sys.stderr,
+            )
+            return await _last_health(nc, args.node, args.json)
         except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError) as err:
             print(
                 f"gpulayer: no probe answered for node {args.node!r} "
@@ -43,6 +57,26 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         return print_report(common.console(), report, args.json)
 
     return asyncio.run(common.with_nats(go))
+
+
+async def _last_health(nc: Any, node_id: str, as_json: bool) -> int:
+    """``node_id``'s last observed health from placement's API (``gpulayer nodes --devices``
+    for one node); the exit status as the doctor's: 1 degraded or unhealthy, else 0."""
+    from gpulayer_cli.client import api
+    from gpulayer_cli.doctor import render_node_devices
+    from gpulayer_contracts.subjects import API_NODES
+
+    nodes = await api(nc, API_NODES, {}, caller=common.me())
+    node = next((n for n in nodes or [] if n.get("node_id") == node_id), None)
+    if node is None:
+        print(f"gpulayer: placement knows no node {node_id!r} (gpulayer nodes)", file=sys.stderr)
+        return EXIT_FAILED
+    if as_json:
+        print(json.dumps({"node_id": node_id, "health": node.get("health")}, indent=2))
+    else:
+        render_node_devices(common.console(), [node])
+    health = (node.get("health") or {}).get("health")
+    return 1 if health in ("degraded", "unhealthy") else 0
 
 
 def _render_matrix(console: Console, data: Any) -> None:
@@ -90,10 +124,15 @@ def add_nodes(sub: Any) -> None:
 def add_doctor(sub: Any) -> None:
     dr = sub.add_parser(
         "doctor",
-        help="ask a node's probe to detect again now; print what changed and its health "
-        "(0 healthy or undetected, 1 degraded or unhealthy, 3 no answer)",
+        help="ask a node's probe to detect again now (admins; others get --last); print what "
+        "changed and its health (0 healthy or undetected, 1 degraded or unhealthy, 3 no answer)",
     )
     dr.add_argument("node")
+    dr.add_argument(
+        "--last",
+        action="store_true",
+        help="the node's last observed health as placement holds it, without re-detecting",
+    )
     dr.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for the probe")
     dr.add_argument("--json", action="store_true")
     dr.set_defaults(fn=cmd_doctor)

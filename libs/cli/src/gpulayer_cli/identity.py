@@ -38,11 +38,12 @@ def cli_nats_settings(env: Mapping[str, str], data_dir: Path = DEFAULT_DATA_DIR)
 
 
 def whoami(settings: NatsSettings) -> str:
-    """The owner and API caller name of these credentials: a user's or admin's name, else
-    ``anonymous`` (no credentials: auth off)."""
+    """The owner and API caller name of these credentials: a user's, admin's or viewer's name
+    (a viewer asks placement's API as itself too), else ``anonymous`` (no credentials: auth
+    off; a node's, which may not ask at all)."""
     if settings.creds is None:
         return ANONYMOUS
     identity = identity_of(settings.creds)
-    if identity is None or identity[0] not in ("user", "admin"):
+    if identity is None or identity[0] not in ("user", "admin", "viewer"):
         return ANONYMOUS
     return identity[1]

@@ -44,22 +44,28 @@ def _render_services(console: Console, data: Any) -> None:
 
 
 def cmd_job(args: argparse.Namespace) -> int:
-    """A job's record and its whole event history."""
+    """A job's record and its whole event history. Another owner's job: its record (env values
+    redacted by placement) and, where the credential may not read its events, a note saying so
+    instead of them."""
     from gpulayer_cli.client import api, history
+    from gpulayer_cli.denials import PermissionDenied
     from gpulayer_cli.render import print_event
     from gpulayer_contracts import encode
     from gpulayer_contracts.subjects import API_JOB
 
     async def go(nc: Any) -> int:
         record = await api(nc, API_JOB, {"job_id": args.job_id}, caller=common.me())
-        events = await history(nc, args.job_id, owner=record.get("owner") or common.me())
+        note = None
+        try:
+            events = await history(nc, args.job_id, owner=record.get("owner") or common.me())
+        except PermissionDenied as err:
+            events, note = [], f"events not shown: {err}"
+            print(f"gpulayer: {note}", file=sys.stderr)
         if args.json:
-            print(
-                json.dumps(
-                    {"job": record, "events": [json.loads(encode(e)) for e in events]},
-                    indent=2,
-                )
-            )
+            out: dict[str, Any] = {"job": record, "events": [json.loads(encode(e)) for e in events]}
+            if note:
+                out["events"], out["note"] = None, note
+            print(json.dumps(out, indent=2))
             return 0
         console = common.console()
         devices = ",".join(map(str, record.get("devices") or [])) or "none"

@@ -25,9 +25,11 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 
 from gpulayer_cli.client import read_subject
+from gpulayer_cli.denials import Denials, PermissionDenied, describe, watch
 from gpulayer_contracts.codec import log_line_decoder
 from gpulayer_contracts.events import TERMINAL_EVENT_TYPES
 from gpulayer_contracts.subjects import ANONYMOUS, job_events, job_logs
+from gpulayer_runtime.auth import AuthError, identity_of
 from gpulayer_runtime.nats import connect
 
 LOGS_STREAM = "LOGS"
@@ -93,7 +95,8 @@ async def run_logs(
     connect_args: Mapping[str, Any] | None = None,
 ) -> int:
     """Print ``owner``'s job's output lines; with ``follow`` until the job has ended. Exit
-    status: 0, or 1 when the job is unknown / NATS can't be reached, 2 for an invalid job id.
+    status: 0, or 1 when the job is unknown, 2 for an invalid job id, 3 when NATS can't be
+    reached, 4 when the credential may not read the job's logs (another owner's job).
     ``connect_args``: credentials and TLS files for ``gpulayer_runtime.nats.connect``."""
     err = err or sys.stderr
     try:
@@ -101,17 +104,27 @@ async def run_logs(
     except ValueError as e:
         err.write(f"gpulayer logs: {e}\n")
         return 2
+    args = dict(connect_args or {})
+    creds = args.get("creds")
+    try:
+        identity = identity_of(creds) if creds else None
+    except AuthError as e:
+        err.write(f"gpulayer logs: {e}\n")
+        return 2
+    denials = Denials(describe(identity) if identity or not creds else f"the credential {creds}")
     try:
         nc = await connect(
             nats_url,
             "gpulayer-logs",
             connect_timeout=5,
             max_reconnect_attempts=3,
-            **dict(connect_args or {}),
+            error_cb=denials.on_error,
+            **args,
         )
     except (nats.errors.Error, OSError) as e:
         err.write(f"gpulayer logs: cannot reach NATS at {nats_url}: {e}\n")
         return 3  # as every other command that can't reach the stack
+    watch(nc, denials)
     try:
         printer = _Printer(out)
         try:
@@ -131,6 +144,9 @@ async def run_logs(
                 await _print_until(nc, logs_subject, printer, last)
                 return 0
             return await _follow(nc, logs_subject, events_subject, printer, owner)
+        except PermissionDenied as e:
+            err.write(f"gpulayer logs: {e}\n")
+            return 4  # as every command whose credential lacks a permission
         except nats.js.errors.NotFoundError:
             err.write(
                 "gpulayer logs: the LOGS and JOB_EVENTS streams do not exist (is gpulayer running?)\n"

@@ -1,7 +1,8 @@
 """``gpulayer``: one command line for people using and running gpulayer.
 
 Exit codes: 0 success; 1 the thing asked about failed (a job failed, a check said no);
-2 bad input (an invalid job file, a bad argument); 3 gpulayer unreachable.
+2 bad input (an invalid job file, a bad argument); 3 gpulayer unreachable; 4 permission
+denied (the credential's role may not do this: docs/security.md, the role table).
 
 This module only builds the parser and dispatches; each command group lives in a module of
 its own: ``submit_cmd``, ``jobs_cmd`` (jobs, services, job, explain, cancel, logs),

@@ -1,5 +1,6 @@
 """Request/reply API on ``gpulayer.api.*`` for the CLI. One replica answers each request
-(queue group). Replies are JSON: ``{"ok": true, "data": ...}`` or ``{"ok": false, "error": "..."}``.
+(queue group). Replies are JSON: ``{"ok": true, "data": ...}`` or ``{"ok": false, "error": "..."}`` (with
+``"denied": true`` when the caller lacks the right: cancelling another's job, quotas).
 
 Who asks is the subject's last token (``gpulayer.api.<verb>.<caller>``): only the caller's
 credential may publish there. The bare ``gpulayer.api.<verb>`` is the anonymous caller, which
@@ -56,6 +57,11 @@ REDACTED = "<redacted>"
 
 class ApiError(Exception):
     pass
+
+
+class ApiDenied(ApiError):
+    """The caller lacks the right this needs: the reply says so (``"denied": true``), and the
+    CLI exits with its permission-denied status."""
 
 
 class _JobQuery(msgspec.Struct, frozen=True):
@@ -172,6 +178,8 @@ class Api:
             try:
                 caller = api_caller(msg.subject)
                 reply: dict[str, Any] = {"ok": True, "data": await handler(msg.data, caller)}
+            except ApiDenied as err:
+                reply = {"ok": False, "error": clip_text(str(err)), "denied": True}
             except (ApiError, ValueError, msgspec.ValidationError, msgspec.DecodeError) as err:
                 reply = {"ok": False, "error": clip_text(str(err))}
             except RecursionError:
@@ -331,7 +339,9 @@ class Api:
         owner = row.get("owner") or ANONYMOUS
         if owner != caller and not self.privileged(caller):
             log.warning("refused: %s tried to cancel job %s of %s", caller, q.job_id, owner)
-            raise ApiError(f"job {q.job_id} belongs to another user: only its owner may cancel it")
+            raise ApiDenied(
+                f"job {q.job_id} belongs to another user: only its owner or an admin may cancel it"
+            )
         # A retried job or a restarting service moves between waiting and running on its own:
         # whichever state it is in when asked, the cancel holds (a stop asked while it runs
         # makes its end final), so look again if it moved between the two statements.
@@ -418,7 +428,7 @@ class Api:
         q = msgspec.json.decode(data or b"{}", type=_QuotaQuery)
         if q.op != "list" and not self.privileged(caller):
             log.warning("refused: %s tried to change quotas", caller)
-            raise ApiError("only admins may change quotas")
+            raise ApiDenied("only admins may change quotas (placement's GPULAYER_ADMINS)")
         owner = quotas.DEFAULT_OWNER if q.owner is None else q.owner
         if q.owner is not None and (not q.owner or any(c in q.owner for c in ".*> \t\x00")):
             raise ApiError(f"owner {q.owner!r} is not an identity name")
