@@ -154,14 +154,16 @@ class Intake:
         if stored.fresh and outcome is None:
             self.wake.jobs(stored.fresh)
         beside = stored.passing or self.wake.passing or self.wake.passes != stored.passes
-        if (self.wake.epoch != stored.epoch or beside) and (
-            stored.locked or (outcome is not None and outcome.waiting)
-        ):
-            # Capacity changed, or a pass ran, while this transaction held waiting rows (its
-            # own new ones, or the dependencies it checked): a pass then skipped them (SKIP
-            # LOCKED). Look again now that they are free. (A pass woken by a node joining ran
-            # while the next submit's transaction held its dependency locked: that job kept
-            # "no nodes in the fleet" until the thorough pass.)
+        if (
+            self.wake.epoch != stored.epoch and (stored.locked or (outcome and outcome.waiting))
+        ) or (beside and stored.locked):
+            # Capacity changed while this transaction held waiting rows (its own new ones, which
+            # it matched before the change, or the dependencies it checked), or a pass ran while
+            # it held dependencies locked: that pass skipped them (SKIP LOCKED; a pass woken by
+            # a node joining ran while the next submit's transaction held its dependency, which
+            # kept "no nodes in the fleet" until the thorough pass). Look again now that they
+            # are free. A pass beside it never skips its own new rows (not visible to it yet):
+            # most batches ask for nothing more.
             self.wake.capacity()
 
     def read(self, msgs: list[Msg]) -> Batch:
