@@ -21,13 +21,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from gpulayer_contracts import (
-    CancelJob,
-    Heartbeat,
-    Lost,
-    WorkerCapabilities,
-    encode,
-)
+from gpulayer_contracts import CancelJob, Heartbeat, Lost, WorkerCapabilities, encode
 from gpulayer_contracts.bounds import node_id_errors, validate_capabilities, validate_heartbeat
 from gpulayer_contracts.codec import (
     InvalidInput,
@@ -323,12 +317,11 @@ class Liveness:
             self.fleet.set_online(node, False)
             log.warning("node %s is offline: %s", node, reason, extra=job_context(node_id=node))
         await self.sync.reload(stale)
-        # The node may be cut off rather than down, its jobs still running: each is asked to
-        # stop (CONTROL keeps the cancel until the executor is back), and what it held stays
-        # fenced until the executor reports its end (release_fences).
-        # The job's one outcome: named as the executor names a grant's end, so that of the two
-        # (this, and the job's own end reported late by a node that was only cut off) the
-        # first stored is the one kept.
+        # The node may be cut off rather than down, its jobs still running: what they held
+        # stays fenced until the executor reports each grant's end (release_fences), and each
+        # is asked to stop (CONTROL keeps the stop until the executor is back). Each `lost` is
+        # named as the executor names a grant's end: of the two (this, and the job's own end
+        # reported late by a node that was only cut off) the first stored is the one kept.
         events = [
             self.publisher.event_item(
                 Lost(job_id=r["job_id"], node_id=r["node_id"], reason=reason, owner=r["owner"]),
