@@ -171,9 +171,3 @@ def test_page_of_clamps() -> None:
     assert views.page_of(items, 99)[1] == 3
     assert views.page_of(items, -4)[1] == 1
     assert views.page_of([], 1) == ([], 1, 1)
-
-
-def test_ago() -> None:
-    assert views.ago("2026-12-01T08:00:30+00:00", NOW) == "2h ago"
-    assert views.ago(None) == "-"
-    assert views.ago("yesterday") == "yesterday"

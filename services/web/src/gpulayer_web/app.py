@@ -17,6 +17,7 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from gpulayer_cli.render import ago
 from gpulayer_web import views
 from gpulayer_web.cache import FleetCache
 
@@ -63,7 +64,7 @@ class Pages:
         context |= {
             "live_only": live,
             "refresh_ms": self.refresh_ms,
-            "updated": views.ago(snap.at.isoformat()) if snap.at else "never",
+            "updated": ago(snap.at.isoformat()) if snap.at else "never",
             "error": snap.error,
             "path": request.url.path,
         }

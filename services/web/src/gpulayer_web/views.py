@@ -6,32 +6,16 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, TypeVar
 
+from gpulayer_cli.render import ago
 from gpulayer_contracts.health import NodeObservations
 from gpulayer_contracts.matrix import SUPPORT_MATRIX
 
 T = TypeVar("T")
 PAGE_SIZE = 100
 TERMINAL = ("succeeded", "failed", "cancelled", "lost", "rejected")
-
-
-def ago(iso: Any, now: datetime | None = None) -> str:
-    """``12s ago`` / ``5m ago`` / ``3h ago`` / ``2d ago`` for an ISO timestamp; ``-`` for none."""
-    if not iso:
-        return "-"
-    try:
-        then = datetime.fromisoformat(str(iso))
-    except ValueError:
-        return str(iso)
-    if then.tzinfo is None:
-        then = then.replace(tzinfo=UTC)
-    secs = max(((now or datetime.now(UTC)) - then).total_seconds(), 0.0)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if secs >= size:
-            return f"{int(secs // size)}{unit} ago"
-    return f"{int(secs)}s ago"
 
 
 def page_of(items: Sequence[T], page: int, size: int = PAGE_SIZE) -> tuple[list[T], int, int]:
