@@ -10,6 +10,7 @@ import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any, cast
 
 import msgspec
 import pytest
@@ -31,8 +32,8 @@ from gpulayer_executor.shim import (
     read_stop,
     record,
 )
-from gpulayer_executor.shim_client import ForkServer
-from gpulayer_executor.state import Outcome
+from gpulayer_executor.shim_client import Follower, ForkServer
+from gpulayer_executor.state import Outcome, ProcessInfo
 
 # --- the output file ----------------------------------------------------------------------------
 
@@ -286,3 +287,40 @@ def test_a_bad_request_is_refused_and_the_server_goes_on(tmp_path: Path) -> None
     finally:
         ours.close()  # the server exits; the idle shim with it
         proc.wait(10)
+
+
+class QuietSink:
+    """What a follower needs of a log sink, for a job that prints nothing."""
+
+    job_id = "quiet"
+    msg_prefix = ""
+    acked_mark = 0
+
+    def offer_marked(self, stream: str, line: str, mark: int) -> bool:
+        return True
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_a_stop_asked_while_the_running_report_is_still_out_reaches_the_job(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    # The job's "running" report can take seconds (NATS can't store it for a moment: the
+    # follower awaits it). A cancel meanwhile must still stop the job, not wait for it to end
+    # by itself (the suite's fault run saw a cancelled job run its 120 s to the end).
+    run = tmp_path / "slow"
+    pid, notify = await server.fork(spec(run, ["sleep", "30"], kill_grace_s=1.0))
+    stop: asyncio.Future[StopRequest] = asyncio.get_running_loop().create_future()
+    reported = asyncio.Event()
+
+    async def on_started(info: ProcessInfo) -> None:
+        stop.set_result(StopRequest(state="cancelled", reason="user asked"))  # while reporting
+        await asyncio.sleep(0.2)  # the report still out: the loop turns, the stop's wake runs
+        reported.set()
+
+    follower = Follower(run, run.name, cast(Any, QuietSink()), notify, None)
+    async with asyncio.timeout(20):
+        got = await follower.follow(stop, on_started, pid)
+    assert reported.is_set()
+    assert (got.state, got.reason) == ("cancelled", "user asked")

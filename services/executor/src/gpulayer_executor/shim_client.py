@@ -57,6 +57,9 @@ POLL_S = 0.2
 READ_CHUNK = 1 << 18
 # The shim's pokes: started.json written, output written, exit.json written.
 _S, _O, _E = b"soe"
+# A wake that came while the follower was not asleep (a stop requested while it awaited the
+# job's "running" report, which retries while NATS can't store it): the next sleep returns.
+_W = ord("w")
 
 
 class Detached(Exception):
@@ -243,6 +246,8 @@ class Follower:
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+        else:
+            self._pokes.add(_W)
 
     def _readable(self) -> None:
         assert self._notify_fd is not None
