@@ -30,7 +30,7 @@ run: $(STAMP)
 # on servers and processes, so TEST_WORKERS runs beat the cores. Each test's servers, ports and
 # folders are its own; each run's folders are under a temporary root of its own (removed when
 # the run passes, kept and named when it fails), so two runs at once never clean each other's.
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 6
 test: $(STAMP)
 	@tmp=$$(mktemp -d "$${TMPDIR:-/tmp}/gpulayer-test.XXXXXX"); \
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadscope --basetemp="$$tmp/t" \

