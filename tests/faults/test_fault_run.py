@@ -143,8 +143,7 @@ class Stack:
     async def start(self, key: str) -> None:
         name, env = self.envs[key]
         # The cut node's services run in its namespace, reaching NATS over its link.
-        inside = self.ns is not None and key.endswith(CUT_NODE)
-        prefix = self.ns.argv([]) if inside and self.ns is not None else []
+        prefix = self.ns.argv([]) if self.ns is not None and key.endswith(CUT_NODE) else []
         await self.services.start(name, env, self.tmp / f"{key}.log", key=key, prefix=prefix)
 
     async def kill(self, key: str) -> None:
