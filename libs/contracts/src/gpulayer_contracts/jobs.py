@@ -153,6 +153,36 @@ class Sandbox(Input, frozen=True):
     devices: SandboxDevices = SandboxDevices()
 
 
+PullPolicy = Literal["missing", "never", "always"]
+
+# An OCI image reference, [registry[:port]/]path[:tag][@digest], as the distribution spec's
+# reference grammar has it (lower-case path components, a tag of up to 128 word characters, a
+# digest algorithm:hex). Checked by validation (an error names $.container.image); it never
+# starts with "-", so it can't read as an option of the runtime's command line.
+_REF_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_REF_HOST = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+_REF_DOMAIN = rf"(?:{_REF_HOST}(?:\.{_REF_HOST})*|\[[0-9A-Fa-f:]+\])(?::[0-9]{{1,5}})?"
+_REF_TAG = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}"
+_REF_DIGEST = r"[a-z0-9]+(?:[+._-][a-z0-9]+)*:[0-9a-fA-F]{32,}"
+IMAGE_REF_PATTERN = (
+    rf"^(?:{_REF_DOMAIN}/)?{_REF_COMPONENT}(?:/{_REF_COMPONENT})*"
+    rf"(?::{_REF_TAG})?(?:@{_REF_DIGEST})?$"
+)
+
+
+class Container(Input, frozen=True):
+    """Run the job's command inside an OCI image (podman on the node), with only its granted
+    devices; matched against the node's container runtime and container GPU APIs."""
+
+    image: Annotated[
+        str, _doc("Image reference, e.g. localhost/train:1 or registry.example/org/img@sha256:...")
+    ]
+    pull: Annotated[
+        PullPolicy,
+        _doc("missing: pull when the node lacks it; never: the node must have it; always"),
+    ] = "missing"
+
+
 class Distributed(Input, frozen=True):
     nodes: Annotated[int, msgspec.Meta(ge=1, description="Number of nodes")] = 1
     processes_per_node: Annotated[
@@ -231,6 +261,9 @@ class JobRequest(Input, frozen=True):
     ] = {}
     sandbox: Sandbox = Sandbox()
     distributed: Distributed | None = None
+    container: Annotated[
+        Container | None, _doc("Run command in this OCI image instead of on the host")
+    ] = None
     requires_core: Annotated[str | None, _doc("PEP 440 specifier on gpulayer's own version")] = None
     profile: Annotated[
         ProfileRef | None,

@@ -35,6 +35,7 @@ from gpulayer_contracts.bounds.limits import (
     MAX_ENV_VARS,
     MAX_GPU_COUNT,
     MAX_GPU_MEMORY_GB,
+    MAX_IMAGE_REF_BYTES,
     MAX_JOB_CPU_CORES,
     MAX_JOB_ID_CHARS,
     MAX_JOB_MEMORY_GB,
@@ -47,6 +48,7 @@ from gpulayer_contracts.bounds.limits import (
     MAX_TIMEOUT_S,
 )
 from gpulayer_contracts.jobs import (
+    IMAGE_REF_PATTERN,
     JOB_ID_PATTERN,
     PROFILE_REF_PATTERN,
     RANK_SUFFIX,
@@ -57,6 +59,15 @@ from gpulayer_contracts.jobs import (
 
 _ENV_NAME = re.compile(ENV_NAME_PATTERN)
 _PROFILE_REF = re.compile(PROFILE_REF_PATTERN.removeprefix("^").removesuffix("$"))
+_IMAGE_REF = re.compile(IMAGE_REF_PATTERN.removeprefix("^").removesuffix("$"))
+
+
+def _image_ref_fits(image: object) -> bool:
+    return (
+        isinstance(image, str)
+        and len(image) <= MAX_IMAGE_REF_BYTES
+        and _IMAGE_REF.fullmatch(image) is not None
+    )
 
 
 def job_bound_errors(job: JobRequest) -> list[str]:
@@ -125,6 +136,8 @@ def _numbers_and_short_texts_fit(job: JobRequest) -> bool:
     if job.profile is not None and not (
         isinstance(job.profile, str) and _PROFILE_REF.fullmatch(job.profile)
     ):
+        return False
+    if job.container is not None and not _image_ref_fits(job.container.image):
         return False
     gpus = [job.gpu or GpuUsage(), *(v.gpu for v in job.variants.values())]
     for gpu in gpus:
@@ -366,6 +379,18 @@ def _job_bounds(job: JobRequest) -> Iterator[str]:
     yield from texts_errors(
         "$.profile_fields", job.profile_fields, MAX_LIST_ITEMS, MAX_SHORT_TEXT_BYTES
     )
+    if job.container is not None and not _image_ref_fits(job.container.image):
+        image = job.container.image
+        if isinstance(image, str) and len(image) > MAX_IMAGE_REF_BYTES:
+            yield (
+                f"$.container.image: {len(image)} characters, over the limit of "
+                f"{MAX_IMAGE_REF_BYTES}"
+            )
+        else:
+            yield (
+                f"$.container.image: {show(image)} is not an image reference "
+                "([registry[:port]/]path[:tag][@digest], lower-case path, e.g. localhost/train:1)"
+            )
     yield from _lifecycle_bounds(job)
     # Queue policy (issue 15 part A).
     error = range_error("$.priority", job.priority, -MAX_PRIORITY, MAX_PRIORITY)

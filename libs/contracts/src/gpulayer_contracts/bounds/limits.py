@@ -44,6 +44,9 @@ MAX_ARRAY_BYTES: Final = 64 * KIB * KIB
 MAX_AFTER: Final = 1024  # dependencies of one job
 # Queue policy (issue 15 part A): priority is -MAX_PRIORITY .. MAX_PRIORITY (PostgreSQL int4).
 MAX_PRIORITY: Final = 1_000_000
+# A container image reference: a 255-character name (Docker's and podman's limit), a tag of
+# 128 and a sha512 digest fit with room to spare.
+MAX_IMAGE_REF_BYTES: Final = 512
 
 # --- Capabilities, heartbeats and executor status (per message) ---
 MAX_NODE_ID_BYTES: Final = 128
