@@ -37,7 +37,10 @@ def parse_when(text: str, now: datetime | None = None) -> datetime:
     now = now or datetime.now(UTC)
     m = _DURATION.match(text.strip())
     if m:
-        return now - timedelta(seconds=float(m.group(1)) * _UNIT_S[m.group(2)])
+        try:
+            return now - timedelta(seconds=float(m.group(1)) * _UNIT_S[m.group(2)])
+        except OverflowError:
+            raise ValueError(f"{text[:40]!r} goes back further than any time") from None
     try:
         when = datetime.fromisoformat(text.strip())
     except ValueError:
