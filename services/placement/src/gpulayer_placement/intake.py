@@ -337,6 +337,8 @@ class Intake:
         a job already known (a copy sent again changes nothing). Best effort: the submit is
         refused whether or not its event was stored."""
         limited = {j: v for j, v in b.limited.items() if j not in b.rows}
+        if not limited:
+            return
         async with self.pool.acquire() as conn:
             known = {r["job_id"] for r in await Store.fetch(conn, "job_ages", list(limited))}
         events = [
