@@ -63,11 +63,11 @@ async def read_audit(js: JetStreamContext, q: Query, timeout: float = 5.0) -> li
     its last message now, ``who`` and ``until`` applied to each record."""
     from nats.js.api import DeliverPolicy
 
-    info = await js.stream_info(AUDIT_STREAM)
-    last = info.state.last_seq
-    if not info.state.messages:
-        return []
     subject = audit_subject(q.action) if q.action else AUDIT_WILDCARD
+    info = await js.stream_info(AUDIT_STREAM, subjects_filter=subject)
+    last = info.state.last_seq
+    if not info.state.messages or (q.action and not (info.state.subjects or {}).get(subject)):
+        return []  # nothing matches: no need to wait for a message
     options: dict[str, Any] = {"deliver_policy": DeliverPolicy.ALL}
     if q.since is not None:
         options = {"deliver_policy": DeliverPolicy.BY_START_TIME, "opt_start_time": q.since}
@@ -86,7 +86,7 @@ async def read_audit(js: JetStreamContext, q: Query, timeout: float = 5.0) -> li
                     q.since is None or rec.at >= q.since
                 ):
                     found.append(rec)
-            if msg.metadata.sequence.stream >= last:
+            if msg.metadata.sequence.stream >= last or not msg.metadata.num_pending:
                 break
     finally:
         await sub.unsubscribe()
