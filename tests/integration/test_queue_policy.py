@@ -206,18 +206,18 @@ async def test_two_owners_get_equal_gpu_seconds(nc: Client, placement: Placement
     async with asyncio.timeout(120):
         await ex.until(lambda: len(ex.runs) == 200)
     # The window: until the last job of either owner was granted (then only one owner waits).
+    # Every run is the same 50 ms of GPU, so each owner's GPU-seconds in it are its grants
+    # times that. (Timing each run here by wall clock measured the machine's load as much as
+    # the policy: 50 ms sleeps stretch unevenly while the suite runs in parallel, and the check
+    # failed once with every job run.)
     last = {o: max(t for t, g in ex.granted if g.owner == o) for o in ("alice", "bob")}
     end = min(last.values())
-    start = min(t for t, _ in ex.granted)
-    spent = dict.fromkeys(("alice", "bob"), 0.0)
-    for job_id, (t0, t1, gpus) in ex.runs.items():
-        owner = "alice" if job_id.startswith("a-") else "bob"
-        spent[owner] += gpus * max(0.0, min(t1, end) - max(t0, start))
-    mean = (spent["alice"] + spent["bob"]) / 2
-    # Within a quarter: the runs' 50 ms are measured here, by wall clock, and stretch on a
-    # loaded machine (the suite runs in parallel; 13% apart once), while placement accounts
-    # from its own timestamps. Oldest first would give bob nothing in this window.
-    assert abs(spent["alice"] - spent["bob"]) <= 0.25 * mean, spent
+    granted = {o: sum(1 for t, g in ex.granted if g.owner == o and t <= end) for o in last}
+    mean = (granted["alice"] + granted["bob"]) / 2
+    # Within a quarter, and one round of the 4 GPUs for the moment the window closes. Oldest
+    # first would give bob nothing until alice's 100 were granted.
+    assert abs(granted["alice"] - granted["bob"]) <= 0.25 * mean + 4, granted
+    assert all(t1 - t0 >= 0.05 for t0, t1, _ in ex.runs.values())  # each ran its 50 ms
 
 
 async def test_a_large_job_is_not_starved_by_a_stream_of_small_ones(
