@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -92,6 +93,13 @@ def pytest_configure(config: pytest.Config) -> None:
     so two tests in two workers running a job of the same id would otherwise share one, and
     one's end would kill the other's processes."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker and config.option.basetemp is None:
+        # pytest's default root (/tmp/pytest-of-<user>) is shared by every run of this user,
+        # and each run deletes all but the three newest: two runs at once removed each other's
+        # PostgreSQL data. Each run gets its own, removed when it passes (make test does the
+        # same with --basetemp).
+        _own_basetemp.append(tempfile.mkdtemp(prefix="gpulayer-pytest-"))
+        config.option.basetemp = _own_basetemp[0]
     if not worker or os.geteuid() != 0:
         return
     for folder in _cgroup_dirs(f"pytest-{worker}"):
@@ -156,6 +164,16 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     for line in _summary_lines:
         terminalreporter.write_line(line)
+
+
+_own_basetemp: list[str] = []
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _own_basetemp and exitstatus in (0, pytest.ExitCode.NO_TESTS_COLLECTED):
+        shutil.rmtree(_own_basetemp.pop(), ignore_errors=True)
+    elif _own_basetemp:
+        session.config.get_terminal_writer().line(f"the failed run's folders: {_own_basetemp[0]}")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
