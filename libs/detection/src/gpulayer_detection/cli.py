@@ -1,6 +1,7 @@
 """``gpulayer probe``: what this machine can do, as JSON, for a person at the node.
 
-This is an edge: it reads GPULAYER_NODE_ID (default: the hostname) and passes plain values in.
+This is an edge: it reads GPULAYER_NODE_ID (default: the hostname), GPULAYER_PROBE_PODMAN (none: don't
+look for a container runtime) and GPULAYER_OCI_RUNTIME, and passes plain values in.
 """
 
 from __future__ import annotations
@@ -73,8 +74,15 @@ def main(argv: list[str]) -> int:
     if args.timeout <= 0 or args.torch_timeout <= 0:
         print("gpulayer probe: timeouts must be positive", file=sys.stderr)
         return 2
+    from gpulayer_detection.containers import ContainerSettings
     from gpulayer_detection.registry import detect_capabilities
 
+    podman = os.environ.get("GPULAYER_PROBE_PODMAN", "").strip() or "podman"
+    containers = ContainerSettings(
+        # --gpu-apis answers about GPU APIs alone: no container self-test for it.
+        podman=None if podman.lower() == "none" or args.gpu_apis else podman,
+        oci_runtime=os.environ.get("GPULAYER_OCI_RUNTIME", "").strip() or None,
+    )
     node = os.environ.get("GPULAYER_NODE_ID", "").strip() or default_node_id()
     caps = asyncio.run(
         detect_capabilities(
@@ -85,6 +93,7 @@ def main(argv: list[str]) -> int:
             timeout=args.timeout,
             torch_timeout=args.torch_timeout,
             advertise_address=os.environ.get("GPULAYER_ADVERTISE_ADDRESS") or None,
+            containers=containers,
         )
     )
     data = encode(gpu_apis_view(caps) if args.gpu_apis else caps)

@@ -17,7 +17,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import msgspec
@@ -29,6 +29,7 @@ from gpulayer_contracts import Heartbeat, WorkerCapabilities, __version__, encod
 from gpulayer_contracts.health import DoctorReport, drift
 from gpulayer_contracts.subjects import node_capabilities, node_doctor, node_heartbeat
 from gpulayer_detection.base import DEFAULT_CDI_DIRS, Finding
+from gpulayer_detection.containers import ContainerRuntimeProbe, ContainerSettings
 from gpulayer_detection.frameworks import query_torch
 from gpulayer_detection.registry import (
     build_capabilities,
@@ -88,6 +89,8 @@ class ProbeSettings:
     observe_s: float = 5.0
     recover_after: int = 3
     dev_dir: str = "/dev"  # where GPU device files (nvidia<N>) are looked for
+    # The container runtime: podman, its OCI runtime, the self-test's bound.
+    containers: ContainerSettings = field(default_factory=ContainerSettings)
 
 
 class ProbeService:
@@ -105,6 +108,8 @@ class ProbeService:
         self._node = node_id
         self._s = settings
         self._run = run
+        # Kept across refreshes: its self-test runs again only when podman changes.
+        self.containers = ContainerRuntimeProbe(settings.containers)
         self._lock = asyncio.Lock()
         self._findings: list[Finding] = []
         self._torch: Finding | None = None
@@ -163,7 +168,8 @@ class ProbeService:
             advertise_address=self._s.advertise_address,
         )
         on_timing = self._record_timing if self._tel.enabled else None
-        self._findings = await collect(ctx, default_probes(), on_timing)
+        probes = default_probes(containers=self.containers)
+        self._findings = await collect(ctx, probes, on_timing)
         return self._build()
 
     def _record_timing(self, source: str, seconds: float) -> None:
