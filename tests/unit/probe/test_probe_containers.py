@@ -240,3 +240,26 @@ def test_cdi_names_are_bounded(tmp_path: Path) -> None:
 
 def test_the_marker_is_what_the_recording_printed() -> None:
     assert (PODMAN / "works/run.txt").read_text().strip() == SELFTEST_MARKER
+
+
+def test_probe_settings_from_the_environment() -> None:
+    from gpulayer_probe.__main__ import container_settings
+    from gpulayer_runtime.settings import ConfigError
+
+    assert container_settings({}) == ContainerSettings()
+    told = container_settings(
+        {
+            "GPULAYER_PROBE_PODMAN": "/opt/podman/bin/podman",
+            "GPULAYER_OCI_RUNTIME": "crun",
+            "GPULAYER_PROBE_CONTAINER_TEST_S": "5",
+        }
+    )
+    assert (told.podman, told.oci_runtime, told.test_timeout) == (
+        "/opt/podman/bin/podman",
+        "crun",
+        5,
+    )
+    assert container_settings({"GPULAYER_PROBE_PODMAN": "None"}).podman is None
+    for bad in ("0", "-1", "inf", "nan", "soon"):
+        with pytest.raises(ConfigError, match="GPULAYER_PROBE_CONTAINER_TEST_S"):
+            container_settings({"GPULAYER_PROBE_CONTAINER_TEST_S": bad})

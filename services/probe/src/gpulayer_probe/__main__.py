@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import sys
@@ -55,8 +56,8 @@ def container_settings(env: Mapping[str, str]) -> ContainerSettings:
     """GPULAYER_PROBE_PODMAN, GPULAYER_OCI_RUNTIME and GPULAYER_PROBE_CONTAINER_TEST_S."""
     podman = env.get("GPULAYER_PROBE_PODMAN", "").strip() or "podman"
     timeout = env_float(env, "GPULAYER_PROBE_CONTAINER_TEST_S", 20.0)
-    if timeout <= 0:
-        raise ConfigError(f"GPULAYER_PROBE_CONTAINER_TEST_S: {timeout:g} is not positive")
+    if not math.isfinite(timeout) or timeout > 3600:
+        raise ConfigError(f"GPULAYER_PROBE_CONTAINER_TEST_S={timeout:g}: expected at most 3600")
     return ContainerSettings(
         podman=None if podman.lower() == "none" else podman,
         oci_runtime=env.get("GPULAYER_OCI_RUNTIME", "").strip() or None,
