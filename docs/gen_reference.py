@@ -426,9 +426,9 @@ os = "linux"
 A profile may set `python`, `frameworks`, `framework_capabilities`, `accelerator`,
 `min_cuda_compute_capability`, `driver` and `os`, with the meaning they have in a job's
 `requirements`, a `container` (`{image = "...", pull = "never"}`: the job's own field, the
-same rule for a job that names another image), and a `description`. Its key is `name@version`, the version a whole number; a
-published version is never changed: a new one is added (`@2`), so a job keeps meaning what it
-meant.
+same rule for a job that names another image), and a `description`. Its key is
+`name@version`, the version a whole number; a published version is never changed: a new one is
+added (`@2`), so a job keeps meaning what it meant.
 
 - **At submit** placement adds the profile's requirements to the job's own. A field set by both
   must be equal (`7`, `7.0` and `"7.0"` are one compute capability); a field both set

@@ -16,7 +16,9 @@ The profiles file is TOML, one table per profile under ``[profiles]``, keyed ``n
     container = {image = "localhost/torch:2.5-cu124", pull = "never"}
 
 ``container`` is the job's own field, not a requirement: a job of the profile runs in that image
-(and is matched as a container job). Pure: ``parse_profiles`` takes the file's text; ``load_profiles`` is the one reader of a path.
+(and is matched as a container job).
+
+Pure: ``parse_profiles`` takes the file's text; ``load_profiles`` is the one reader of a path.
 """
 
 from __future__ import annotations
