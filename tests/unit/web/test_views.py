@@ -20,11 +20,26 @@ def test_fleet_row_has_every_column_the_issue_names() -> None:
     assert row["host_apis"] == ["cuda", "vulkan"]
     assert row["container_apis"] == ["cuda"]
     assert row["container_gpu"] == "yes"
+    assert row["container_runtime"] == "none"  # its probe reported none
     assert row["accelerators"] == ["4 x NVIDIA H100 80GB HBM3, 80 GiB"]
     # 4 usable, device 0 busy, device 2 held back for its health.
     assert row["gpus"] == "2/4"
     assert (row["cores"], row["ram"]) == ("8/64", "32/512")
     assert (row["health"], row["state"], row["last_seen"]) == ("degraded", "online", "30s ago")
+
+
+def test_fleet_row_shows_the_container_runtime_and_cdi_devices() -> None:
+    runtime = {"name": "podman", "version": "4.3.1", "oci_runtime": "runc", "works": True}
+    cdi = ["nvidia.com/gpu=0", "nvidia.com/gpu=1", "nvidia.com/gpu=all"]
+    row = views.fleet_row(
+        node(capabilities={"container_runtime": {**runtime, "cdi_devices": cdi}}), NOW
+    )
+    assert (row["container_runtime"], row["container_gpu"]) == (
+        "podman 4.3.1/runc",
+        "yes (3 CDI devices)",
+    )
+    failed = views.fleet_row(node(capabilities={"container_runtime": {**runtime, "works": False}}))
+    assert failed["container_runtime"] == "podman 4.3.1/runc (self-test failed)"
 
 
 def test_fleet_rows_filter_by_platform_api_and_state() -> None:
