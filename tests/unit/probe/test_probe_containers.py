@@ -210,6 +210,10 @@ async def test_the_self_test_runs_once_while_podman_stays_the_same() -> None:
     p.settings = ContainerSettings(podman=FAKE, oci_runtime="crun")
     await p.probe(ctx(runner("works", [])))
     assert p.selftests == 2
+    # A doctor request forgets the verdict.
+    p.forget()
+    await p.probe(ctx(runner("works", [])))
+    assert p.selftests == 3
 
 
 async def test_a_failed_self_test_is_tried_again_after_a_while() -> None:

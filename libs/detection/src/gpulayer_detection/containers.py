@@ -209,6 +209,11 @@ class ContainerRuntimeProbe:
     selftests: int = 0  # self-tests run, for tests
     _verdicts: dict[tuple[str, str | None, str | None], _Verdict] = field(default_factory=dict)
 
+    def forget(self) -> None:
+        """The next detection runs the self-test again (a doctor request: an admin fixed
+        something)."""
+        self._verdicts = {}
+
     def time_limit(self, ctx: ProbeContext) -> float:
         """Its commands' bounds in a row: version (twice at worst), info, the self-test, and
         removing a self-test container that outlived it."""

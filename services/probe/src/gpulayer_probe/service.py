@@ -293,6 +293,7 @@ class ProbeService:
         what changed since the detection before, the node's health and its devices'."""
         try:
             async with self._lock:
+                self.containers.forget()  # asked to look again: the self-test too
                 caps = await self.detect()
                 changes = self._compare(caps)
             if "torch" in self._frameworks():
