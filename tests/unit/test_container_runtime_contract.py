@@ -148,3 +148,17 @@ def test_the_fast_check_agrees_with_the_detailed_one(
     report = caps(runtime if present else None)
     detailed = list(bounds_nodes._capabilities(report))
     assert bounds_nodes._capabilities_within_bounds(report) == (not detailed), detailed
+
+
+def test_drift_names_a_runtime_found_lost_or_failing() -> None:
+    from gpulayer_contracts.health import drift
+
+    works = rt(works=True)
+    assert drift(caps(None), caps(works)) == ["container runtime: none -> podman 4.3.1/runc"]
+    assert drift(caps(works), caps(rt(notes=["self-test failed"]))) == [
+        "container runtime: podman 4.3.1/runc -> podman 4.3.1/runc (self-test failed)"
+    ]
+    assert drift(caps(works), caps(None)) == ["container runtime: podman 4.3.1/runc -> none"]
+    # Its CDI devices or notes alone are no drift worth a warning.
+    assert drift(caps(works), caps(rt(works=True, cdi_devices=["nvidia.com/gpu=0"]))) == []
+    assert drift(caps(None), caps(None)) == []

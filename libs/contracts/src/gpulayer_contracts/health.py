@@ -103,7 +103,8 @@ def vanished(old: WorkerCapabilities, new: WorkerCapabilities) -> dict[int, str]
 
 def drift(old: WorkerCapabilities, new: WorkerCapabilities) -> list[str]:
     """What changed between two detections of one node that an operator should hear about:
-    devices that vanished or appeared, a driver that changed, a device whose memory changed."""
+    devices that vanished or appeared, a driver that changed, a device whose memory changed,
+    the container runtime (found, gone, its self-test now passing or failing)."""
     changes = list(vanished(old, new).values())
     before = {d.index: d for d in old.accelerators}
     for d in new.accelerators:
@@ -127,4 +128,10 @@ def drift(old: WorkerCapabilities, new: WorkerCapabilities) -> list[str]:
             changes.append(
                 f"{_label(d)}: {'now usable' if d.execution_supported else 'no longer usable'}"
             )
+    a, b = old.container_runtime, new.container_runtime
+    if a is not None or b is not None:
+        was = a.describe() if a is not None else "none"
+        now = b.describe() if b is not None else "none"
+        if was != now:
+            changes.append(f"container runtime: {was} -> {now}")
     return changes
