@@ -128,10 +128,10 @@ def drift(old: WorkerCapabilities, new: WorkerCapabilities) -> list[str]:
             changes.append(
                 f"{_label(d)}: {'now usable' if d.execution_supported else 'no longer usable'}"
             )
-    a, b = old.container_runtime, new.container_runtime
-    if a is not None or b is not None:
-        was = a.describe() if a is not None else "none"
-        now = b.describe() if b is not None else "none"
+    was_rt, now_rt = old.container_runtime, new.container_runtime
+    if was_rt is not None or now_rt is not None:
+        was = was_rt.describe() if was_rt is not None else "none"
+        now = now_rt.describe() if now_rt is not None else "none"
         if was != now:
             changes.append(f"container runtime: {was} -> {now}")
     return changes
