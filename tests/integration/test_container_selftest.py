@@ -124,3 +124,39 @@ async def test_one_shot_probe_without_podman_says_why(
     )
     assert caps.container_runtime is None
     assert any("podman not found on PATH" in n and INSTALL_HINT in n for n in caps.notes)
+
+
+@pytest.mark.parametrize(
+    ("podman", "recording", "code", "said"),
+    [
+        (str(FAKE), "works", 0, "yes: "),
+        (str(FAKE), "rlimit", 1, "1 has a container runtime that failed its self-test: "),
+        ("none", "works", 1, "0/1 nodes can run this job: 1 has no container runtime"),
+    ],
+)
+def test_gpulayer_check_looks_for_the_runtime_a_container_job_needs(
+    podman: str,
+    recording: str,
+    code: int,
+    said: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import io
+    import json
+
+    from rich.console import Console
+
+    from gpulayer_cli.check import run_check
+
+    monkeypatch.setenv("GPULAYER_PROBE_PODMAN", podman)
+    monkeypatch.setenv("GPULAYER_OCI_RUNTIME", "runc")
+    monkeypatch.setenv("FAKE_PODMAN_DIR", str(FAKE.parent / recording))
+    job = tmp_path / "job.json"
+    job.write_text(
+        json.dumps({"job_id": "c", "command": ["true"], "container": {"image": "localhost/a:1"}})
+    )
+    out = io.StringIO()
+    console = Console(file=out, width=400)
+    assert run_check(str(job), python=None, as_json=False, console=console) == code
+    assert said in out.getvalue()

@@ -74,15 +74,17 @@ def main(argv: list[str]) -> int:
     if args.timeout <= 0 or args.torch_timeout <= 0:
         print("gpulayer probe: timeouts must be positive", file=sys.stderr)
         return 2
-    from gpulayer_detection.containers import ContainerSettings
+    from gpulayer_detection.containers import ContainerSettings, settings_from_env
     from gpulayer_detection.registry import detect_capabilities
 
-    podman = os.environ.get("GPULAYER_PROBE_PODMAN", "").strip() or "podman"
-    containers = ContainerSettings(
+    try:
         # --gpu-apis answers about GPU APIs alone: no container self-test for it.
-        podman=None if podman.lower() == "none" or args.gpu_apis else podman,
-        oci_runtime=os.environ.get("GPULAYER_OCI_RUNTIME", "").strip() or None,
-    )
+        containers = (
+            ContainerSettings(podman=None) if args.gpu_apis else settings_from_env(os.environ)
+        )
+    except ValueError as err:
+        print(f"gpulayer probe: {err}", file=sys.stderr)
+        return 2
     node = os.environ.get("GPULAYER_NODE_ID", "").strip() or default_node_id()
     caps = asyncio.run(
         detect_capabilities(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import resource
 import shutil
@@ -19,7 +20,7 @@ import struct
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -45,6 +46,7 @@ __all__ = [
     "is_static_elf",
     "parse_podman_version",
     "selftest_argv",
+    "settings_from_env",
     "ulimit_args",
 ]
 
@@ -71,6 +73,29 @@ class ContainerSettings:
     retest_failed_s: float = 600.0
     busybox: str = "/bin/busybox"
     tmp_dir: str | None = None
+
+
+def settings_from_env(env: Mapping[str, str]) -> ContainerSettings:
+    """GPULAYER_PROBE_PODMAN (``none``: don't look), GPULAYER_OCI_RUNTIME and
+    GPULAYER_PROBE_CONTAINER_TEST_S from ``env``, for the edges that read it (the probe's
+    ``__main__``, ``gpulayer probe``, ``check``). Raises ValueError naming a bad value."""
+    podman = env.get("GPULAYER_PROBE_PODMAN", "").strip() or "podman"
+    raw = env.get("GPULAYER_PROBE_CONTAINER_TEST_S", "").strip()
+    timeout = 20.0
+    if raw:
+        try:
+            timeout = float(raw)
+        except ValueError:
+            timeout = math.nan
+        if not (0 < timeout <= 3600):  # NaN fails too
+            raise ValueError(
+                f"GPULAYER_PROBE_CONTAINER_TEST_S={raw!r}: expected seconds, above 0 and at most 3600"
+            )
+    return ContainerSettings(
+        podman=None if podman.lower() == "none" else podman,
+        oci_runtime=env.get("GPULAYER_OCI_RUNTIME", "").strip() or None,
+        test_timeout=timeout,
+    )
 
 
 def parse_podman_version(text: str) -> str | None:

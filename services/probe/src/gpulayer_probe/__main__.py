@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import signal
 import sys
 from collections.abc import Mapping
 
 from gpulayer_contracts.bounds import address_error
-from gpulayer_detection.containers import ContainerSettings
+from gpulayer_detection.containers import ContainerSettings, settings_from_env
 from gpulayer_probe.service import ProbeService, ProbeSettings
 from gpulayer_runtime.nats import connect, wait_for_streams
 from gpulayer_runtime.settings import (
@@ -54,15 +53,10 @@ def advertise_address(env: Mapping[str, str]) -> str | None:
 
 def container_settings(env: Mapping[str, str]) -> ContainerSettings:
     """GPULAYER_PROBE_PODMAN, GPULAYER_OCI_RUNTIME and GPULAYER_PROBE_CONTAINER_TEST_S."""
-    podman = env.get("GPULAYER_PROBE_PODMAN", "").strip() or "podman"
-    timeout = env_float(env, "GPULAYER_PROBE_CONTAINER_TEST_S", 20.0)
-    if not math.isfinite(timeout) or timeout > 3600:
-        raise ConfigError(f"GPULAYER_PROBE_CONTAINER_TEST_S={timeout:g}: expected at most 3600")
-    return ContainerSettings(
-        podman=None if podman.lower() == "none" else podman,
-        oci_runtime=env.get("GPULAYER_OCI_RUNTIME", "").strip() or None,
-        test_timeout=timeout,
-    )
+    try:
+        return settings_from_env(env)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def read_settings(env: Mapping[str, str]) -> tuple[NatsSettings, str, ProbeSettings]:
