@@ -8,9 +8,10 @@ from typing import Any
 import msgspec
 from tests.unit.matching.rule_cases import IMAGE, SELFTEST_FAILED, caps, gpu, job
 
-from gpulayer_contracts.capabilities import ContainerRuntime, GpuApis
-from gpulayer_contracts.jobs import GpuUsage
+from gpulayer_contracts.capabilities import ContainerRuntime, GpuApis, HostInfo
+from gpulayer_contracts.jobs import Distributed, GpuUsage
 from gpulayer_matching import NodeView, NoPlacement, Placement, explain, match, would_fit_when_idle
+from gpulayer_matching.gang import GangPlacement, match_gang
 
 WORKS = ContainerRuntime(name="podman", version="4.3.1", oci_runtime="runc", works=True)
 FAILED = ContainerRuntime(
@@ -18,8 +19,10 @@ FAILED = ContainerRuntime(
 )
 
 
-def node(node_id: str, runtime: ContainerRuntime | None, **kw: Any) -> NodeView:
-    capabilities = msgspec.structs.replace(caps(**kw), node_id=node_id, container_runtime=runtime)
+def node(node_id: str, runtime: ContainerRuntime | None, devices: Any = (), **kw: Any) -> NodeView:
+    capabilities = msgspec.structs.replace(
+        caps(devices), node_id=node_id, container_runtime=runtime, **kw
+    )
     return NodeView(node_id=node_id, capabilities=capabilities)
 
 
@@ -90,3 +93,19 @@ def test_a_gpu_container_job_gets_its_devices_where_the_runtime_works() -> None:
     why = explain(job(container=IMAGE, gpu_count=2), fleet[:1])
     # The runtime is the first thing a container job needs: named before the device count.
     assert why.reasons == ["1 has no container runtime"]
+
+
+def test_a_distributed_container_job_gets_only_nodes_with_a_runtime() -> None:
+    dist = Distributed(nodes=2, backend="gloo", launcher="torchrun")
+    extra = {
+        "distributed_backends": ["gloo"],
+        "launchers": ["torchrun"],
+        "host": HostInfo(platform="linux-x86_64", advertise_address="10.0.0.1"),
+    }
+    fleet = [node("a", None, **extra), node("b", WORKS, **extra), node("c", WORKS, **extra)]
+    gang = match_gang(job(container=IMAGE, distributed=dist), fleet)
+    assert isinstance(gang, GangPlacement)
+    assert sorted(p.node_id for p in gang.ranks) == ["b", "c"]
+    short = match_gang(job(container=IMAGE, distributed=dist), fleet[:2])
+    assert isinstance(short, NoPlacement)
+    assert "1 has no container runtime" in short.summary
