@@ -42,6 +42,26 @@ def test_fleet_row_shows_the_container_runtime_and_cdi_devices() -> None:
     assert failed["container_runtime"] == "podman 4.3.1/runc (self-test failed)"
 
 
+def test_node_page_lists_the_runtime_its_notes_and_cdi_devices() -> None:
+    runtime = {"name": "podman", "version": "4.3.1", "works": False, "notes": ["self-test failed"]}
+    cdi = [f"nvidia.com/gpu={i}" for i in range(70)]
+    detail = views.container_detail(
+        node(capabilities={"container_runtime": {**runtime, "cdi_devices": cdi}})
+    )
+    assert detail == {
+        "runtime": "podman 4.3.1 (self-test failed)",
+        "notes": ["self-test failed"],
+        "cdi": cdi[:64],
+        "cdi_more": 6,
+    }
+    assert views.container_detail(node()) == {
+        "runtime": "none",
+        "notes": [],
+        "cdi": [],
+        "cdi_more": 0,
+    }
+
+
 def test_fleet_rows_filter_by_platform_api_and_state() -> None:
     mac = node("mac-01", capabilities={"host": {"platform": "darwin-arm64"},
                                        "gpu_apis": {"host": ["metal"]}})  # fmt: skip

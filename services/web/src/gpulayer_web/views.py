@@ -222,6 +222,24 @@ def api_rows(node: dict[str, Any]) -> list[dict[str, str]]:
     ]
 
 
+# CDI device names the node page lists; the rest are counted.
+_CDI_SHOWN = 64
+
+
+def container_detail(node: dict[str, Any]) -> dict[str, Any]:
+    """The node page's container runtime: what it is, why its self-test failed, the CDI
+    devices its specs name (the first ``_CDI_SHOWN``, the rest counted)."""
+    caps = node.get("capabilities") or {}
+    rt = caps.get("container_runtime")
+    cdi = [str(n) for n in ((rt.get("cdi_devices") or []) if isinstance(rt, dict) else [])]
+    return {
+        "runtime": _container_runtime(caps),
+        "notes": [str(n) for n in (rt.get("notes") or [])] if isinstance(rt, dict) else [],
+        "cdi": cdi[:_CDI_SHOWN],
+        "cdi_more": max(0, len(cdi) - _CDI_SHOWN),
+    }
+
+
 # Each measure the node page draws per device, and its full scale: utilization in percent,
 # memory used against the device's memory, temperature up to 100 °C (or the hottest sample).
 _SERIES = (("utilization_pct", "utilization", "%"), ("memory_used_mib", "memory used", " MiB"),
