@@ -160,3 +160,23 @@ def test_gpulayer_check_looks_for_the_runtime_a_container_job_needs(
     console = Console(file=out, width=400)
     assert run_check(str(job), python=None, as_json=False, console=console) == code
     assert said in out.getvalue()
+
+
+async def test_a_hanging_podman_is_cut_off_and_its_container_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scenario = tmp_path / "hangs"
+    shutil.copytree(FAKE.parent / "works", scenario)
+    (scenario / "hang").touch()
+    (scenario / "calls").touch()
+    monkeypatch.setenv("FAKE_PODMAN_DIR", str(scenario))
+    settings = ContainerSettings(podman=str(FAKE), oci_runtime="runc", test_timeout=1.0)
+    found = await ContainerRuntimeProbe(settings).probe(_ctx())
+    rt = found.container_runtime
+    assert rt is not None
+    assert not rt.works
+    assert "timed out after 1s" in rt.notes[-1]
+    calls = (scenario / "calls").read_text().splitlines()
+    (run,) = [c for c in calls if " run " in f" {c} "]
+    name = run.split("--name ", 1)[1].split()[0]
+    assert f"rm --force --time 0 {name}" in calls
