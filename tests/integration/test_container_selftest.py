@@ -5,18 +5,25 @@ the one test of the whole detection."""
 
 from __future__ import annotations
 
+import asyncio
 import resource
 import shutil
 import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from gpulayer_contracts.codec import capabilities_decoder, doctor_decoder
+from gpulayer_contracts.subjects import node_capabilities, node_doctor
 from gpulayer_detection.base import ProbeContext
 from gpulayer_detection.containers import INSTALL_HINT, ContainerRuntimeProbe, ContainerSettings
 from gpulayer_detection.registry import detect_capabilities, make_context
 from gpulayer_detection.runner import RunResult, run_command
+from gpulayer_probe.service import ProbeService, ProbeSettings
+from gpulayer_runtime.nats import ensure_streams
 
 FAKE = Path(__file__).resolve().parents[1] / "fixtures" / "podman" / "fake-podman"
 real_podman = pytest.mark.skipif(
@@ -180,3 +187,86 @@ async def test_a_hanging_podman_is_cut_off_and_its_container_removed(
     (run,) = [c for c in calls if " run " in f" {c} "]
     name = run.split("--name ", 1)[1].split()[0]
     assert f"rm --force --time 0 {name}" in calls
+
+
+async def _probe_service(nc: Any, settings: ProbeSettings) -> tuple[ProbeService, Any]:
+    await ensure_streams(nc.jetstream())
+    return ProbeService(nc, "ctr-probe", settings), asyncio.Event()
+
+
+async def _inbox(nc: Any) -> asyncio.Queue[bytes]:
+    """The capabilities the test's probe publishes, in order."""
+    inbox: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def cb(msg: Any) -> None:
+        await inbox.put(msg.data)
+
+    await nc.subscribe(node_capabilities("ctr-probe"), cb=cb)
+    await nc.flush()
+    return inbox
+
+
+async def test_the_service_publishes_without_waiting_for_a_hanging_podman(
+    nc: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scenario = tmp_path / "hangs"
+    shutil.copytree(FAKE.parent / "works", scenario)
+    (scenario / "hang").touch()
+    monkeypatch.setenv("FAKE_PODMAN_DIR", str(scenario))
+    inbox = await _inbox(nc)
+    settings = ProbeSettings(
+        python=sys.executable,
+        refresh_s=3600,
+        timeout=5,
+        observe_s=0,
+        containers=ContainerSettings(podman=str(FAKE), oci_runtime="runc", test_timeout=600),
+    )
+    service, stop = await _probe_service(nc, settings)
+    task = asyncio.create_task(service.run(stop))
+    try:
+        # Published while the self-test still hangs: the runtime is pending, nothing else waits.
+        first = capabilities_decoder.decode(await asyncio.wait_for(inbox.get(), 30))
+        assert first.container_runtime is None
+        assert any("containers: detection pending" in n for n in first.notes)
+        assert first.host.platform is not None
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)
+
+
+async def test_the_service_reports_the_runtime_and_tests_it_once(
+    nc: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_PODMAN_DIR", str(FAKE.parent / "works"))
+    inbox = await _inbox(nc)
+    settings = ProbeSettings(
+        python=sys.executable,
+        refresh_s=0.2,
+        timeout=5,
+        observe_s=0,
+        containers=ContainerSettings(podman=str(FAKE), oci_runtime="runc"),
+    )
+    service, stop = await _probe_service(nc, settings)
+    task = asyncio.create_task(service.run(stop))
+    try:
+        async with asyncio.timeout(30):
+            while True:
+                caps = capabilities_decoder.decode(await inbox.get())
+                if caps.container_runtime is not None:
+                    break
+        assert caps.container_runtime.works
+        assert not any("detection pending" in n for n in caps.notes)
+        await asyncio.wait_for(service.wait_for_detections(service.detections + 5), 30)
+        # Refreshed five times more: the runtime looked at each time, its self-test run once,
+        # and nothing changed, so nothing was published again.
+        assert service.containers.selftests == 1
+        assert inbox.empty()
+        # A doctor request (an admin fixed something) runs the self-test again, and says so.
+        reply = await nc.request(node_doctor("ctr-probe"), b"", timeout=30)
+        report = doctor_decoder.decode(reply.data)
+        assert report.capabilities is not None
+        assert report.capabilities.container_runtime == caps.container_runtime
+        assert service.containers.selftests == 2
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)

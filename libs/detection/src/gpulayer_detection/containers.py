@@ -45,6 +45,7 @@ __all__ = [
     "host_ulimit_args",
     "is_static_elf",
     "parse_podman_version",
+    "runtime_pending",
     "selftest_argv",
     "settings_from_env",
     "ulimit_args",
@@ -318,10 +319,17 @@ class ContainerRuntimeProbe:
         try:
             static = await asyncio.to_thread(_prepare_rootfs, rootfs, s.busybox)
             argv = selftest_argv(exe, oci, name, rootfs, self.ulimits(), static_busybox=static)
-            result = await ctx.run(argv, s.test_timeout)
+            remove = [exe, "rm", "--force", "--time", "0", name]
+            try:
+                result = await ctx.run(argv, s.test_timeout)
+            except asyncio.CancelledError:
+                # Stopped meanwhile (the service stops, a doctor asks again): the podman the
+                # runner killed may leave its container behind.
+                await asyncio.shield(ctx.run(remove, ctx.timeout))
+                raise
             if result.error is not None:
                 # A killed podman may leave its container behind: remove it, bounded too.
-                await ctx.run([exe, "rm", "--force", "--time", "0", name], ctx.timeout)
+                await ctx.run(remove, ctx.timeout)
         finally:
             await asyncio.to_thread(shutil.rmtree, rootfs, True)
         works = result.ok and SELFTEST_MARKER in result.stdout
@@ -330,6 +338,13 @@ class ContainerRuntimeProbe:
             how = "a static busybox" if static else "the host's /usr and /lib read-only"
             note = f"self-test failed (podman run --rootfs with {how}): {_describe(result)}"
         return _Verdict(works, note, self.clock())
+
+
+def runtime_pending() -> Finding:
+    """The note for a container runtime not detected yet (the service's first publish)."""
+    found = Finding("containers")
+    found.note("detection pending: no container runtime reported yet")
+    return found
 
 
 def _describe(result: RunResult) -> str:

@@ -37,12 +37,15 @@ def default_probes(
     frameworks: bool = True,
     path: str | None = None,
     containers: ContainerRuntimeProbe | None = None,
+    include_containers: bool = True,
 ) -> list[Probe]:
     """Every source, in the order their notes appear. ``containers``: the container runtime
     probe, which a caller that detects again and again keeps (its self-test is cached in it);
-    None: a fresh one with the default settings."""
+    None: a fresh one with the default settings. ``include_containers=False``: left out (the
+    probe service runs it on its own, so that a slow podman never delays the others)."""
     probes: list[Probe] = [HostProbe(), NvidiaProbe(), RocmProbe(), AppleProbe(), GpuApisProbe()]
-    probes.append(containers if containers is not None else ContainerRuntimeProbe())
+    if include_containers:
+        probes.append(containers if containers is not None else ContainerRuntimeProbe())
     if frameworks:
         probes.append(FrameworksProbe(path))
     return probes
