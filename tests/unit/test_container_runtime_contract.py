@@ -150,11 +150,12 @@ def test_the_fast_check_agrees_with_the_detailed_one(
     assert bounds_nodes._capabilities_within_bounds(report) == (not detailed), detailed
 
 
-def test_drift_names_a_runtime_found_lost_or_failing() -> None:
+def test_drift_names_a_runtime_lost_or_failing() -> None:
     from gpulayer_contracts.health import drift
 
     works = rt(works=True)
-    assert drift(caps(None), caps(works)) == ["container runtime: none -> podman 4.3.1/runc"]
+    # Found: no news (a probe reports none until its first self-test answers).
+    assert drift(caps(None), caps(works)) == []
     assert drift(caps(works), caps(rt(notes=["self-test failed"]))) == [
         "container runtime: podman 4.3.1/runc -> podman 4.3.1/runc (self-test failed)"
     ]
