@@ -14,7 +14,7 @@ endif
 VENV := .venv
 STAMP := $(VENV)/.synced
 
-.PHONY: run test test-repeat test-unit lint fmt bench bench-ab sync clean faults
+.PHONY: run test test-durations test-repeat test-unit lint fmt bench bench-ab sync clean faults
 
 $(STAMP): uv.lock pyproject.toml $(wildcard libs/*/pyproject.toml services/*/pyproject.toml)
 	$(UV_INSTALL)
@@ -33,10 +33,19 @@ run: $(STAMP)
 TEST_WORKERS ?= 6
 test: $(STAMP)
 	@tmp=$$(mktemp -d "$${TMPDIR:-/tmp}/gpulayer-test.XXXXXX"); \
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadscope --basetemp="$$tmp/t" \
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder \
+		--basetemp="$$tmp/t" \
 		$(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 0 ]; then rm -rf "$$tmp"; else echo "the failed run's folders: $$tmp"; fi; \
 	exit $$rc
+
+# `make test-durations`: the suite once, then each slow module's time into
+# tests/module_seconds.txt, which orders them slowest first (tests/conftest.py). Run it when a
+# module's time changes much; a stale file only costs balance, never a result.
+test-durations: $(STAMP)
+	$(MAKE) test PYTEST_ARGS="--junitxml=$${TMPDIR:-/tmp}/gpulayer-durations.xml $(PYTEST_ARGS)"
+	$(VENV)/bin/python tests/durations.py "$${TMPDIR:-/tmp}/gpulayer-durations.xml" \
+		> tests/module_seconds.txt
 
 # `make test-repeat N=5`: the suite N times on a fresh clone of HEAD (what is committed), each
 # run's time and failures by test name, then how many were green: the flake hunt.

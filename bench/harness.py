@@ -355,6 +355,9 @@ async def scenario(
             # grant re-sending may act during a run.
             "GPULAYER_NODE_TIMEOUT_S": "3600",
             "GPULAYER_GRANT_RESEND_S": "3600",
+            # The load generator submits thousands of jobs at once per owner: the submit limit
+            # is still asked for each message (its cost is in the figures), never refuses one.
+            "GPULAYER_SUBMIT_BURST": "10000000",
             **signing_env(root),
             **({"GPULAYER_NATS_CREDS": str(store.mint("placement"))} if store else {}),
             **(placement_env or {}),

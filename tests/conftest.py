@@ -113,7 +113,32 @@ def pytest_configure(config: pytest.Config) -> None:
 WORKLOAD_TIMEOUT_S = 900
 
 
+def _module_seconds() -> dict[str, float]:
+    """tests/module_seconds.txt: each slow module's last measured time (tests/durations.py)."""
+    seconds: dict[str, float] = {}
+    with contextlib.suppress(OSError):
+        for line in (Path(__file__).parent / "module_seconds.txt").read_text().splitlines():
+            secs, _, module = line.partition(" ")
+            with contextlib.suppress(ValueError):
+                seconds[module] = float(secs)
+    return seconds
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Slowest modules first (a stable sort: the rest keep their order): with --dist loadscope
+    # and --no-loadscope-reorder, xdist hands out modules in this order, so the run doesn't wait
+    # at its end for a long module that started last.
+    seconds = _module_seconds()
+    if seconds:
+        root = Path(str(config.rootpath))
+
+        def slowest_first(item: pytest.Item) -> float:
+            try:
+                return -seconds.get(str(item.path.relative_to(root)), 0.0)
+            except ValueError:
+                return 0.0
+
+        items.sort(key=slowest_first)
     for item in items:
         if "workload_venv" not in getattr(item, "fixturenames", ()):
             continue

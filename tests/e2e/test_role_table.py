@@ -183,6 +183,7 @@ def _argv(row: Row, role: str, folder: Path) -> list[str]:
         "quota-list": ["quota", "list"],
         "quota-set": ["quota", "set", "roles-somebody", "--jobs", "100"],
         "dlq": ["dlq"],
+        "audit": ["audit"],
         "profiles": ["profiles"],
         "matrix": ["matrix", "--json"],
         "schema": ["schema"],

@@ -261,3 +261,41 @@ def test_backfill_only_for_jobs_that_end_before_the_reservation() -> None:
     assert policy.may_backfill("s", job("s"), "n", 0)  # holds no device
     assert policy.may_backfill("s", job("s"), "n", 1, priority=1)  # ahead of the reserved job
     assert policy.may_backfill("big", job("big", gpus=2), "n", 2)
+
+
+def test_a_job_that_leaves_the_reserved_job_room_backfills_without_a_timeout() -> None:
+    """Backfill as Slurm's: a job with no timeout may still go on the node kept for a waiting
+    job when that job would start as early anyway (a MIG instance beside a job waiting for a
+    whole GPU was refused for a minute: tests/e2e/test_health.py, issue 26)."""
+    from gpulayer_placement.fleet import Fleet
+    from gpulayer_placement.queue_gate import Gate
+
+    fleet = Fleet()
+    fleet.upsert(gpu_node("n", 4))
+    policy = Policy()
+    gate = Gate(fleet=fleet, policy=policy, publisher=None)  # type: ignore[arg-type]
+    now = time.time()
+    for job_id, device, ends in (("r0", 0, now + 100), ("r1", 1, math.inf)):
+        fleet.hold("n", [device], "exclusive")
+        policy.add(active(job_id, "n", (device,), started=now, ends_at=ends))
+    policy.reserve("big", job("big", gpus=2), fleet.views(), no_items)
+    assert policy.reservation is not None
+    assert policy.reservation.until == now + 100  # devices 0, 2 and 3 free once r0 ends
+
+    def place(job_id: str) -> Placement | str:
+        j = job(job_id)
+        decision = match(j, fleet.views())
+        assert isinstance(decision, Placement)
+        admitted = gate.admit(job_id, j, decision, "anonymous")
+        if not isinstance(admitted, Placement):
+            return admitted.summary
+        fleet.hold("n", admitted.devices, "exclusive")
+        policy.add(active(job_id, "n", tuple(admitted.devices), started=now))
+        return admitted
+
+    first = place("s1")  # one of 2, 3: two of 0, 2, 3 stay for big once r0 ends
+    assert isinstance(first, Placement)
+    assert first.devices[0] in (2, 3)
+    second = place("s2")  # the last free device: big would wait for a job that never ends
+    assert isinstance(second, str)
+    assert "big" in second

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from tests.unit.placement.placement_fakes import gpu_node
 
 from gpulayer_contracts.capabilities import grant_devices, mig_index
 from gpulayer_contracts.health import DeviceObservation
@@ -30,6 +31,7 @@ from gpulayer_detection.observe import (
     parse_observations,
 )
 from gpulayer_detection.runner import Runner, RunResult
+from gpulayer_probe.observer import Observer
 
 RECORDINGS = Path(__file__).resolve().parents[2] / "fixtures" / "nvidia-smi"
 
@@ -472,3 +474,38 @@ def test_one_job_per_gpu_instance_split_into_compute_instances() -> None:
     assert placed.devices == [mig_index(0, 0)]
     busy = NodeView(node_id="ci", capabilities=caps, exclusive=frozenset({mig_index(0, 0)}))
     assert not isinstance(match(ten, [busy]), Placement)
+
+
+async def test_a_mismatch_that_stays_asks_for_one_redetection_not_one_per_period() -> None:
+    """A node whose observation query fails while detection works (the MIG scenario records
+    no observation) used to re-detect every period, forever."""
+    caps = await NvidiaProbe().probe(
+        ProbeContext(
+            run=runner("a100-pcie-80gb-2x-whole-2x-mig7-1g10gb"),
+            timeout=5,
+            system="linux",
+            machine="x86_64",
+        )
+    )
+    node = msgspec.structs.replace(gpu_node("n", 0), accelerators=caps.accelerators)
+    asked: list[int] = []
+    observer = Observer(
+        None,  # type: ignore[arg-type]  # observe_once publishes nothing
+        "n",
+        run=runner("a100-pcie-80gb-2x-whole-2x-mig7-1g10gb"),
+        timeout=5,
+        interval_s=1,
+        recover_after=2,
+        dev_dir="/nonexistent",
+        capabilities=lambda: current,
+        redetect=lambda: asked.append(1),
+    )
+    current = node
+    for _ in range(3):
+        await observer.observe_once()
+    assert len(asked) == 1
+    # Another detection result is another mismatch: asked once more.
+    current = msgspec.structs.replace(node, accelerators=node.accelerators[:1])
+    await observer.observe_once()
+    await observer.observe_once()
+    assert len(asked) == 2

@@ -39,6 +39,7 @@ _WHAT = (
         "reading a job's logs: its owner and admins may",
     ),
     (re.compile(r"^\$JS\.API\.STREAM\.INFO\.DLQ$", re.I), "reading the dead letters: admins may"),
+    (re.compile(r"^\$JS\.API\.STREAM\.INFO\.AUDIT$", re.I), "reading the audit trail: admins may"),
     (re.compile(r"^gpulayer\.api\.[^.]+$"), "asking placement's API without a user's name"),
     (re.compile(r"^gpulayer\.jobs\.submit"), "submitting jobs"),
 )

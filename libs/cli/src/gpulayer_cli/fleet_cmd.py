@@ -54,6 +54,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return EXIT_UNREACHABLE
+        if report.error is not None:  # the probe refused: it is over its doctor rate limit
+            print(f"gpulayer: node {args.node!r}: {report.error}", file=sys.stderr)
+            return EXIT_FAILED
         return print_report(common.console(), report, args.json)
 
     return asyncio.run(common.with_nats(go))

@@ -7,7 +7,7 @@ denied (the credential's role may not do this: docs/security.md, the role table)
 This module only builds the parser and dispatches; each command group lives in a module of
 its own: ``submit_cmd``, ``jobs_cmd`` (jobs, services, job, explain, cancel, logs),
 ``fleet_cmd`` (nodes, doctor, matrix, profiles), ``admin_cmd`` (keys, quota, dlq),
-``auth_cmd`` and ``local_cmd`` (dev, schema, check, conform); what they share is in ``common``.
+``audit_cmd`` (audit), ``auth_cmd`` and ``local_cmd`` (dev, schema, check, conform); what they share is in ``common``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gpulayer_cli import admin_cmd, fleet_cmd, jobs_cmd, local_cmd, submit_cmd
+from gpulayer_cli import admin_cmd, audit_cmd, fleet_cmd, jobs_cmd, local_cmd, submit_cmd
 from gpulayer_contracts import __version__
 
 
@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     jobs_cmd.add_logs(sub)
     admin_cmd.add_dlq(sub)
+    audit_cmd.add_audit(sub)
     local_cmd.add_check(sub)
     local_cmd.add_conform(sub)
     fleet_cmd.add_profiles(sub)

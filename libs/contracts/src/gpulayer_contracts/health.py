@@ -65,7 +65,8 @@ class DoctorReport(Wire, frozen=True):
 
     ``changes``: what differs from the detection before (drift). A probe older than this
     report replies with bare ``WorkerCapabilities``: decoded as a report, ``capabilities`` is
-    None (its fields are not this struct's).
+    None (its fields are not this struct's). ``error``: the probe did not detect (it is over
+    its doctor rate limit, with the seconds to wait in ``retry_after_s``); nothing else is set.
     """
 
     node_id: str = ""
@@ -74,6 +75,8 @@ class DoctorReport(Wire, frozen=True):
     health: NodeHealth = "healthy"
     devices: list[DeviceObservation] = []
     notes: list[str] = []
+    error: str | None = None
+    retry_after_s: float | None = None
 
 
 def worst(levels: list[str]) -> Health:

@@ -29,6 +29,8 @@ NODE_WILDCARD_OBSERVATIONS = f"{PREFIX}.node.*.observations"
 JOB_WILDCARD_EVENTS = f"{PREFIX}.job.*.*.events"
 JOB_WILDCARD_LOGS = f"{PREFIX}.job.*.*.logs"
 DLQ_WILDCARD = f"{PREFIX}.dlq.>"
+# gpulayer.audit.<action>: placement and admins publish, admins read (gpulayer_contracts.audit).
+AUDIT_WILDCARD = f"{PREFIX}.audit.>"
 
 API_NODES = f"{PREFIX}.api.nodes"
 API_JOBS = f"{PREFIX}.api.jobs"
@@ -192,6 +194,11 @@ def job_from_subject(subject: str) -> str:
     return parts[3]
 
 
+# The audit trail's default retention: 90 days, 1 GiB (the oldest go first past either).
+AUDIT_MAX_AGE_S = 90 * 24 * 3600.0
+AUDIT_MAX_BYTES = 1 << 30
+
+
 class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     subjects: list[str]
@@ -253,6 +260,14 @@ STREAMS: tuple[StreamSpec, ...] = (
         description="Job output lines; bounded per job and in total.",
     ),
     StreamSpec(
+        name="AUDIT",
+        subjects=[AUDIT_WILDCARD],
+        # Placement's GPULAYER_AUDIT_MAX_AGE_DAYS / GPULAYER_AUDIT_MAX_BYTES replace these.
+        max_age_s=AUDIT_MAX_AGE_S,
+        max_bytes=AUDIT_MAX_BYTES,
+        description="Audit trail: who submitted, cancelled, changed a quota, minted or revoked.",
+    ),
+    StreamSpec(
         name="DLQ",
         subjects=[DLQ_WILDCARD],
         max_age_s=14 * 24 * 3600.0,
@@ -260,3 +275,13 @@ STREAMS: tuple[StreamSpec, ...] = (
         description="Dead letters: messages of JOBS and STATUS that could not be handled.",
     ),
 )
+
+
+def streams_with_audit_retention(max_age_s: float, max_bytes: int) -> tuple[StreamSpec, ...]:
+    """STREAMS with the AUDIT stream's retention replaced (placement's settings)."""
+    return tuple(
+        msgspec.structs.replace(s, max_age_s=max_age_s, max_bytes=max_bytes)
+        if s.name == "AUDIT"
+        else s
+        for s in STREAMS
+    )

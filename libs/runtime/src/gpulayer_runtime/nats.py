@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+from collections.abc import Iterable
 
 import nats
 import nats.errors
@@ -112,12 +113,14 @@ async def connect(
     return await nats.connect(server_list(url), **options)
 
 
-async def ensure_streams(js: JetStreamContext, *, replicas: int = 1) -> None:
+async def ensure_streams(
+    js: JetStreamContext, *, replicas: int = 1, specs: Iterable[StreamSpec] = STREAMS
+) -> None:
     """Create or update every gpulayer stream, with ``replicas`` copies each. Safe to call
     from every service at start. An existing stream with another config (an older version's,
     or another replica count) is updated in place: JetStream scales a stream's replicas up or
-    down without losing its messages."""
-    for spec in STREAMS:
+    down without losing its messages. ``specs``: placement's, with its retention settings."""
+    for spec in specs:
         config = stream_config(spec, replicas=replicas)
         try:
             await js.add_stream(config)

@@ -17,7 +17,7 @@ from typing import Literal
 
 import msgspec
 
-from gpulayer_contracts.subjects import MAX_DELIVERIES_ADVISORY, PREFIX, STREAMS
+from gpulayer_contracts.subjects import AUDIT_WILDCARD, MAX_DELIVERIES_ADVISORY, PREFIX, STREAMS
 
 Role = Literal["placement", "node", "user", "admin", "viewer"]
 ROLES: tuple[Role, ...] = ("placement", "node", "user", "admin", "viewer")
@@ -117,6 +117,8 @@ def _placement() -> Permissions:
             f"{PREFIX}.job.*.*.events",
             # Dead letters (issue 11): placement moves a message it cannot handle there.
             f"{PREFIX}.dlq.>",
+            # The audit trail (issue 31): submits, cancels, quota changes. No user may.
+            AUDIT_WILDCARD,
             *js_api,
         ),
         subscribe=(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
 from collections.abc import Callable, Coroutine, Mapping
@@ -34,7 +35,7 @@ def env_float(env: Mapping[str, str], name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         raise ConfigError(f"{name}={raw!r}: expected a number") from None
-    if value <= 0:
+    if not (math.isfinite(value) and value > 0):
         raise ConfigError(f"{name}={raw!r}: expected a positive number")
     return value
 

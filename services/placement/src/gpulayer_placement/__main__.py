@@ -8,10 +8,17 @@ import gc
 import logging
 import os
 import signal
+from collections.abc import Mapping
 from contextlib import AsyncExitStack
 
 from gpulayer_contracts import InvalidInput
 from gpulayer_contracts.profiles import Profiles, load_profiles
+from gpulayer_contracts.subjects import (
+    AUDIT_MAX_AGE_S,
+    AUDIT_MAX_BYTES,
+    streams_with_audit_retention,
+)
+from gpulayer_placement.settings import Settings
 from gpulayer_runtime.nats import connect, ensure_streams
 from gpulayer_runtime.settings import (
     ConfigError,
@@ -30,27 +37,26 @@ log = logging.getLogger("gpulayer_placement")
 
 
 async def _amain() -> None:
-    from gpulayer_placement.service import PlacementService, Settings
+    from gpulayer_placement.service import PlacementService
     from gpulayer_placement.store import create_pool
 
     env = os.environ
     nats = nats_settings(env)
     db = database_url(env)
     replicas = stream_replicas(env)
-    settings = Settings(
-        node_timeout_s=env_float(env, "GPULAYER_NODE_TIMEOUT_S", 15.0),
-        resend_after_s=env_float(env, "GPULAYER_GRANT_RESEND_S", 30.0),
-        batch_size=env_int(env, "GPULAYER_PLACEMENT_BATCH", 256),
-        admins=admin_names(env_str(env, "GPULAYER_ADMINS", "admin")),
-        profiles=_profiles(env_str(env, "GPULAYER_PROFILES", "")),
-        rendezvous_ports=rendezvous_ports(env_str(env, "GPULAYER_RENDEZVOUS_PORTS", "29500-29999")),
-    )
+    settings = read_settings(env)
     signer = signer_from_env(env)
+    # The audit trail's retention: the oldest records go first past either bound.
+    audit_days = env_float(env, "GPULAYER_AUDIT_MAX_AGE_DAYS", AUDIT_MAX_AGE_S / 86400)
+    audit_bytes = env_int(env, "GPULAYER_AUDIT_MAX_BYTES", AUDIT_MAX_BYTES)
+    streams = streams_with_audit_retention(audit_days * 86400, audit_bytes)
     log.info(
-        "settings: nats=%s database=%s stream_replicas=%d %s",
+        "settings: nats=%s database=%s stream_replicas=%d audit=%gd/%dB %s",
         nats,
         _redact(db),
         replicas,
+        audit_days,
+        audit_bytes,
         dataclasses.replace(settings, profiles=Profiles(source=settings.profiles.source)),
     )
     log.info(
@@ -72,7 +78,7 @@ async def _amain() -> None:
         stack.callback(telemetry.shutdown)
         nc = await connect(nats.url, "gpulayer-placement", **nats.connect_args())
         stack.push_async_callback(nc.drain)
-        await ensure_streams(nc.jetstream(), replicas=replicas)
+        await ensure_streams(nc.jetstream(), replicas=replicas, specs=streams)
         pool = await create_pool(db)
         stack.push_async_callback(pool.close)
         service = PlacementService(nc, pool, settings, telemetry, signer=signer)
@@ -89,6 +95,22 @@ async def _amain() -> None:
         if service.stop.is_set() and not stop.is_set():
             raise SystemExit("placement stopped after an internal failure (see log)")
         log.info("stopping")
+
+
+def read_settings(env: Mapping[str, str]) -> Settings:
+    """Placement's settings from the environment (ConfigError naming a bad one)."""
+    return Settings(
+        node_timeout_s=env_float(env, "GPULAYER_NODE_TIMEOUT_S", 15.0),
+        resend_after_s=env_float(env, "GPULAYER_GRANT_RESEND_S", 30.0),
+        batch_size=env_int(env, "GPULAYER_PLACEMENT_BATCH", 256),
+        admins=admin_names(env_str(env, "GPULAYER_ADMINS", "admin")),
+        profiles=_profiles(env_str(env, "GPULAYER_PROFILES", "")),
+        rendezvous_ports=rendezvous_ports(env_str(env, "GPULAYER_RENDEZVOUS_PORTS", "29500-29999")),
+        submit_rate=env_float(env, "GPULAYER_SUBMIT_RATE", 20.0),
+        submit_burst=env_int(env, "GPULAYER_SUBMIT_BURST", 100),
+        api_rate=env_float(env, "GPULAYER_API_RATE", 20.0),
+        api_burst=env_int(env, "GPULAYER_API_BURST", 100),
+    )
 
 
 def admin_names(raw: str) -> frozenset[str]:

@@ -44,7 +44,9 @@ from gpulayer_matching import NodeView
 from gpulayer_matching.gang import explain_gang, is_gang
 from gpulayer_matching.resources import CPU, GB, MEMORY, SLOTS
 from gpulayer_placement import dependencies, quotas
+from gpulayer_placement.audit import Auditor, audited
 from gpulayer_placement.fleet import Fleet
+from gpulayer_placement.limits import RateLimit
 from gpulayer_placement.policy import Policy, load_policy
 from gpulayer_placement.publisher import Publisher
 from gpulayer_placement.store import Store
@@ -62,6 +64,12 @@ class ApiError(Exception):
 class ApiDenied(ApiError):
     """The caller lacks the right this needs: the reply says so (``"denied": true``), and the
     CLI exits with its permission-denied status."""
+
+    denied = True  # the audit trail records it so (audit.audited)
+
+
+class ApiLimited(ApiError):
+    """The caller is over its API request rate (``limits.api_limit``)."""
 
 
 class _JobQuery(msgspec.Struct, frozen=True):
@@ -134,8 +142,12 @@ class Api:
         admins: frozenset[str] = frozenset({"admin"}),
         profiles: Profiles | None = None,
         policy: Policy | None = None,
+        limit: RateLimit | None = None,
+        auditor: Auditor | None = None,
     ) -> None:
+        self.auditor = auditor
         self.policy = policy if policy is not None else Policy()
+        self.limit = limit
         self.nc = nc
         self.js = js
         self.pool = pool
@@ -155,11 +167,11 @@ class Api:
             API_JOBS: self.jobs,
             API_JOB: self.job,
             API_EXPLAIN: self.explain,
-            API_CANCEL: self.cancel,
+            API_CANCEL: audited(self.auditor, "cancel", self.cancel),
             API_MATRIX: self.matrix,
             API_PROFILES: self.profile_fit,
             API_SERVICES: self.services,
-            API_QUOTA: self.quota,
+            API_QUOTA: audited(self.auditor, "quota", self.quota),
         }
         return [
             await self.nc.subscribe(subject, queue=QUEUE, cb=self._wrap(handler))
@@ -177,9 +189,14 @@ class Api:
         async def cb(msg: Msg) -> None:
             try:
                 caller = api_caller(msg.subject)
+                limited = self.limit.check(caller) if self.limit is not None else None
+                if limited is not None:
+                    raise ApiLimited(limited)
                 reply: dict[str, Any] = {"ok": True, "data": await handler(msg.data, caller)}
             except ApiDenied as err:
                 reply = {"ok": False, "error": clip_text(str(err)), "denied": True}
+            except ApiLimited as err:
+                reply = {"ok": False, "error": str(err), "limited": True}
             except (ApiError, ValueError, msgspec.ValidationError, msgspec.DecodeError) as err:
                 reply = {"ok": False, "error": clip_text(str(err))}
             except RecursionError:

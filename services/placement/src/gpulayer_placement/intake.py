@@ -23,7 +23,9 @@ from gpulayer_contracts import Accepted, JobEvent, Rejected
 from gpulayer_contracts.bounds import clip_text
 from gpulayer_contracts.subjects import ANONYMOUS, JOBS_SUBMIT_ALL
 from gpulayer_placement import dependencies
+from gpulayer_placement.audit import Auditor
 from gpulayer_placement.dead_letters import MAX_DELIVER, DeadLetters
+from gpulayer_placement.limits import submit_limit
 from gpulayer_placement.loops import Unpublished, consume
 from gpulayer_placement.outcome import Outcome
 from gpulayer_placement.publisher import ANNOUNCE_AGAIN_WITHIN_S, Publisher
@@ -71,7 +73,9 @@ class Intake:
         telemetry: Telemetry = DISABLED,
         dead: DeadLetters | None = None,
         max_payload: int = 1 << 20,
+        auditor: Auditor | None = None,
     ) -> None:
+        self.auditor = auditor
         self.js = js
         self.pool = pool
         self.scheduler = scheduler
@@ -81,7 +85,8 @@ class Intake:
         self.stop = stop
         self.tel = telemetry
         # Its telemetry given once (bench/strip_telemetry rewrites each ``self.tel`` use).
-        self._read = functools.partial(read_batch, telemetry=telemetry)
+        self.limit = submit_limit(settings.submit_rate, settings.submit_burst, settings.admins)
+        self._read = functools.partial(read_batch, telemetry=telemetry, limit=self.limit.check)
         self.dead = dead if dead is not None else DeadLetters(js, telemetry, max_payload)
         # The server's, from its INFO: a job whose grant would not fit it is refused.
         self.max_payload = max_payload
@@ -134,7 +139,10 @@ class Intake:
             unavailable = self.publisher.unavailable
         dead = {id(d[0]) for d in batch.dead}
         settled = [m for m in msgs if id(m) not in dead]
+        if batch.limited:
+            await self._refuse_limited(batch)
         if published:
+            self._audit(events, stored.new)
             self.publisher.settle(events)
             self._unannounced.difference_update(e.job_id for e in events)
             stored.announced = True
@@ -311,6 +319,37 @@ class Intake:
                     )
                 )
         return events
+
+    def _audit(self, events: list[JobEvent], new: set[str]) -> None:
+        """Who submitted each new job, and whether it was accepted (queued: never waited for)."""
+        if self.auditor is None:
+            return
+        for e in events:
+            if e.job_id in new:
+                rejected = isinstance(e, Rejected)
+                why = e.reasons[0] if isinstance(e, Rejected) and e.reasons else ""
+                self.auditor.record(
+                    e.owner, "submit", e.job_id, "rejected" if rejected else "accepted", why
+                )
+
+    async def _refuse_limited(self, b: Batch) -> None:
+        """``rejected`` events, naming the limit, for submits over their owner's rate; not for
+        a job already known (a copy sent again changes nothing). Best effort: the submit is
+        refused whether or not its event was stored."""
+        limited = {j: v for j, v in b.limited.items() if j not in b.rows}
+        if not limited:
+            return
+        async with self.pool.acquire() as conn:
+            known = {r["job_id"] for r in await Store.fetch(conn, "job_ages", list(limited))}
+        events = [
+            Rejected(job_id=j, reasons=[why], owner=owner)
+            for j, (owner, why) in limited.items()
+            if j not in known
+        ]
+        # Its own message id: the same job id may come back after the wait and be accepted.
+        items = [self.publisher.event_item(e, f"{e.job_id}:limited") for e in events]
+        if not await self.publisher.publish(items):
+            log.warning("%d rate-limit rejections not stored", len(items))
 
     async def _announce_again(self, job_ids: list[str]) -> set[str]:
         if not job_ids:

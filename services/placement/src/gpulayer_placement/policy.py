@@ -45,6 +45,9 @@ class Reservation:
     # A distributed job keeps N nodes (``node_id`` among them): ``until`` is when the last of
     # them frees up (gangs.py).
     nodes: frozenset[str] = frozenset()
+    # The waiting job itself (single-node reservations): a job that leaves it room once the
+    # node's blockers end may go there anyway (``Gate.admit``), as Slurm's backfill does.
+    job: JobRequest | None = None
 
     def kept(self) -> frozenset[str]:
         """Every node kept for the job."""
@@ -247,7 +250,9 @@ class Policy:
             until = order[n - 1].ends_at
             if best is None or (until, view.node_id) < best:
                 best = (until, view.node_id)
-        self.reservation = None if best is None else Reservation(job_id, best[1], best[0], priority)
+        self.reservation = (
+            None if best is None else Reservation(job_id, best[1], best[0], priority, job=job)
+        )
 
     def mark_reserved(self) -> None:
         """A reservation was computed now (found or not): the next waits RESERVATION_EVERY_S."""

@@ -81,6 +81,35 @@ def without(
     )
 
 
+def with_placed(
+    view: NodeView, devices: Iterable[int], shared: bool, held: Iterable[tuple[str, int]]
+) -> NodeView:
+    """``view`` with one more placement on it: ``devices`` held (shared or whole) and ``held``
+    (``resources.reservations``) taken, as ``Fleet.hold`` would leave it."""
+    cpu = memory = slots = 0
+    gpu = dict(view.gpu_reserved)
+    for resource, amount in held:
+        if resource == CPU:
+            cpu += amount
+        elif resource == MEMORY:
+            memory += amount
+        elif resource == SLOTS:
+            slots += amount
+        elif resource.startswith(GPU_MEMORY):
+            d = int(resource[len(GPU_MEMORY) :])
+            gpu[d] = gpu.get(d, 0) + amount
+    devs = frozenset(devices)
+    return msgspec.structs.replace(
+        view,
+        exclusive=view.exclusive if shared else view.exclusive | devs,
+        shared=view.shared | devs if shared else view.shared,
+        cpu_free=None if view.cpu_free is None else view.cpu_free - cpu,
+        memory_free=None if view.memory_free is None else view.memory_free - memory,
+        slots_free=None if view.slots_free is None else view.slots_free - slots,
+        gpu_reserved=gpu,
+    )
+
+
 def room_after(
     job: JobRequest,
     view: NodeView,

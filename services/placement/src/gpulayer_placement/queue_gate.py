@@ -6,16 +6,17 @@ docs/placement-rules.md ("Order of decisions") is the rule."""
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from gpulayer_contracts import CancelJob, JobRequest
 from gpulayer_contracts.validation import requested_gpu_count
 from gpulayer_matching import NoPlacement, Placement, match
-from gpulayer_matching.resources import job_millicores
+from gpulayer_matching.resources import job_millicores, reservations
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.outcome import Outcome
 from gpulayer_placement.policy import Policy
-from gpulayer_placement.preemption import choose_victims
+from gpulayer_placement.preemption import Active, choose_victims, with_placed, without
 from gpulayer_placement.publisher import Publisher
 
 # The name every placement part logs under since before the split: log queries filter on it.
@@ -45,7 +46,9 @@ class Gate:
         )
         if why is not None:
             return NoPlacement(summary=why, reasons=[why], unsatisfiable=False)
-        if self.policy.may_backfill(job_id, job, decision.node_id, len(decision.devices), priority):
+        if self.policy.may_backfill(
+            job_id, job, decision.node_id, len(decision.devices), priority
+        ) or self._leaves_room(job, decision):
             return decision
         r = self.policy.reservation
         assert r is not None
@@ -56,6 +59,39 @@ class Gate:
             return again
         why = r.why()
         return NoPlacement(summary=why, reasons=[why, *again.reasons], unsatisfiable=False)
+
+    def _leaves_room(self, job: JobRequest, decision: Placement) -> bool:
+        """Whether placing ``job`` as ``decision`` on the node kept for a waiting job still lets
+        that job start once the node's jobs that end before the reservation's time have ended:
+        then it delays nobody (a MIG instance beside a job waiting for a whole GPU, a CPU-light
+        job on a node with cores to spare). Single-node reservations only."""
+        r = self.policy.reservation
+        if r is None or r.job is None or r.nodes or r.node_id != decision.node_id:
+            return False
+        view = self.fleet.get(decision.node_id)
+        if view is None:
+            return False
+        on_node = list(self.policy.by_node.get(decision.node_id, {}).values())
+        gone = [a for a in on_node if a.ends_at <= r.until]
+        rest = [a for a in on_node if a.ends_at > r.until]
+        held = reservations(job, decision.devices, decision.use)
+        placed = with_placed(view, decision.devices, decision.use == "shared", held)
+        # The new job counts as one that outlives the reservation: devices it shares stay so.
+        new = Active(
+            job_id="",
+            node_id=decision.node_id,
+            owner="",
+            accelerator=decision.accelerator,
+            devices=tuple(decision.devices),
+            shared=decision.use == "shared",
+            priority=0,
+            preemptible=False,
+            started=0.0,
+            ends_at=math.inf,
+        )
+        rest.append(new)
+        after = without(placed, gone, rest, self.fleet.reserved_items)
+        return isinstance(match(r.job, [after]), Placement)
 
     def blocked(
         self,

@@ -19,7 +19,7 @@ Parts (each in a file named for it, each taking its collaborators in its constru
 
 Tasks: ``ingest``, ``status``, ``schedule``, ``capabilities``, ``heartbeats``,
 ``observations``, ``reaper``,
-``resend``, ``thorough`` (and ``job-gauges``). One that dies stops the service, so that a
+``resend``, ``thorough``, ``audit`` (and ``job-gauges``). One that dies stops the service, so that a
 supervisor restarts it rather than leave it half alive.
 """
 
@@ -38,10 +38,12 @@ from nats.aio.client import Client
 from gpulayer_contracts.bounds import max_job_bytes
 from gpulayer_contracts.capabilities import AcceleratorDevice
 from gpulayer_placement.api import Api
+from gpulayer_placement.audit import Auditor
 from gpulayer_placement.dead_letters import DeadLetters
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.intake import Intake
 from gpulayer_placement.lifecycle import Lifecycle
+from gpulayer_placement.limits import api_limit
 from gpulayer_placement.liveness import Liveness
 from gpulayer_placement.loops import every, until_nats_answers
 from gpulayer_placement.metrics import Gauges
@@ -104,6 +106,7 @@ class PlacementService:
 
         self.sync = ReplicaSync(pool, fleet, wake, stop, self.replica_id, on_load=on_load)
         self.publisher = Publisher(js, pool, s, telemetry, self.signer)
+        self.auditor = Auditor(js, s.admins, publish_timeout_s=s.publish_timeout_s)
         self.scheduler = Scheduler(
             pool=pool,
             fleet=fleet,
@@ -126,6 +129,7 @@ class PlacementService:
             telemetry=telemetry,
             dead=self.dead,
             max_payload=max_payload,
+            auditor=self.auditor,
         )
         self.lifecycle = Lifecycle(
             publisher=self.publisher, wake=wake, prefer=self.scheduler.prefer
@@ -173,6 +177,8 @@ class PlacementService:
             admins=s.admins,
             profiles=s.profiles,
             policy=self.policy,
+            limit=api_limit(s.api_rate, s.api_burst, s.admins),
+            auditor=self.auditor,
         )
         self.observations = Observations(
             nc=nc,
@@ -232,6 +238,7 @@ class PlacementService:
         self._spawn("reaper", every(stop, max(s.node_timeout_s / 3, 0.2), self.liveness.reap))
         self._spawn("resend", every(stop, max(s.resend_after_s / 3, 0.5), self.publisher.resend))
         self._spawn("thorough", every(stop, s.thorough_pass_s, self.wake.request_thorough))
+        self._spawn("audit", self.auditor.run(stop))
         if self.tel.enabled:
             self.gauges.register()
             self._spawn("job-gauges", every(stop, 5.0, self.gauges.refresh_job_gauges))
@@ -264,5 +271,7 @@ class PlacementService:
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+        with contextlib.suppress(Exception):  # what the audit task had not sent yet
+            await asyncio.wait_for(self.auditor.flush(), 2.0)
         self.lifecycle.close()
         await self.sync.close()

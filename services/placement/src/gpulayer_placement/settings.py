@@ -24,3 +24,10 @@ class Settings:
     # Ports a distributed job's rendezvous may get on its rank 0's node, first and last
     # (``GPULAYER_RENDEZVOUS_PORTS``, e.g. 29500-29999): one per active gang on a node.
     rendezvous_ports: tuple[int, int] = (29500, 29999)
+    # Submits per second per owner and the burst above it (``GPULAYER_SUBMIT_RATE`` /
+    # ``GPULAYER_SUBMIT_BURST``); API requests per caller likewise (``GPULAYER_API_RATE`` /
+    # ``GPULAYER_API_BURST``). Admins are not limited. docs/security.md, "Rate limits".
+    submit_rate: float = 20.0
+    submit_burst: int = 100
+    api_rate: float = 20.0
+    api_burst: int = 100

@@ -6,6 +6,7 @@ but for logging and telemetry: intake stores and announces what it returns."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -42,15 +43,27 @@ class Batch:
     owners: dict[str, str] = field(default_factory=dict)
     # The runtime profile each job named (its events name it too).
     profiles: dict[str, str | None] = field(default_factory=dict)
+    # Submits over their owner's rate limit: job id -> (owner, reason). Neither stored nor
+    # dead-lettered: acked with the batch and answered with a ``rejected`` event, so the same
+    # job id may be submitted again later.
+    limited: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+
+# An owner's submit to admit: None, else why it is refused (``limits.SubmitLimit.check``).
+Limit = Callable[[str], str | None]
 
 
 def read_batch(
-    msgs: list[Msg], profiles: Profiles, max_payload: int, telemetry: Telemetry = DISABLED
+    msgs: list[Msg],
+    profiles: Profiles,
+    max_payload: int,
+    telemetry: Telemetry = DISABLED,
+    limit: Limit | None = None,
 ) -> Batch:
     """Decode and validate each message once; the same job id twice is one job. ``profiles``:
     the runtime profiles jobs may name; ``max_payload``: the NATS server's (a job whose grant
-    would not fit it is refused)."""
-    r = _Reader(profiles, max_payload, telemetry)
+    would not fit it is refused); ``limit``: the submit rate limit, asked once per message."""
+    r = _Reader(profiles, max_payload, telemetry, limit)
     b = Batch()
     for msg in msgs:
         try:
@@ -65,11 +78,16 @@ def read_batch(
 
 
 class _Reader:
-    def __init__(self, profiles: Profiles, max_payload: int, telemetry: Telemetry) -> None:
+    def __init__(
+        self, profiles: Profiles, max_payload: int, telemetry: Telemetry, limit: Limit | None
+    ) -> None:
         self.profiles, self.max_payload = profiles, max_payload
         self.tel = telemetry
+        self.limit = limit
 
     def read_one(self, b: Batch, msg: Msg) -> None:
+        if self.limit is not None and self._limited(b, msg):
+            return
         tel = self.tel.enabled
         traceparent = (msg.headers or {}).get("traceparent")
         if tel:
@@ -150,6 +168,23 @@ class _Reader:
             if stamp is not None:
                 b.submitted[one.job_id] = stamp
 
+    def _limited(self, b: Batch, msg: Msg) -> bool:
+        """Whether the message is over its owner's submit rate (``b.limited`` then names it;
+        one that names no job id is only acked). Counted before decoding: a flood of malformed
+        messages costs the same tokens. A redelivery was counted when it first came."""
+        assert self.limit is not None
+        owner = _owner(msg)
+        why = self.limit(owner)
+        if why is None or _redelivered(msg):
+            return False
+        job_id = best_effort_job_id(msg.data)
+        self.tel.count("gpulayer.messages.rejected", 1, {"subject": "jobs.submit", "why": "rate"})
+        if job_id is None:
+            log.warning("dropped a submit of %s with no job id: %s", owner[:64], why)
+        elif job_id not in b.rows:
+            b.limited.setdefault(job_id, (owner, why))
+        return True
+
     def _malformed(self, b: Batch, msg: Msg, err: InvalidInput, traceparent: str | None) -> None:
         """A message that doesn't decode is rejected under the job id read from it; one that
         names no job goes to the DLQ with the reason."""
@@ -182,6 +217,13 @@ def _owner(msg: Msg) -> str:
         return owner_from_submit(msg.subject)
     except ValueError:  # not a submit subject: the stream holds none, so nobody's in particular
         return ANONYMOUS
+
+
+def _redelivered(msg: Msg) -> bool:
+    try:
+        return (msg.metadata.num_delivered or 1) > 1
+    except Exception:  # not a JetStream message (no metadata): delivered once
+        return False
 
 
 def stored_text(text: str) -> str:

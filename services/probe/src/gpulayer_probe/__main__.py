@@ -74,6 +74,8 @@ def read_settings(env: Mapping[str, str]) -> tuple[NatsSettings, str, ProbeSetti
         recover_after=env_int(env, "GPULAYER_PROBE_RECOVER_AFTER", 3),
         dev_dir=env_str(env, "GPULAYER_PROBE_DEVICE_DIR", "/dev"),
         containers=container_settings(env),
+        doctor_rate=env_float(env, "GPULAYER_DOCTOR_RATE", 0.2),
+        doctor_burst=env_int(env, "GPULAYER_DOCTOR_BURST", 3),
     )
     return nats_settings(env), node_id(env), settings
 

@@ -66,6 +66,8 @@ class Observer:
         self._buses: dict[str, int] = {}
         self.last: NodeObservations | None = None
         self.published = 0  # for tests
+        # The (answering, detected) GPU sets a re-detection was last asked for; None: they agree.
+        self._asked: tuple[frozenset[int], frozenset[int]] | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -95,14 +97,20 @@ class Observer:
             if not seen.devices and not result.ok:
                 notes.append(f"nvidia-smi: {result.describe()}"[:1000])
             devices = self._tracker.update(seen.devices)
-            answering = {d.index for d in devices if d.state == "ok"}
-            if caps is not None and answering != {d.index for d in gpus}:
+            answering = frozenset(d.index for d in devices if d.state == "ok")
+            detected = frozenset(d.index for d in gpus)
+            mismatch = (answering, detected) if caps is not None and answering != detected else None
+            # One re-detection per mismatch: when the next detection finds the same devices and
+            # nvidia-smi keeps answering the same, detecting again each period would only burn
+            # the node's CPU (an observation query that fails while detection works).
+            if mismatch is not None and mismatch != self._asked:
                 log.info(
                     "nvidia-smi answers for GPUs %s, the last detection found %s: detecting again",
                     sorted(answering),
-                    sorted(d.index for d in gpus),
+                    sorted(detected),
                 )
                 self._redetect()
+            self._asked = mismatch
         files = gpu_device_files(self._dev_dir)
         obs = NodeObservations(
             node_id=self._node,

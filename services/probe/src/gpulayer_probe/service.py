@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -42,6 +43,7 @@ from gpulayer_detection.registry import (
 )
 from gpulayer_detection.runner import Runner, run_command
 from gpulayer_probe.observer import Observer
+from gpulayer_runtime.ratelimit import Buckets
 from gpulayer_runtime.telemetry import DISABLED, Telemetry, inject
 
 log = logging.getLogger(__name__)
@@ -93,6 +95,11 @@ class ProbeSettings:
     dev_dir: str = "/dev"  # where GPU device files (nvidia<N>) are looked for
     # The container runtime: podman, its OCI runtime, the self-test's bound.
     containers: ContainerSettings = field(default_factory=ContainerSettings)
+    # Doctor requests this probe answers: a bucket of ``doctor_burst`` refilled at
+    # ``doctor_rate`` a second (GPULAYER_DOCTOR_RATE / GPULAYER_DOCTOR_BURST). Each one runs
+    # every detector and torch: a flood of them would keep the node busy detecting.
+    doctor_rate: float = 0.2
+    doctor_burst: int = 3
 
 
 class ProbeService:
@@ -114,6 +121,7 @@ class ProbeService:
         self.containers = ContainerRuntimeProbe(settings.containers)
         self._runtime: Finding | None = None  # its last answer
         self._runtime_task: asyncio.Task[None] | None = None
+        self._doctor_limit = Buckets(settings.doctor_rate, settings.doctor_burst)
         self._lock = asyncio.Lock()
         self._findings: list[Finding] = []
         self._torch: Finding | None = None
@@ -322,7 +330,12 @@ class ProbeService:
 
     async def _on_doctor(self, msg: Msg) -> None:
         """Re-detect now, torch included, publish if changed, and reply with a DoctorReport:
-        what changed since the detection before, the node's health and its devices'."""
+        what changed since the detection before, the node's health and its devices'. Over the
+        doctor rate limit: a report that says so, at once."""
+        wait = self._doctor_limit.take("doctor")
+        if wait:
+            await self._refuse_doctor(msg, wait)
+            return
         try:
             if self._looks_for_containers:
                 # Asked to look again: the container self-test too (an admin fixed podman).
@@ -356,6 +369,17 @@ class ProbeService:
             await msg.respond(encode(report))
         except Exception:
             log.exception("doctor request failed")
+
+    async def _refuse_doctor(self, msg: Msg, wait: float) -> None:
+        s = self._s
+        why = (
+            f"rate limited: node {self._node} answers {s.doctor_burst} doctor requests at once "
+            f"and {s.doctor_rate:g} a second after; retry in {math.ceil(wait)} s"
+        )
+        log.warning("doctor request refused: %s", why)
+        report = DoctorReport(node_id=self._node, error=why, retry_after_s=round(wait, 1))
+        with contextlib.suppress(Exception):  # the requester is gone: nothing to tell
+            await msg.respond(encode(report))
 
     async def _heartbeat(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
