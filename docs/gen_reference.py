@@ -393,6 +393,16 @@ distributed = {nodes = 2, processes_per_node = 2, backend = "gloo", launcher = "
 
 # Hand-written: how a job names a runtime profile, and how a workload is checked per node class.
 PROFILES_AND_CONFORM = """\
+## Where a container job is placed
+
+A job with `container` runs in that image on its node, so placement matches it as a container:
+only on a node whose probe reports a container runtime that passed its self-test (a container
+started there: [probe](probe.md#container-runtime)), and with `gpu.apis_any` checked against
+the node's container APIs, as `in_container = true` does. Elsewhere the job waits with the
+reason `N have no container runtime` (or `N have a container runtime that failed its self-test:
+<why>`); where no node of the fleet has one it is `pending (unsatisfiable)` until one joins
+([placement rules](placement-rules.md#container-jobs)). A profile may carry `container` too.
+
 ## Runtime profiles
 
 A runtime profile is a named, versioned bundle of requirements, so that a tested environment is
@@ -415,9 +425,10 @@ os = "linux"
 
 A profile may set `python`, `frameworks`, `framework_capabilities`, `accelerator`,
 `min_cuda_compute_capability`, `driver` and `os`, with the meaning they have in a job's
-`requirements`, and a `description`. Its key is `name@version`, the version a whole number; a
-published version is never changed: a new one is added (`@2`), so a job keeps meaning what it
-meant.
+`requirements`, a `container` (`{image = "...", pull = "never"}`: the job's own field, the
+same rule for a job that names another image), and a `description`. Its key is
+`name@version`, the version a whole number; a published version is never changed: a new one is
+added (`@2`), so a job keeps meaning what it meant.
 
 - **At submit** placement adds the profile's requirements to the job's own. A field set by both
   must be equal (`7`, `7.0` and `"7.0"` are one compute capability); a field both set

@@ -40,6 +40,10 @@ from gpulayer_runtime.roles import Role
 from gpulayer_runtime.servers import EmbeddedNats, EmbeddedNatsCluster, EmbeddedPostgres
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# The probes the tests start don't look for podman: its self-test (a container started, ~1 s)
+# in every stack would cost time and tie unrelated tests to the host's podman. The tests of the
+# container runtime set it themselves (tests/e2e/test_container_placement.py).
+os.environ.setdefault("GPULAYER_PROBE_PODMAN", "none")
 FIXTURES = REPO_ROOT / "tests" / "fixtures"
 
 

@@ -12,6 +12,11 @@ Recording is a pytest plugin; re-record only when a change to the words is meant
 
     .venv/bin/pytest -q -p tests.matcher_golden tests/unit/test_matcher*.py \
         tests/unit/placement/test_fleet_capacity.py
+
+New cases for a new rule are added without asking the recorded ones again (their answers stay as
+they were recorded, and the comparison keeps checking them): record only the new test file with
+``GPULAYER_GOLDEN_MERGE=1``, e.g. ``GPULAYER_GOLDEN_MERGE=1 .venv/bin/pytest -q -p
+tests.matcher_golden tests/unit/test_matcher_containers.py`` (issue 28 added its cases so).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import functools
 import gzip
 import hashlib
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -124,7 +130,12 @@ def _recording(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _write() -> None:
     asked = list(_asked.values())
-    cases = sorted((ask(c) for c in asked), key=lambda c: msgspec.json.encode(c))
+    cases = [ask(c) for c in asked]
+    if os.environ.get("GPULAYER_GOLDEN_MERGE") == "1" and GOLDEN.exists():
+        kept = load()
+        seen = {msgspec.json.encode(c) for c in kept}
+        cases = kept + [c for c in cases if msgspec.json.encode(c) not in seen]
+    cases.sort(key=lambda c: msgspec.json.encode(c))
     GOLDEN.parent.mkdir(parents=True, exist_ok=True)
     # mtime=0: the same answers give the same bytes, so a re-record shows no spurious change.
     GOLDEN.write_bytes(gzip.compress(msgspec.json.encode(cases), compresslevel=9, mtime=0))

@@ -17,10 +17,14 @@ from nats.aio.msg import Msg
 
 from gpulayer_contracts.codec import capabilities_decoder, doctor_decoder, heartbeat_decoder
 from gpulayer_contracts.subjects import node_capabilities, node_doctor, node_heartbeat
+from gpulayer_detection.containers import ContainerSettings
 from gpulayer_probe.service import ProbeService, ProbeSettings
 from gpulayer_runtime.nats import ensure_streams
 
 pytestmark = pytest.mark.integration
+# These tests count publishes: the container runtime (its own background detection, tested in
+# tests/integration/test_container_selftest.py) is not looked for.
+NO_PODMAN = ContainerSettings(podman=None)
 
 NVIDIA = Path(__file__).resolve().parents[1] / "fixtures" / "nvidia-smi"
 NODE = "probe-it"
@@ -87,7 +91,7 @@ async def subscribe(nc: Client, subject: str) -> Inbox:
 async def test_republishes_exactly_once_when_the_hardware_changes(nc: Client, recording) -> None:  # type: ignore[no-untyped-def]
     recording("rtx-4090")
     caps_inbox = await subscribe(nc, node_capabilities(NODE))
-    settings = ProbeSettings(python=sys.executable, refresh_s=0.2, timeout=5)
+    settings = ProbeSettings(containers=NO_PODMAN, python=sys.executable, refresh_s=0.2, timeout=5)
     async with running(nc, settings) as service:
         first = capabilities_decoder.decode((await caps_inbox.next()).data)
         assert [d.name for d in first.accelerators] == ["NVIDIA GeForce RTX 4090"]
@@ -113,7 +117,9 @@ async def test_unchanged_capabilities_are_published_again_when_due(nc: Client, r
     # Once the report is older than republish_s, the next refresh publishes it whole again.
     recording("rtx-4090")
     caps_inbox = await subscribe(nc, node_capabilities(NODE))
-    settings = ProbeSettings(python=sys.executable, refresh_s=0.2, republish_s=0.5, timeout=5)
+    settings = ProbeSettings(
+        containers=NO_PODMAN, python=sys.executable, refresh_s=0.2, republish_s=0.5, timeout=5
+    )
     async with running(nc, settings):
         first = capabilities_decoder.decode((await caps_inbox.next()).data)
         again = capabilities_decoder.decode((await caps_inbox.next()).data)
@@ -124,7 +130,7 @@ async def test_unchanged_capabilities_are_published_again_when_due(nc: Client, r
 async def test_doctor_redetects_now_and_replies(nc: Client, recording) -> None:  # type: ignore[no-untyped-def]
     recording("driver-failure")
     caps_inbox = await subscribe(nc, node_capabilities(NODE))
-    settings = ProbeSettings(python=sys.executable, refresh_s=3600, timeout=5)
+    settings = ProbeSettings(containers=NO_PODMAN, python=sys.executable, refresh_s=3600, timeout=5)
     async with running(nc, settings):
         first = capabilities_decoder.decode((await caps_inbox.next()).data)
         assert first.accelerators == []
@@ -156,7 +162,11 @@ async def test_heartbeats_flow_while_detection_hangs(nc: Client, recording, tmp_
     caps_inbox = await subscribe(nc, node_capabilities(NODE))
     beats = await subscribe(nc, node_heartbeat(NODE))
     settings = ProbeSettings(
-        python=str(hanging_python), refresh_s=3600, heartbeat_s=0.1, timeout=2.0
+        containers=NO_PODMAN,
+        python=str(hanging_python),
+        refresh_s=3600,
+        heartbeat_s=0.1,
+        timeout=2.0,
     )
     async with running(nc, settings):
         for _ in range(3):
@@ -184,7 +194,9 @@ async def test_torch_query_never_delays_the_first_publish(nc: Client, tmp_path: 
     )
     python.chmod(0o755)
     caps_inbox = await subscribe(nc, node_capabilities(NODE))
-    settings = ProbeSettings(python=str(python), refresh_s=3600, timeout=5, torch_timeout=2.0)
+    settings = ProbeSettings(
+        containers=NO_PODMAN, python=str(python), refresh_s=3600, timeout=5, torch_timeout=2.0
+    )
     async with running(nc, settings):
         first = capabilities_decoder.decode((await caps_inbox.next()).data)
         assert first.frameworks == {"torch": "2.5.1"}

@@ -160,3 +160,42 @@ def test_nodes_devices_shows_each_devices_health_and_why() -> None:
         ["1", "unhealthy", "0%", "0 MiB", "27C", "35 W", "2/2", reason],
     ]
     assert "quiet-node: no observations yet" in text
+
+
+def test_nodes_show_their_container_runtime() -> None:
+    def node(node_id: str, runtime: dict[str, Any] | None) -> dict[str, Any]:
+        caps: dict[str, Any] = {"host": {"platform": "linux-x86_64"}}
+        if runtime is not None:
+            caps["container_runtime"] = runtime
+        return {
+            "node_id": node_id,
+            "online": True,
+            "last_seen": NOW.isoformat(),
+            "capabilities": caps,
+        }
+
+    works = {"name": "podman", "version": "4.3.1", "oci_runtime": "runc", "works": True}
+    nodes = [
+        node("a", works | {"cdi_devices": ["nvidia.com/gpu=0", "nvidia.com/gpu=all"]}),
+        node("b", works | {"works": False, "notes": ["self-test failed: exit 126"]}),
+        node("c", None),
+    ]
+    text = " ".join(_text(nodes_table(nodes), width=400).split())
+    assert "│ podman 4.3.1/runc, 2 CDI devices │" in text
+    assert "│ podman 4.3.1/runc (self-test failed) │" in text
+    assert "│ - │ - │ none │" in text
+
+
+def test_doctor_shows_the_runtime_and_why_its_self_test_failed() -> None:
+    from gpulayer_cli.doctor import render_report
+    from gpulayer_contracts.capabilities import ContainerRuntime, WorkerCapabilities
+    from gpulayer_contracts.health import DoctorReport
+
+    runtime = ContainerRuntime(name="podman", version="4.3.1", notes=["self-test failed: exit 126"])
+    caps = WorkerCapabilities(
+        node_id="n1", agent_version="0.1.0", detected_at=NOW, container_runtime=runtime
+    )
+    out = io.StringIO()
+    render_report(Console(width=200, file=out), DoctorReport(node_id="n1", capabilities=caps))
+    assert "containers: podman 4.3.1 (self-test failed)" in out.getvalue()
+    assert "container note: self-test failed: exit 126" in out.getvalue()

@@ -10,8 +10,13 @@ from typing import Any
 import pytest
 
 from gpulayer_contracts import matrix
-from gpulayer_contracts.capabilities import AcceleratorDevice, HostInfo, WorkerCapabilities
-from gpulayer_contracts.jobs import Distributed, GpuUsage, JobRequest, Requirements
+from gpulayer_contracts.capabilities import (
+    AcceleratorDevice,
+    ContainerRuntime,
+    HostInfo,
+    WorkerCapabilities,
+)
+from gpulayer_contracts.jobs import Container, Distributed, GpuUsage, JobRequest, Requirements
 from gpulayer_matching import NodeView
 
 H100_MIB = 81559
@@ -50,7 +55,11 @@ def node(
 
 
 def job(
-    *, gpu_section: GpuUsage | None = None, distributed: Distributed | None = None, **req: Any
+    *,
+    gpu_section: GpuUsage | None = None,
+    distributed: Distributed | None = None,
+    container: Container | None = None,
+    **req: Any,
 ) -> JobRequest:
     return JobRequest(
         job_id="j1",
@@ -58,9 +67,17 @@ def job(
         requirements=Requirements(**req),
         gpu=gpu_section,
         distributed=distributed,
+        container=container,
     )
 
 
+IMAGE = Container(image="localhost/train:1")
+SELFTEST_FAILED = (
+    "self-test failed (podman run --rootfs with a static busybox): exit 126: Error: runc: "
+    "runc create failed: unable to start container process: error during container init: "
+    "error setting rlimits for ready process: error setting rlimit type 7: operation not "
+    "permitted: OCI permission denied"
+)
 TORCHRUN = Distributed(nodes=1, backend="nccl", launcher="torchrun")
 SHARED = GpuUsage(use="shared")
 EXCLUSIVE = GpuUsage(use="exclusive")
@@ -78,6 +95,11 @@ def _matrix(mp: pytest.MonkeyPatch) -> tuple[JobRequest, NodeView]:
 EXAMPLES: dict[str, Example] = {
     "os_unknown": lambda mp: (job(os="linux"), node(platform=None)),
     "os": lambda mp: (job(os="linux"), node(platform="darwin-arm64")),
+    "no_container_runtime": lambda mp: (job(container=IMAGE), node()),
+    "container_runtime_failed": lambda mp: (
+        job(container=IMAGE),
+        node(container_runtime=ContainerRuntime(name="podman", notes=[SELFTEST_FAILED])),
+    ),
     "matrix": _matrix,
     "no_device": lambda mp: (job(gpu_count=1), node()),
     "not_usable": lambda mp: (job(gpu_count=1), node([gpu(execution_supported=False)])),

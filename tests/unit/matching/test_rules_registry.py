@@ -9,7 +9,7 @@ import msgspec
 import pytest
 from tests.unit.matching.rule_cases import EXAMPLES
 
-from gpulayer_contracts.jobs import Distributed, GpuUsage, Requirements
+from gpulayer_contracts.jobs import Container, Distributed, GpuUsage, Requirements
 from gpulayer_matching import NodeView, explain
 from gpulayer_matching import rules as rules_package
 from gpulayer_matching.registry import OUTCOMES, RULES, outcome
@@ -20,6 +20,7 @@ _FIELDS = {
     **{f: Requirements for f in Requirements.__struct_fields__},
     "gpu": GpuUsage,
     "distributed": Distributed,
+    "container": Container,
 }
 
 
@@ -54,8 +55,9 @@ def test_each_rules_field_is_a_field_of_the_job_or_the_node(name: str) -> None:
     if rest:
         assert rest in owner.__struct_fields__
     elif owner is not Requirements:
-        # A whole section is named only for rules of the section (the support matrix's mode).
-        assert name == "matrix"
+        # A whole section is named only for rules of the section (the support matrix's mode,
+        # the container runtime a job with an image needs).
+        assert name in ("matrix", "no_container_runtime", "container_runtime_failed")
 
 
 def test_outcomes_have_distinct_names_and_ranks() -> None:

@@ -21,6 +21,12 @@ WORDS = [
     ("busy_shared", "1 has too few devices not held exclusively (need a GPU device, most: n1 0)"),
     ("cc", "1 has compute capability < 10.0 (best: n1 9.0)"),
     ("cc_unknown", "1 has unknown compute capability"),
+    (
+        "container_runtime_failed",
+        "1 has a container runtime that failed its self-test: self-test failed (podman run "
+        "--rootfs with a static busybox) ... ng container init: error setting rlimits for ready "
+        "process: error setting rlimit type 7: operation not permitted: OCI permission denied",
+    ),
     ("cores", "1 has < 2 cores for jobs (best: n1 1)"),
     ("count", "1 has < 2 usable GPU devices (best: n1 1)"),
     ("driver", "1 has NVIDIA driver not matching >=560 (seen: 550.54.15)"),
@@ -42,6 +48,7 @@ WORDS = [
     ),
     ("no_device", "1 has no GPU device (cuda or mps)"),
     ("no_slot", "1 has no free job slot"),
+    ("no_container_runtime", "1 has no container runtime"),
     ("not_usable", "1 has GPU devices that can't run work (execution not supported)"),
     ("offline", "1 is offline"),
     ("os", "1 has an operating system other than linux (seen: darwin)"),

@@ -20,11 +20,46 @@ def test_fleet_row_has_every_column_the_issue_names() -> None:
     assert row["host_apis"] == ["cuda", "vulkan"]
     assert row["container_apis"] == ["cuda"]
     assert row["container_gpu"] == "yes"
+    assert row["container_runtime"] == "none"  # its probe reported none
     assert row["accelerators"] == ["4 x NVIDIA H100 80GB HBM3, 80 GiB"]
     # 4 usable, device 0 busy, device 2 held back for its health.
     assert row["gpus"] == "2/4"
     assert (row["cores"], row["ram"]) == ("8/64", "32/512")
     assert (row["health"], row["state"], row["last_seen"]) == ("degraded", "online", "30s ago")
+
+
+def test_fleet_row_shows_the_container_runtime_and_cdi_devices() -> None:
+    runtime = {"name": "podman", "version": "4.3.1", "oci_runtime": "runc", "works": True}
+    cdi = ["nvidia.com/gpu=0", "nvidia.com/gpu=1", "nvidia.com/gpu=all"]
+    row = views.fleet_row(
+        node(capabilities={"container_runtime": {**runtime, "cdi_devices": cdi}}), NOW
+    )
+    assert (row["container_runtime"], row["container_gpu"]) == (
+        "podman 4.3.1/runc",
+        "yes (3 CDI devices)",
+    )
+    failed = views.fleet_row(node(capabilities={"container_runtime": {**runtime, "works": False}}))
+    assert failed["container_runtime"] == "podman 4.3.1/runc (self-test failed)"
+
+
+def test_node_page_lists_the_runtime_its_notes_and_cdi_devices() -> None:
+    runtime = {"name": "podman", "version": "4.3.1", "works": False, "notes": ["self-test failed"]}
+    cdi = [f"nvidia.com/gpu={i}" for i in range(70)]
+    detail = views.container_detail(
+        node(capabilities={"container_runtime": {**runtime, "cdi_devices": cdi}})
+    )
+    assert detail == {
+        "runtime": "podman 4.3.1 (self-test failed)",
+        "notes": ["self-test failed"],
+        "cdi": cdi[:64],
+        "cdi_more": 6,
+    }
+    assert views.container_detail(node()) == {
+        "runtime": "none",
+        "notes": [],
+        "cdi": [],
+        "cdi_more": 0,
+    }
 
 
 def test_fleet_rows_filter_by_platform_api_and_state() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 
 import msgspec
@@ -22,6 +23,7 @@ from gpulayer_contracts import (
 )
 from gpulayer_contracts.profiles import expand_profile, load_profiles
 from gpulayer_detection import detect_capabilities
+from gpulayer_detection.containers import ContainerSettings, settings_from_env
 from gpulayer_matching import NodeView, Placement, explain, match
 from gpulayer_runtime.settings import node_id
 
@@ -82,7 +84,15 @@ def run_check(
     job = load_checked_job(file, profiles, "check")
     if job is None:
         return 2
-    caps = asyncio.run(detect_capabilities(node_id(), python=python))
+    # The container runtime (its self-test takes a second) matters only to a job with an image.
+    containers = ContainerSettings(podman=None)
+    if job.container is not None:
+        try:
+            containers = settings_from_env(os.environ)
+        except ValueError as err:
+            console.print(f"[red]{err}[/]")
+            return 2
+    caps = asyncio.run(detect_capabilities(node_id(), python=python, containers=containers))
     view = local_view(caps)
     decision = match(job, [view])
     if isinstance(decision, Placement):

@@ -98,6 +98,14 @@ def render_report(console: Console, report: DoctorReport) -> None:
         console.print(
             f"{n} device(s) detected; API(s): {', '.join(report.capabilities.gpu_apis.host) or 'none'}"
         )
+        from gpulayer_cli.render import container_runtime_text
+
+        runtime = report.capabilities.container_runtime
+        console.print(
+            f"containers: {container_runtime_text(msgspec.to_builtins(report.capabilities))}"
+        )
+        for note in runtime.notes if runtime is not None else []:
+            console.print(f"  container note: {note}")
     if report.devices:
         console.print(devices_table(report.node_id, msgspec.to_builtins(report.devices), {}))
     for note in report.notes:

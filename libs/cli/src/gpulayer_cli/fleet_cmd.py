@@ -116,7 +116,9 @@ def _render_profiles(console: Console, data: Any) -> None:
 def add_nodes(sub: Any) -> None:
     from gpulayer_contracts.subjects import API_NODES
 
-    n = sub.add_parser("nodes", help="the fleet: platforms, accelerators, APIs, state")
+    n = sub.add_parser(
+        "nodes", help="the fleet: platforms, accelerators, APIs, container runtimes, state"
+    )
     n.add_argument("--json", action="store_true")
     n.add_argument(
         "--devices", action="store_true", help="each node's health and its devices' observations"

@@ -198,6 +198,23 @@ def device_groups(devices: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def container_runtime_text(caps: dict[str, Any]) -> str:
+    """A node's container runtime in one cell: ``podman 4.3.1/runc``, ``... (self-test
+    failed)``, with its CDI devices counted; ``none`` when its probe reports none."""
+    rt = caps.get("container_runtime")
+    if not isinstance(rt, dict):
+        return "none"
+    text = " ".join(str(rt[k]) for k in ("name", "version") if rt.get(k))
+    if rt.get("oci_runtime"):
+        text += f"/{rt['oci_runtime']}"
+    if not rt.get("works"):
+        text += " (self-test failed)"
+    cdi = rt.get("cdi_devices") or []
+    if cdi:
+        text += f", {len(cdi)} CDI device{'s' if len(cdi) != 1 else ''}"
+    return text
+
+
 def nodes_table(nodes: list[dict[str, Any]]) -> Table:
     t = Table(title="nodes")
     _id_column(t, "node", [n["node_id"] for n in nodes])
@@ -205,7 +222,7 @@ def nodes_table(nodes: list[dict[str, Any]]) -> Table:
         t, "platform", [n["capabilities"].get("host", {}).get("platform") or "?" for n in nodes]
     )
     t.add_column("accelerators", min_width=20)
-    for col in ("host APIs", "container APIs"):
+    for col in ("host APIs", "container APIs", "containers"):
         t.add_column(col)
     for col in ("cores", "RAM GB", "slots"):
         t.add_column(col, no_wrap=True, justify="right")
@@ -221,6 +238,7 @@ def nodes_table(nodes: list[dict[str, Any]]) -> Table:
             "\n".join(device_groups(caps.get("accelerators", []))) or "cpu only",
             ", ".join(caps.get("gpu_apis", {}).get("host", [])) or "-",
             ", ".join(caps.get("gpu_apis", {}).get("containers", [])) or "-",
+            container_runtime_text(caps),
             in_use(res.get("cores_used"), res.get("cores")),
             in_use(res.get("memory_gb_used"), res.get("memory_gb")),
             in_use(res.get("slots_used"), res.get("slots")),

@@ -14,6 +14,7 @@ from gpulayer_contracts.bounds import (
 )
 from gpulayer_contracts.capabilities import (
     AcceleratorDevice,
+    ContainerRuntime,
     GpuApis,
     Heartbeat,
     HostInfo,
@@ -71,6 +72,7 @@ __all__ = [
     "ArraySpec",
     "CancelJob",
     "Cancelled",
+    "ContainerRuntime",
     "DeviceObservation",
     "Distributed",
     "DoctorReport",

@@ -86,6 +86,26 @@ class GpuApis(Wire, frozen=True):
     evidence: dict[str, str] = {}
 
 
+class ContainerRuntime(Wire, frozen=True):
+    """The node's container runtime as its probe found it. ``works``: its self-test started a
+    container (placement places container jobs only where it did); ``notes`` say why not.
+    ``cdi_devices``: the devices the node's CDI specs name, qualified (``nvidia.com/gpu=0``)."""
+
+    name: str  # podman
+    version: str | None = None
+    oci_runtime: str | None = None  # runc, crun: what podman starts containers with
+    works: bool = False
+    notes: list[str] = []
+    cdi_devices: list[str] = []
+
+    def describe(self) -> str:
+        """``podman 4.3.1/runc``, with ``(self-test failed)`` when it did not start one."""
+        text = " ".join(p for p in (self.name, self.version) if p)
+        if self.oci_runtime:
+            text += f"/{self.oci_runtime}"
+        return text if self.works else f"{text} (self-test failed)"
+
+
 class WorkerCapabilities(Wire, frozen=True):
     node_id: str
     agent_version: str
@@ -100,6 +120,8 @@ class WorkerCapabilities(Wire, frozen=True):
     distributed_backends: list[str] = []
     launchers: list[str] = []
     gpu_apis: GpuApis = GpuApis()
+    # None: no runtime found, the probe was told not to look, or an older probe (never said).
+    container_runtime: ContainerRuntime | None = None
     advertise_address: str | None = None
     origin: str = "probe"
     notes: list[str] = []

@@ -106,7 +106,8 @@ def vanished(old: WorkerCapabilities, new: WorkerCapabilities) -> dict[int, str]
 
 def drift(old: WorkerCapabilities, new: WorkerCapabilities) -> list[str]:
     """What changed between two detections of one node that an operator should hear about:
-    devices that vanished or appeared, a driver that changed, a device whose memory changed."""
+    devices that vanished or appeared, a driver that changed, a device whose memory changed,
+    the container runtime (gone, its self-test now failing or passing)."""
     changes = list(vanished(old, new).values())
     before = {d.index: d for d in old.accelerators}
     for d in new.accelerators:
@@ -130,4 +131,11 @@ def drift(old: WorkerCapabilities, new: WorkerCapabilities) -> list[str]:
             changes.append(
                 f"{_label(d)}: {'now usable' if d.execution_supported else 'no longer usable'}"
             )
+    # A runtime found is no news (every probe start reports none until its self-test answers);
+    # one lost, or whose self-test now fails or passes, is.
+    was_rt, now_rt = old.container_runtime, new.container_runtime
+    if was_rt is not None:
+        now = now_rt.describe() if now_rt is not None else "none"
+        if was_rt.describe() != now:
+            changes.append(f"container runtime: {was_rt.describe()} -> {now}")
     return changes

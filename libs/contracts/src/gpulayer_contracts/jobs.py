@@ -275,8 +275,9 @@ class JobRequest(Input, frozen=True):
     profile_fields: Annotated[
         list[str],
         _doc(
-            "Set by placement when it expands profile: the requirements the profile supplied "
-            "(explanations name the profile for them); a submitter's value is replaced"
+            "Set by placement when it expands profile: the requirements (and container) the "
+            "profile supplied (explanations name the profile for them); a submitter's value is "
+            "replaced"
         ),
     ] = []
     # --- lifecycle (issue 15, part B) ---

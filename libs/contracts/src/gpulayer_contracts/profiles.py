@@ -13,6 +13,10 @@ The profiles file is TOML, one table per profile under ``[profiles]``, keyed ``n
     min_cuda_compute_capability = 7.0
     driver = ">=550"
     os = "linux"
+    container = {image = "localhost/torch:2.5-cu124", pull = "never"}
+
+``container`` is the job's own field, not a requirement: a job of the profile runs in that image
+(and is matched as a container job).
 
 Pure: ``parse_profiles`` takes the file's text; ``load_profiles`` is the one reader of a path.
 """
@@ -32,6 +36,7 @@ from gpulayer_contracts.codec import InvalidInput, describe_validation_error
 from gpulayer_contracts.jobs import (
     PROFILE_REF_PATTERN,
     Accelerator,
+    Container,
     JobRequest,
     PlatformFamily,
     Requirements,
@@ -77,6 +82,9 @@ class Profile(Input, frozen=True):
     min_cuda_compute_capability: float | str | None = None
     driver: str | None = None
     os: PlatformFamily | None = None
+    container: Annotated[
+        Container | None, _doc("Run the profile's jobs in this OCI image (the job's container)")
+    ] = None
 
 
 # The requirement fields a profile may set, in the order conflicts are reported.
@@ -173,10 +181,16 @@ def _profile(where: str, body: Any) -> tuple[Profile | None, list[str]]:
     size = len(profile.description.encode("utf-8", "surrogatepass"))
     if size > MAX_DESCRIPTION_BYTES or "\x00" in profile.description:
         errors.append(f"{where}.description: over {MAX_DESCRIPTION_BYTES} bytes, or holds NUL")
-    probe = JobRequest(job_id="profile", command=["true"], requirements=_requirements(profile))
+    probe = JobRequest(
+        job_id="profile",
+        command=["true"],
+        requirements=_requirements(profile),
+        container=profile.container,
+    )
     for error in validate_job(probe).errors:
-        # "$.requirements.python: ..." -> 'profiles."x@1".python: ...'
-        errors.append(f"{where}{error.removeprefix('$.requirements')}")
+        # "$.requirements.python: ..." -> 'profiles."x@1".python: ...', and "$.container.image:
+        # ..." -> 'profiles."x@1".container.image: ...'
+        errors.append(f"{where}{error.removeprefix('$.requirements').removeprefix('$')}")
     return profile, errors
 
 
@@ -255,9 +269,20 @@ def expand_profile(job: JobRequest, profiles: Profiles) -> tuple[JobRequest, lis
                 conflict(field, own, theirs)
             changes[field] = theirs
             supplied.append(field)
+    container = job.container
+    if profile.container is not None:
+        # The job's own field, not a requirement; the same rule: set both, they must agree.
+        if container is not None and container != profile.container:
+            errors.append(
+                f"$.container: the job's {msgspec.to_builtins(container)!r} conflicts with "
+                f"profile {ref}'s {msgspec.to_builtins(profile.container)!r}"
+            )
+        container = profile.container
+        supplied.append("container")
     expanded = msgspec.structs.replace(
         job,
         requirements=msgspec.structs.replace(req, **changes),
+        container=container,
         profile_fields=supplied,
     )
     return expanded, errors
@@ -282,6 +307,8 @@ def same_submission(stored: JobRequest, job: JobRequest) -> bool:
             capabilities.append(rest)
         elif head in PROFILE_FIELDS and not rest:
             values[head] = getattr(req, head)
+        elif head == "container" and not rest:
+            values[head] = stored.container
     profile = Profile(frameworks=frameworks, framework_capabilities=capabilities, **values)
     expanded, errors = expand_profile(job, Profiles(by_ref={job.profile: profile}))
     return not errors and expanded == stored

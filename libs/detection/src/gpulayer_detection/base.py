@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gpulayer_contracts.capabilities import AcceleratorDevice, HostInfo
+from gpulayer_contracts.capabilities import AcceleratorDevice, ContainerRuntime, HostInfo
 from gpulayer_detection.runner import Runner
 
 DEFAULT_CDI_DIRS: tuple[str, ...] = ("/etc/cdi", "/var/run/cdi")
@@ -50,6 +50,7 @@ class Finding:
     framework_capabilities: list[str] = field(default_factory=list)
     distributed_backends: list[str] = field(default_factory=list)
     launchers: list[str] = field(default_factory=list)
+    container_runtime: ContainerRuntime | None = None
     notes: list[str] = field(default_factory=list)
 
     def note(self, text: str) -> None:

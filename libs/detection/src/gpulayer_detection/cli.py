@@ -1,6 +1,7 @@
 """``gpulayer probe``: what this machine can do, as JSON, for a person at the node.
 
-This is an edge: it reads GPULAYER_NODE_ID (default: the hostname) and passes plain values in.
+This is an edge: it reads GPULAYER_NODE_ID (default: the hostname), GPULAYER_PROBE_PODMAN (none: don't
+look for a container runtime) and GPULAYER_OCI_RUNTIME, and passes plain values in.
 """
 
 from __future__ import annotations
@@ -73,8 +74,17 @@ def main(argv: list[str]) -> int:
     if args.timeout <= 0 or args.torch_timeout <= 0:
         print("gpulayer probe: timeouts must be positive", file=sys.stderr)
         return 2
+    from gpulayer_detection.containers import ContainerSettings, settings_from_env
     from gpulayer_detection.registry import detect_capabilities
 
+    try:
+        # --gpu-apis answers about GPU APIs alone: no container self-test for it.
+        containers = (
+            ContainerSettings(podman=None) if args.gpu_apis else settings_from_env(os.environ)
+        )
+    except ValueError as err:
+        print(f"gpulayer probe: {err}", file=sys.stderr)
+        return 2
     node = os.environ.get("GPULAYER_NODE_ID", "").strip() or default_node_id()
     caps = asyncio.run(
         detect_capabilities(
@@ -85,6 +95,7 @@ def main(argv: list[str]) -> int:
             timeout=args.timeout,
             torch_timeout=args.torch_timeout,
             advertise_address=os.environ.get("GPULAYER_ADVERTISE_ADDRESS") or None,
+            containers=containers,
         )
     )
     data = encode(gpu_apis_view(caps) if args.gpu_apis else caps)

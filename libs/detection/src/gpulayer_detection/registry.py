@@ -18,6 +18,7 @@ from gpulayer_contracts import __version__
 from gpulayer_contracts.capabilities import GpuApis, HostInfo, WorkerCapabilities
 from gpulayer_detection.apple import AppleProbe
 from gpulayer_detection.base import DEFAULT_CDI_DIRS, Finding, Probe, ProbeContext
+from gpulayer_detection.containers import ContainerRuntimeProbe, ContainerSettings
 from gpulayer_detection.frameworks import FrameworksProbe, query_torch
 from gpulayer_detection.gpu_apis import GpuApisProbe
 from gpulayer_detection.host import HostProbe
@@ -31,9 +32,20 @@ Timing = Callable[[str, float], None]
 _GUARD_GRACE_S = 5.0
 
 
-def default_probes(*, frameworks: bool = True, path: str | None = None) -> list[Probe]:
-    """Every source, in the order their notes appear."""
+def default_probes(
+    *,
+    frameworks: bool = True,
+    path: str | None = None,
+    containers: ContainerRuntimeProbe | None = None,
+    include_containers: bool = True,
+) -> list[Probe]:
+    """Every source, in the order their notes appear. ``containers``: the container runtime
+    probe, which a caller that detects again and again keeps (its self-test is cached in it);
+    None: a fresh one with the default settings. ``include_containers=False``: left out (the
+    probe service runs it on its own, so that a slow podman never delays the others)."""
     probes: list[Probe] = [HostProbe(), NvidiaProbe(), RocmProbe(), AppleProbe(), GpuApisProbe()]
+    if include_containers:
+        probes.append(containers if containers is not None else ContainerRuntimeProbe())
     if frameworks:
         probes.append(FrameworksProbe(path))
     return probes
@@ -41,11 +53,14 @@ def default_probes(*, frameworks: bool = True, path: str | None = None) -> list[
 
 async def _guarded(probe: Probe, ctx: ProbeContext, on_timing: Timing | None = None) -> Finding:
     started = time.perf_counter()
+    # A probe that runs several bounded commands in a row says how long it may take in all.
+    limit = getattr(probe, "time_limit", None)
+    bound = (limit(ctx) if callable(limit) else ctx.timeout) + _GUARD_GRACE_S
     try:
-        return await asyncio.wait_for(probe.probe(ctx), ctx.timeout + _GUARD_GRACE_S)
+        return await asyncio.wait_for(probe.probe(ctx), bound)
     except TimeoutError:
         found = Finding(probe.name)
-        found.note(f"probe did not finish within {ctx.timeout + _GUARD_GRACE_S:g}s; unknown")
+        found.note(f"probe did not finish within {bound:g}s; unknown")
         return found
     except Exception as err:  # a bug in one probe must not take the others down
         found = Finding(probe.name)
@@ -83,7 +98,9 @@ def build_capabilities(
     launchers: list[str] = []
     notes: list[str] = []
     workload_python = workload_python_version = advertise = None
+    runtime = None
     for f in findings:
+        runtime = f.container_runtime or runtime
         host = f.host or host
         advertise = f.advertise_address or advertise
         accelerators.extend(f.accelerators)
@@ -118,6 +135,7 @@ def build_capabilities(
         gpu_apis=GpuApis(
             host=sorted(host_apis), containers=sorted(container_apis), evidence=evidence
         ),
+        container_runtime=runtime,
         advertise_address=advertise,
         notes=notes,
     )
@@ -163,11 +181,13 @@ async def detect_capabilities(
     cdi_dirs: Sequence[str] = DEFAULT_CDI_DIRS,
     advertise_address: str | None = None,
     path: str | None = None,
+    containers: ContainerSettings | None = None,
 ) -> WorkerCapabilities:
     """Detect this machine's capabilities once.
 
     ``python`` is the workload interpreter (default: this one). ``timeout`` bounds each source;
-    the torch query (only where torch is installed) is bounded by ``torch_timeout``.
+    the torch query (only where torch is installed) is bounded by ``torch_timeout``;
+    ``containers``: how the container runtime is looked for (default: podman on PATH).
     """
     if python is None:
         python = sys.executable
@@ -178,7 +198,9 @@ async def detect_capabilities(
         cdi_dirs=cdi_dirs,
         advertise_address=advertise_address,
     )
-    findings = await collect(ctx, default_probes(frameworks=include_frameworks, path=path))
+    runtime_probe = ContainerRuntimeProbe(containers or ContainerSettings())
+    probes = default_probes(frameworks=include_frameworks, path=path, containers=runtime_probe)
+    findings = await collect(ctx, probes)
     frameworks = {k: v for f in findings for k, v in f.frameworks.items()}
     if "torch" in frameworks:
         if include_torch:

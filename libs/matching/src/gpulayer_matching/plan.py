@@ -48,6 +48,7 @@ class Plan:
         "backend",
         "candidates",
         "cc",
+        "container",
         "cpu_ok",
         "device_rules",
         "driver",
@@ -112,6 +113,9 @@ class Plan:
         dist = job.distributed
         self.backend = dist.backend if dist is not None else None
         self.launcher = dist.launcher if dist is not None else None
+        # A job that names an image runs in a container: it needs a working container runtime,
+        # and its GPU APIs are the node's container APIs (as with gpu.in_container).
+        self.container = job.container is not None
         self.cpu_ok = matrix.is_schedulable("cpu", self.mode_name)
 
         self.candidates = self._candidates()
@@ -151,6 +155,7 @@ class Plan:
             self.fwcaps,
             self.backend,
             self.launcher,
+            self.container,
             self._gpu_shape(self.job),
         )
         key = _SHAPES.get(shape)
@@ -195,7 +200,9 @@ class Plan:
         if gpu is None:
             section = effective_gpu(self.job, family)
             gpu = Gpu(
-                effective_use(self.job, section), tuple(section.apis_any), section.in_container
+                effective_use(self.job, section),
+                tuple(section.apis_any),
+                section.in_container or self.container,
             )
             self.gpus[family] = gpu
         return gpu

@@ -51,7 +51,7 @@ def profile_fit(profiles: Profiles, views: Sequence[NodeView]) -> list[dict[str,
         why = explain(profile_job(ref, profiles), idle)
         requirements = {
             f: v
-            for f in PROFILE_FIELDS
+            for f in (*PROFILE_FIELDS, "container")
             if (v := msgspec.to_builtins(getattr(profile, f))) not in (None, [], {})
         }
         out.append(

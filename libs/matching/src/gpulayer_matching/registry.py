@@ -21,6 +21,7 @@ from gpulayer_matching.rules import (
     accelerator,
     busy_devices,
     compute_capability,
+    container_runtime,
     cores,
     device_count,
     device_memory,
@@ -64,6 +65,7 @@ __all__ = [
 
 RULES: Final[tuple[Rule, ...]] = (
     platform.RULE,
+    container_runtime.RULE,
     accelerator.RULE,
     mig.RULE,
     device_count.RULE,

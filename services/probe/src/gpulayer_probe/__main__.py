@@ -6,6 +6,9 @@ GPULAYER_HEARTBEAT_S (5), GPULAYER_PROBE_TIMEOUT_S
 (10, each source), GPULAYER_PROBE_TORCH_TIMEOUT_S (60), GPULAYER_ADVERTISE_ADDRESS (an IP address or host name;
 default: detected), GPULAYER_PROBE_OBSERVE_S (5), GPULAYER_PROBE_RECOVER_AFTER (3
 clean observations before a device is healthy again), GPULAYER_PROBE_DEVICE_DIR (/dev),
+GPULAYER_PROBE_PODMAN (podman: the container runtime looked for, a name on PATH or a path; none: don't
+look), GPULAYER_OCI_RUNTIME (what podman starts containers with; default runc when installed),
+GPULAYER_PROBE_CONTAINER_TEST_S (20, the container self-test's bound),
 GPULAYER_LOG_FORMAT (text|json).
 """
 
@@ -19,6 +22,7 @@ import sys
 from collections.abc import Mapping
 
 from gpulayer_contracts.bounds import address_error
+from gpulayer_detection.containers import ContainerSettings, settings_from_env
 from gpulayer_probe.service import ProbeService, ProbeSettings
 from gpulayer_runtime.nats import connect, wait_for_streams
 from gpulayer_runtime.settings import (
@@ -47,6 +51,14 @@ def advertise_address(env: Mapping[str, str]) -> str | None:
     return value
 
 
+def container_settings(env: Mapping[str, str]) -> ContainerSettings:
+    """GPULAYER_PROBE_PODMAN, GPULAYER_OCI_RUNTIME and GPULAYER_PROBE_CONTAINER_TEST_S."""
+    try:
+        return settings_from_env(env)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 def read_settings(env: Mapping[str, str]) -> tuple[NatsSettings, str, ProbeSettings]:
     """NATS settings, node id and probe settings from ``env``. Raises ConfigError on bad
     values."""
@@ -61,6 +73,7 @@ def read_settings(env: Mapping[str, str]) -> tuple[NatsSettings, str, ProbeSetti
         observe_s=env_float(env, "GPULAYER_PROBE_OBSERVE_S", 5.0),
         recover_after=env_int(env, "GPULAYER_PROBE_RECOVER_AFTER", 3),
         dev_dir=env_str(env, "GPULAYER_PROBE_DEVICE_DIR", "/dev"),
+        containers=container_settings(env),
         doctor_rate=env_float(env, "GPULAYER_DOCTOR_RATE", 0.2),
         doctor_burst=env_int(env, "GPULAYER_DOCTOR_BURST", 3),
     )

@@ -3,7 +3,9 @@
 Tasks, under one ``run``: the heartbeat (never waits on detection), the refresher (detects every
 ``refresh_s``, or at once when the observer sees other devices than detection did), the
 observer (device observations and health every ``observe_s``, ``observer.py``), the torch query
-(in the background, so the first publish never waits for ``import torch``), and the doctor
+(in the background, so the first publish never waits for ``import torch``), the container
+runtime (in the background at each refresh too: its self-test takes a second, and a podman that
+hangs must not hold the other sources' report back; the self-test itself is cached), and the doctor
 (NATS request/reply: re-detect now, torch included, and reply with what changed and the node's
 health). A lock orders detections and publishes. Consecutive detections are compared: what
 drifted (a device vanished, a driver or a device's memory changed) is logged.
@@ -18,7 +20,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import msgspec
@@ -29,7 +31,8 @@ from opentelemetry.trace import SpanKind
 from gpulayer_contracts import Heartbeat, WorkerCapabilities, __version__, encode
 from gpulayer_contracts.health import DoctorReport, drift
 from gpulayer_contracts.subjects import node_capabilities, node_doctor, node_heartbeat
-from gpulayer_detection.base import DEFAULT_CDI_DIRS, Finding
+from gpulayer_detection.base import DEFAULT_CDI_DIRS, Finding, ProbeContext
+from gpulayer_detection.containers import ContainerRuntimeProbe, ContainerSettings, runtime_pending
 from gpulayer_detection.frameworks import query_torch
 from gpulayer_detection.registry import (
     build_capabilities,
@@ -90,6 +93,8 @@ class ProbeSettings:
     observe_s: float = 5.0
     recover_after: int = 3
     dev_dir: str = "/dev"  # where GPU device files (nvidia<N>) are looked for
+    # The container runtime: podman, its OCI runtime, the self-test's bound.
+    containers: ContainerSettings = field(default_factory=ContainerSettings)
     # Doctor requests this probe answers: a bucket of ``doctor_burst`` refilled at
     # ``doctor_rate`` a second (GPULAYER_DOCTOR_RATE / GPULAYER_DOCTOR_BURST). Each one runs
     # every detector and torch: a flood of them would keep the node busy detecting.
@@ -112,6 +117,10 @@ class ProbeService:
         self._node = node_id
         self._s = settings
         self._run = run
+        # Kept across refreshes: its self-test runs again only when podman changes.
+        self.containers = ContainerRuntimeProbe(settings.containers)
+        self._runtime: Finding | None = None  # its last answer
+        self._runtime_task: asyncio.Task[None] | None = None
         self._doctor_limit = Buckets(settings.doctor_rate, settings.doctor_burst)
         self._lock = asyncio.Lock()
         self._findings: list[Finding] = []
@@ -153,6 +162,8 @@ class ProbeService:
                 await sub.unsubscribe()
             if self._torch_task is not None:
                 tasks.append(self._torch_task)
+            if self._runtime_task is not None:
+                tasks.append(self._runtime_task)
             for t in tasks:
                 t.cancel()
             for t in tasks:
@@ -161,17 +172,27 @@ class ProbeService:
 
     # -- detection -------------------------------------------------------------------------
 
-    async def detect(self) -> WorkerCapabilities:
-        """Re-run every fast probe; combine with the last torch answer (or say it's pending)."""
-        ctx = make_context(
+    def _context(self) -> ProbeContext:
+        return make_context(
             run=self._run,
             timeout=self._s.timeout,
             python=self._s.python,
             cdi_dirs=self._s.cdi_dirs,
             advertise_address=self._s.advertise_address,
         )
+
+    @property
+    def _looks_for_containers(self) -> bool:
+        return self._s.containers.podman is not None
+
+    async def detect(self) -> WorkerCapabilities:
+        """Re-run every fast probe; combine with the last torch and container runtime answers
+        (or say they are pending)."""
         on_timing = self._record_timing if self._tel.enabled else None
-        self._findings = await collect(ctx, default_probes(), on_timing)
+        probes = default_probes(include_containers=False)
+        if not self._looks_for_containers:
+            probes.append(self.containers)  # runs nothing: it notes it was told not to look
+        self._findings = await collect(self._context(), probes, on_timing)
         return self._build()
 
     def _record_timing(self, source: str, seconds: float) -> None:
@@ -187,6 +208,8 @@ class ProbeService:
 
     def _build(self) -> WorkerCapabilities:
         findings = list(self._findings)
+        if self._looks_for_containers:
+            findings.append(self._runtime if self._runtime is not None else runtime_pending())
         if "torch" in self._frameworks():
             if self._torch is not None and self._torch_key == self._torch_cache_key():
                 findings.append(self._torch)
@@ -223,6 +246,20 @@ class ProbeService:
                 return
             self._torch_task.cancel()
         self._torch_task = asyncio.create_task(self._query_torch(), name="probe-torch")
+
+    async def _detect_runtime(self) -> None:
+        on_timing = self._record_timing if self._tel.enabled else None
+        (finding,) = await collect(self._context(), [self.containers], on_timing)
+        async with self._lock:
+            self._runtime = finding
+            await self._publish_if_changed(self._build())
+
+    def _start_runtime_if_needed(self) -> None:
+        if not self._looks_for_containers:
+            return
+        if self._runtime_task is not None and not self._runtime_task.done():
+            return
+        self._runtime_task = asyncio.create_task(self._detect_runtime(), name="probe-containers")
 
     # -- publishing ------------------------------------------------------------------------
 
@@ -275,6 +312,7 @@ class ProbeService:
                 except Exception:
                     log.exception("detection failed; trying again at the next refresh")
             self._start_torch_if_needed()
+            self._start_runtime_if_needed()
             async with self._detected:
                 self.detections += 1
                 self._detected.notify_all()
@@ -299,6 +337,15 @@ class ProbeService:
             await self._refuse_doctor(msg, wait)
             return
         try:
+            if self._looks_for_containers:
+                # Asked to look again: the container self-test too (an admin fixed podman).
+                if self._runtime_task is not None and not self._runtime_task.done():
+                    self._runtime_task.cancel()  # its answer may predate the fix
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await self._runtime_task
+                self.containers.forget()
+                (runtime,) = await collect(self._context(), [self.containers])
+                self._runtime = runtime
             async with self._lock:
                 caps = await self.detect()
                 changes = self._compare(caps)

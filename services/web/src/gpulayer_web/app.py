@@ -109,6 +109,7 @@ class Pages:
             node=views.fleet_row(node),
             devices=views.device_rows(node),
             apis=views.api_rows(node),
+            container=views.container_detail(node),
             charts=views.sparklines(self.cache.observations(node_id), _memory(node)),
             jobs=jobs,
             notes=(node.get("capabilities") or {}).get("notes") or [],

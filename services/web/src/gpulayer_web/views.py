@@ -73,6 +73,26 @@ def gpu_counts(node: dict[str, Any]) -> tuple[int, int]:
     return sum(1 for i in usable if i not in busy and i not in held), len(usable)
 
 
+def _container_runtime(caps: dict[str, Any]) -> str:
+    """``podman 4.3.1/runc``, ``... (self-test failed)``, or ``none``."""
+    rt = caps.get("container_runtime")
+    if not isinstance(rt, dict):
+        return "none"
+    text = " ".join(str(rt[k]) for k in ("name", "version") if rt.get(k))
+    if rt.get("oci_runtime"):
+        text += f"/{rt['oci_runtime']}"
+    return text if rt.get("works") else f"{text} (self-test failed)"
+
+
+def _container_gpu(caps: dict[str, Any], container_apis: list[str]) -> str:
+    """The devices the node's CDI specs name, counted; else whether containers get a GPU API."""
+    rt = caps.get("container_runtime")
+    cdi = (rt.get("cdi_devices") or []) if isinstance(rt, dict) else []
+    if cdi:
+        return f"yes ({len(cdi)} CDI device{'s' if len(cdi) != 1 else ''})"
+    return "yes" if container_apis else "no"
+
+
 def fleet_row(node: dict[str, Any], now: datetime | None = None) -> dict[str, Any]:
     caps = node.get("capabilities") or {}
     apis = caps.get("gpu_apis") or {}
@@ -84,7 +104,8 @@ def fleet_row(node: dict[str, Any], now: datetime | None = None) -> dict[str, An
         "platform": (caps.get("host") or {}).get("platform") or "?",
         "host_apis": list(apis.get("host") or []),
         "container_apis": containers,
-        "container_gpu": "yes" if containers else "no",
+        "container_gpu": _container_gpu(caps, containers),
+        "container_runtime": _container_runtime(caps),
         "accelerators": accelerators(_devices(node)) or ["cpu only"],
         "gpus": f"{free}/{total}",
         "cores": _in_use(res.get("cores_used"), res.get("cores")),
@@ -199,6 +220,24 @@ def api_rows(node: dict[str, Any]) -> list[dict[str, str]]:
         }
         for a in names
     ]
+
+
+# CDI device names the node page lists; the rest are counted.
+_CDI_SHOWN = 64
+
+
+def container_detail(node: dict[str, Any]) -> dict[str, Any]:
+    """The node page's container runtime: what it is, why its self-test failed, the CDI
+    devices its specs name (the first ``_CDI_SHOWN``, the rest counted)."""
+    caps = node.get("capabilities") or {}
+    rt = caps.get("container_runtime")
+    cdi = [str(n) for n in ((rt.get("cdi_devices") or []) if isinstance(rt, dict) else [])]
+    return {
+        "runtime": _container_runtime(caps),
+        "notes": [str(n) for n in (rt.get("notes") or [])] if isinstance(rt, dict) else [],
+        "cdi": cdi[:_CDI_SHOWN],
+        "cdi_more": max(0, len(cdi) - _CDI_SHOWN),
+    }
 
 
 # Each measure the node page draws per device, and its full scale: utilization in percent,

@@ -60,6 +60,10 @@ MAX_NOTES: Final = 256  # notes on the node, and on each device
 MAX_NOTE_BYTES: Final = 1024  # a note, a piece of GPU API evidence
 MAX_PATH_BYTES: Final = 4096  # workload_python
 MAX_CAP_FRAMEWORKS: Final = 1024  # framework name -> version entries a node reports
+# CDI device names a node reports (container_runtime.cdi_devices): NVIDIA's spec names each GPU
+# by index and by UUID, and each MIG instance twice too, so MAX_DEVICES_PER_NODE devices need
+# ~2048; each name a short text.
+MAX_CDI_DEVICES: Final = 4096
 MAX_GRANT_ID_BYTES: Final = 256
 MAX_REASON_BYTES: Final = 4096  # an executor's reason for a job's end
 MAX_HOSTNAME_BYTES: Final = 253  # an advertise address given as a DNS name (RFC 1035)

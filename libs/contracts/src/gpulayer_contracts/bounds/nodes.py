@@ -27,6 +27,7 @@ from gpulayer_contracts.bounds.limits import (
     INT32_MAX,
     INT32_MIN,
     MAX_CAP_FRAMEWORKS,
+    MAX_CDI_DEVICES,
     MAX_CPU_CORES,
     MAX_DEVICE_INDEX,
     MAX_DEVICE_MEMORY_MIB,
@@ -175,6 +176,15 @@ def _capabilities_within_bounds(caps: WorkerCapabilities) -> bool:
             return False
     if len(caps.frameworks) > MAX_CAP_FRAMEWORKS or len(apis.evidence) > MAX_LIST_ITEMS:
         return False
+    runtime = caps.container_runtime
+    if runtime is not None:
+        short += [
+            runtime.name,
+            *(v for v in (runtime.version, runtime.oci_runtime) if v is not None),
+            *runtime.cdi_devices,
+        ]
+        notes += runtime.notes
+        lists += [(runtime.notes, MAX_NOTES), (runtime.cdi_devices, MAX_CDI_DEVICES)]
     if any(len(items) > most for items, most in lists):
         return False
     path = [caps.workload_python] if caps.workload_python is not None else []
@@ -248,6 +258,16 @@ def _capabilities(caps: WorkerCapabilities) -> Iterator[str]:
     yield from text_map_errors(
         "$.gpu_apis.evidence", apis.evidence, MAX_LIST_ITEMS, MAX_SHORT_TEXT_BYTES, MAX_NOTE_BYTES
     )
+    runtime = caps.container_runtime
+    if runtime is not None:
+        p = "$.container_runtime"
+        yield from text_errors(f"{p}.name", runtime.name, MAX_SHORT_TEXT_BYTES)
+        yield from opt_text_errors(f"{p}.version", runtime.version, MAX_SHORT_TEXT_BYTES)
+        yield from opt_text_errors(f"{p}.oci_runtime", runtime.oci_runtime, MAX_SHORT_TEXT_BYTES)
+        yield from texts_errors(f"{p}.notes", runtime.notes, MAX_NOTES, MAX_NOTE_BYTES)
+        yield from texts_errors(
+            f"{p}.cdi_devices", runtime.cdi_devices, MAX_CDI_DEVICES, MAX_SHORT_TEXT_BYTES
+        )
     yield from opt_text_errors("$.advertise_address", caps.advertise_address, MAX_SHORT_TEXT_BYTES)
     yield from text_errors("$.origin", caps.origin, MAX_SHORT_TEXT_BYTES)
     yield from texts_errors("$.notes", caps.notes, MAX_NOTES, MAX_NOTE_BYTES)
