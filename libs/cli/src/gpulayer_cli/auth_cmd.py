@@ -258,7 +258,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "not every server applied it; 4: no operator key here (only an admin may revoke).",
     )
     revoke.add_argument("role", choices=_REVOCABLE)
-    revoke.add_argument("name")
+    revoke.add_argument("name", metavar="NAME")
     auth_sub.add_parser(
         "push",
         help="send the account (its revocations) to the running servers again",
