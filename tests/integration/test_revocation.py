@@ -199,3 +199,28 @@ async def test_an_expired_credential_is_disconnected_and_refused(
             await still_works(bob.nc)
     assert main(["auth", "--dir", str(folder), "list"]) == 0
     assert "expired" in capsys.readouterr().out
+
+
+async def test_a_revocation_no_server_took_is_pushed_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Revoked while the servers were out of reach: on disk only, said so (exit 3); `auth push`
+    then brings the running server up to date. A server of another auth folder refuses it."""
+    store = AuthStore(tmp_path / "auth").init()
+    alice_creds = leaked(store, "user", "alice", tmp_path)
+    with EmbeddedNats(tmp_path / "nats", auth_conf=store.server_conf) as server:
+        async with followed(server.url, alice_creds) as alice:
+            assert (
+                await revoke(store.folder, "nats://127.0.0.1:1", monkeypatch, "user", "alice") == 3
+            )
+            assert "no running server took it" in capsys.readouterr().err
+            await still_works(alice.nc)  # the server was never told
+            monkeypatch.setenv("GPULAYER_NATS_URL", server.url)
+            push = ["auth", "--dir", str(store.folder), "push"]
+            assert await asyncio.to_thread(main, push) == 0
+            assert "jwt updated" in capsys.readouterr().out
+            await asyncio.wait_for(alice.closed.wait(), 15)
+            assert "user authentication revoked" in alice.errors[-1], alice.errors
+        other = AuthStore(tmp_path / "other").init()
+        assert await asyncio.to_thread(main, ["auth", "--dir", str(other.folder), "push"]) == 3
+        assert "another auth folder" in capsys.readouterr().err

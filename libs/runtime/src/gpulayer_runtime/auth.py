@@ -568,30 +568,38 @@ async def push_account(
     """Give ``account_jwt`` to every running server reachable from ``url``, live: a server
     applies it at once (a revoked user's connections closed), routed servers each get it
     from the system account's subject."""
-    from nats.aio.client import RawCredentials
+    from nats.aio.client import Client, RawCredentials
 
-    from gpulayer_runtime.nats import connect
+    from gpulayer_runtime.nats import server_list, tls_context
 
     async def quiet(err: Exception) -> None:
         # A server that can't be reached is the caller's to report, once, from what is raised.
         pass
 
-    # Each server tried twice at most (nats-py's 0 means "forever"), all within ``timeout``.
-    nc = await asyncio.wait_for(
-        connect(
-            url,
-            "gpulayer-auth",
-            user_credentials=RawCredentials(system_creds),
-            allow_reconnect=False,
-            max_reconnect_attempts=1,
-            connect_timeout=timeout,
-            error_cb=quiet,
-            tls_ca=tls_ca,
-            tls_cert=tls_cert,
-            tls_key=tls_key,
-        ),
-        timeout,
-    )
+    options: dict[str, Any] = {}
+    if (ctx := tls_context(tls_ca, tls_cert, tls_key)) is not None:
+        options["tls"] = ctx
+    # A Client of our own, closed also when the server refuses it: nats-py leaves the
+    # socket of a refused connection open otherwise.
+    nc = Client()
+    try:
+        # Each server tried twice at most (nats-py's 0 means "forever"), all within ``timeout``.
+        await asyncio.wait_for(
+            nc.connect(
+                servers=server_list(url),
+                name="gpulayer-auth",
+                user_credentials=RawCredentials(system_creds),
+                allow_reconnect=False,
+                max_reconnect_attempts=1,
+                connect_timeout=max(1, int(timeout)),
+                error_cb=quiet,
+                **options,
+            ),
+            timeout,
+        )
+    except BaseException:
+        await nc.close()
+        raise
     try:
         # How many servers there are: each answers a ping and says how many it knows of.
         pings = await _gather(nc, "$SYS.REQ.SERVER.PING.STATSZ", b"", 1, timeout)
