@@ -221,3 +221,38 @@ def test_auth_list_shows_every_state(
     assert sorted(by_name["alice"]) == ["valid", "valid (replaced: revoke to end it)"]
     assert by_name["gpu-1"] == ["expired"]
     assert by_name["bob"][0].startswith("revoked ")
+
+
+@pytest.mark.parametrize(
+    ("answers", "code", "says"),
+    [
+        ([("n0", True, "jwt updated")] * 3, 0, "all 3 running servers applied it"),
+        ([("n0", True, "jwt updated")] * 2, 1, "1 did not answer"),
+        (
+            [
+                ("n0", True, "jwt updated"),
+                ("n1", False, "jwt update skipped"),
+                ("n2", True, "jwt updated"),
+            ],
+            1,
+            "restart it with the new one",
+        ),
+    ],
+)
+def test_what_the_servers_answered_decides_the_status(
+    store: AuthStore,
+    capsys: pytest.CaptureFixture[str],
+    answers: list[tuple[str, bool, str]],
+    code: int,
+    says: str,
+) -> None:
+    from gpulayer_cli.auth_cmd import _report_push
+    from gpulayer_runtime.auth import Pushed, ServerAnswer
+
+    pushed = Pushed(
+        servers=3, answers=[ServerAnswer(server=s, ok=ok, message=m) for s, ok, m in answers]
+    )
+    assert _report_push(pushed, None, store) == code
+    out, err = capsys.readouterr()
+    assert says in out + err
+    assert all(f"server {s}: {m}" in out for s, _, m in answers)

@@ -158,10 +158,23 @@ def _report_push(pushed: Pushed | None, why: str | None, store: AuthStore) -> in
     for a in pushed.answers:
         print(f"  server {a.server}: {a.message}")
     if not pushed.complete:
+        silent = pushed.servers - len(pushed.answers)
         print(
             f"gpulayer auth: {sum(a.ok for a in pushed.answers)} of {pushed.servers} servers "
-            "applied it: a server still on an older server.conf (memory resolver) needs a "
-            "restart; run `gpulayer auth push` to retry",
+            "applied it"
+            + (
+                f"; {silent} did not answer (down or cut off: one gets it from the others "
+                "within two minutes, or from server.conf when it starts)"
+                if silent > 0
+                else ""
+            )
+            + (
+                "; a server that answered otherwise runs a server.conf from before revocations "
+                "(memory resolver): restart it with the new one"
+                if any(not a.ok for a in pushed.answers)
+                else ""
+            )
+            + "; `gpulayer auth push` tries again",
             file=sys.stderr,
         )
         return EXIT_FAILED
