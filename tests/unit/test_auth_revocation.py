@@ -187,6 +187,8 @@ def test_revoke_with_no_server_up_is_kept_on_disk_and_says_so(
     [
         (["revoke", "user", "nobody"], "no user 'nobody' was minted"),
         (["revoke", "user", "a.b"], "no user 'a.b' was minted"),
+        (["revoke", "user", "a\x00b"], "no user 'a\\x00b' was minted"),
+        (["revoke", "node", "x" * 5000], "no node 'xxxxxxxx"),
         (["add-user", "carol", "--expires", "30x"], "--expires '30x'"),
         (["add-user", "carol", "--expires", "0d"], "more than 0s"),
     ],
@@ -256,3 +258,15 @@ def test_what_the_servers_answered_decides_the_status(
     out, err = capsys.readouterr()
     assert says in out + err
     assert all(f"server {s}: {m}" in out for s, _, m in answers)
+
+
+def test_concurrent_mints_each_land_in_the_index(store: AuthStore) -> None:
+    """Two `gpulayer auth` runs at once (threads here, processes in life) share the folder's
+    lock: no index entry is lost, so no key escapes a later revoke."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = [f"u{i}" for i in range(16)]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda n: store.mint("user", n), names))
+    assert sorted(c.name for c in store.credentials()) == sorted(names)
+    assert len({c.public_key for c in store.credentials()}) == len(names)
