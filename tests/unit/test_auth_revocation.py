@@ -270,3 +270,27 @@ def test_concurrent_mints_each_land_in_the_index(store: AuthStore) -> None:
         list(pool.map(lambda n: store.mint("user", n), names))
     assert sorted(c.name for c in store.credentials()) == sorted(names)
     assert len({c.public_key for c in store.credentials()}) == len(names)
+
+
+@pytest.mark.parametrize(
+    ("raw", "ok", "says"),
+    [
+        (b'{"server": {"name": "n0"}, "data": {"code": 200, "message": "jwt updated"}}', True,
+         "jwt updated"),
+        (b'{"server": {"name": "n1"}, "data": {"message": "jwt update skipped"}}', False, "skipped"),
+        (b'{"server": {"id": "NID"}, "error": {"description": "jwt validation failed"}}', False,
+         "validation"),
+        (b"{}", False, "no answer"),
+        (b"[1, 2]", False, "unreadable"),
+        (b"\x00\xff", False, "unreadable"),
+        (b'{"server": {"name": 5}}', False, "unreadable"),
+        (b'{"server": {"name": "' + b"n" * 100_000 + b'"}, "data": {"message": "jwt updated"}}', True, "jwt updated"),
+    ],
+)  # fmt: skip
+def test_a_servers_answer_in_words(raw: bytes, ok: bool, says: str) -> None:
+    from gpulayer_runtime.auth import server_answer
+
+    answer = server_answer(raw)
+    assert answer.ok is ok
+    assert says in answer.message
+    assert len(answer.server) <= 200

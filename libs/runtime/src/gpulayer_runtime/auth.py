@@ -523,9 +523,63 @@ class Pushed(msgspec.Struct, frozen=True, kw_only=True):
         return len(self.answers) >= self.servers and all(a.ok for a in self.answers)
 
 
-async def _gather(nc: Any, subject: str, payload: bytes, want: int, timeout: float) -> list[Any]:
-    """Replies to one request from many servers: until ``want`` came (a reply may raise it:
-    ``want`` is re-read from the ``active_servers`` each one reports) or ``timeout`` passed."""
+class _ServerInfo(msgspec.Struct):
+    name: str = ""
+    id: str = ""
+
+
+class _Stats(msgspec.Struct):
+    active_servers: int = 0
+
+
+class _Ping(msgspec.Struct):
+    """A server's answer to ``$SYS.REQ.SERVER.PING.STATSZ`` (only what is read here)."""
+
+    server: _ServerInfo = msgspec.field(default_factory=_ServerInfo)
+    statsz: _Stats = msgspec.field(default_factory=_Stats)
+
+
+class _Status(msgspec.Struct):
+    message: str = ""
+
+
+class _Failure(msgspec.Struct):
+    description: str = ""
+
+
+class _ClaimsReply(msgspec.Struct):
+    """A server's answer to an account claims update."""
+
+    server: _ServerInfo = msgspec.field(default_factory=_ServerInfo)
+    data: _Status | None = None
+    error: _Failure | None = None
+
+
+_PING = msgspec.json.Decoder(_Ping)
+_CLAIMS_REPLY = msgspec.json.Decoder(_ClaimsReply)
+
+
+def server_answer(raw: bytes) -> ServerAnswer:
+    """One server's reply to an account claims update, in words (anything unreadable is a
+    failure that says so, never an exception)."""
+    try:
+        r = _CLAIMS_REPLY.decode(raw)
+    except msgspec.DecodeError:
+        return ServerAnswer(server="?", ok=False, message=f"unreadable answer {raw[:80]!r}")
+    message = (r.data.message if r.data else "") or (r.error.description if r.error else "")
+    # "jwt update skipped": a memory resolver (an older server.conf) that has not loaded the
+    # account: it keeps the old JWT.
+    ok = r.error is None and message == "jwt updated"
+    return ServerAnswer(
+        server=(r.server.name or r.server.id or "?")[:200],
+        ok=ok,
+        message=message[:500] or "no answer",
+    )
+
+
+async def _gather(nc: Any, subject: str, payload: bytes, want: int, timeout: float) -> list[bytes]:
+    """Replies to one request from many servers: until ``want`` came (a ping reply may raise
+    it: each says how many servers it knows of) or ``timeout`` passed."""
     replies: asyncio.Queue[bytes] = asyncio.Queue()
 
     async def on_reply(msg: Any) -> None:
@@ -535,21 +589,16 @@ async def _gather(nc: Any, subject: str, payload: bytes, want: int, timeout: flo
     sub = await nc.subscribe(inbox, cb=on_reply)
     try:
         await nc.publish(subject, payload, reply=inbox)
-        got: list[Any] = []
+        got: list[bytes] = []
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while len(got) < want and (left := deadline - loop.time()) > 0:
             try:
-                data = await asyncio.wait_for(replies.get(), left)
+                got.append(await asyncio.wait_for(replies.get(), left))
             except TimeoutError:
                 break
-            try:
-                got.append(json.loads(data))
-            except ValueError:
-                continue
-            active = got[-1].get("statsz", {}).get("active_servers")
-            if isinstance(active, int) and active > want:
-                want = active
+            with contextlib.suppress(msgspec.DecodeError):
+                want = max(want, _PING.decode(got[-1]).statsz.active_servers)
         return got
     finally:
         await sub.unsubscribe()
@@ -601,21 +650,17 @@ async def push_account(
         await nc.close()
         raise
     try:
-        # How many servers there are: each answers a ping and says how many it knows of.
+        # How many servers there are: each answers a ping and says how many it knows of; at
+        # least the one connected to (no answer at all must not read as "all applied it").
         pings = await _gather(nc, "$SYS.REQ.SERVER.PING.STATSZ", b"", 1, timeout)
-        servers = max([len(pings), *(p.get("statsz", {}).get("active_servers", 0) for p in pings)])
+        servers = max(1, len(pings))
+        for raw in pings:
+            with contextlib.suppress(msgspec.DecodeError):
+                servers = max(servers, _PING.decode(raw).statsz.active_servers)
         account = decode_jwt_claims(account_jwt)["sub"]
         subject = f"$SYS.REQ.ACCOUNT.{account}.CLAIMS.UPDATE"
         replies = await _gather(nc, subject, account_jwt.encode(), servers, timeout)
     finally:
         await nc.close()
-    answers = []
-    for r in replies:
-        server = str(r.get("server", {}).get("name") or r.get("server", {}).get("id") or "?")
-        data, error = r.get("data") or {}, r.get("error") or {}
-        message = str(data.get("message") or error.get("description") or "no answer")
-        # "jwt update skipped": a memory resolver (an older server.conf) that has not loaded
-        # the account: it keeps the old JWT.
-        ok = not error and message == "jwt updated"
-        answers.append(ServerAnswer(server=server, ok=ok, message=message))
+    answers = [server_answer(raw) for raw in replies]
     return Pushed(servers=servers, answers=answers)
