@@ -149,19 +149,20 @@ def test_the_system_credential_is_short_lived_and_of_the_system_account(store: A
     assert not list(store.folder.rglob("*.creds"))  # never written
 
 
-def test_revoke_without_the_operator_key_is_denied_and_changes_nothing(
-    store: AuthStore, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("key", ["operator", "system"])
+def test_revoke_without_the_operator_or_system_key_is_denied_and_changes_nothing(
+    store: AuthStore, capsys: pytest.CaptureFixture[str], key: str
 ) -> None:
     """Only who holds the auth folder's operator key may revoke: a copy of the folder without
     it (a user's, say) gets the denied status and a sentence, never a traceback."""
     store.mint("user", "alice")
     before = store.account_jwt()
-    (store.folder / "operator.nk").unlink()
+    (store.folder / f"{key}.nk").unlink()
     code = main(["auth", "--dir", str(store.folder), "revoke", "user", "alice"])
     err = capsys.readouterr().err
     assert code == EXIT_DENIED
-    assert "operator.nk is missing" in err
-    assert "operator key" in err
+    assert f"{key}.nk is missing" in err
+    assert f"{key} " in err
     assert "Traceback" not in err
     assert store.account_jwt() == before
     assert store.creds_path("user", "alice").exists()

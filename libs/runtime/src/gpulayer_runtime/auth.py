@@ -467,6 +467,10 @@ class AuthStore:
         ``push_account``."""
         if role == "placement":
             name = "placement"
+        # Both keys checked before anything is written: signing the account, then telling the
+        # servers as the system account.
+        self._seed("operator")
+        self._seed("system")
         with self._locked():
             index = self.credentials()
             mine = [c for c in index if c.role == role and c.name == name]
