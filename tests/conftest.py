@@ -315,8 +315,8 @@ async def nats_cluster(
     tmp_path: Path, auth_store: AuthStore, nats_creds: str | None
 ) -> AsyncIterator[EmbeddedNatsCluster]:
     """Three routed nats-servers on loopback, JetStream on each (streams up to R3), with the
-    generated auth config when auth is on (operator mode, the accounts preloaded in each
-    server's memory resolver: every server knows them without a resolver service)."""
+    generated auth config when auth is on (operator mode, the accounts preloaded into each
+    server's own resolver folder: every server knows them without a resolver service)."""
     auth_conf = auth_store.server_conf if nats_creds else None
     cluster = EmbeddedNatsCluster(tmp_path / "cluster", auth_conf=auth_conf).start()
     try:

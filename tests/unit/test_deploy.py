@@ -24,6 +24,7 @@ import opentelemetry.sdk.environment_variables as otel_env
 import pytest
 import yaml
 
+from gpulayer_runtime.auth import RESOLVER_DIR
 from gpulayer_runtime.telemetry import METRICS, prometheus_name
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -330,6 +331,16 @@ def test_nats_runs_with_the_generated_auth_config() -> None:
     assert _generated(nats).get(config) == "./auth/server.conf"
 
 
+def test_nats_keeps_its_account_jwts_on_its_volume() -> None:
+    """server.conf's account resolver keeps revocations in ./accounts, relative to the
+    server's working directory: every NATS server runs in its own volume."""
+    assert RESOLVER_DIR == "./accounts"
+    for name, svc in _services().items():
+        if svc.get("image", "").startswith("nats:"):
+            assert svc.get("working_dir") == "/data", name
+            assert any(target == "/data" for _, target in _mounts(svc)), name
+
+
 def test_each_service_connects_with_its_own_credentials() -> None:
     services = _services()
     node = _env(services["executor"])["GPULAYER_NODE_ID"]
@@ -424,7 +435,7 @@ def test_cluster_profile_is_three_routed_jetstream_servers() -> None:
         assert _arg(command, "--cluster_name") == "gpulayer", name
         listen = urlsplit(_arg(command, "--cluster"))
         cluster_ports[name] = listen.port
-        # The same generated auth config as the single server (operator mode, memory resolver).
+        # The same generated auth config as the single server (operator mode, full resolver).
         assert _generated(svc).get(_arg(command, "-c")) == "./auth/server.conf", name
         store = [src for src, target in _mounts(svc) if target == _arg(command, "-sd")]
         assert store, f"{name}: nothing mounted at its JetStream store"

@@ -10,20 +10,36 @@ Layout of an auth folder (everything ``0600``, the folder ``0700``)::
 
     operator.nk  system.nk  account.nk    the identity keys (seeds)
     signing.nk                            the account signing key: all that minting needs
+    account.jwt                           the GPULAYER account as last signed (its revocations)
     server.conf                           what nats-server includes: operator, resolver
     creds/<role>-<name>.creds             one per identity (placement: creds/placement.creds)
+    identities.json                       every credential ever minted here: role, name, key,
+                                          issued, expires, revoked (``gpulayer auth list``)
+
+Revocation: the account JWT lists revoked user keys (``revocations``: key -> unix time, a
+credential issued at or before it is refused). ``revoke`` re-signs it with the operator key and
+rewrites ``server.conf``; ``push_account`` hands it to the running servers on the system
+account's claims-update subject. The resolver is ``full`` (a folder of account JWTs per
+server), not ``MEMORY``: a memory resolver applies such an update only to an account the server
+has loaded already ("jwt update skipped" otherwise) and keeps the preloaded JWT, which a later
+lookup would use, revocations lost; a full resolver stores the update and applies it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import nkeys
 
 from gpulayer_runtime.roles import ROLES, Permissions, Role, check_name, permissions
@@ -35,6 +51,11 @@ _NO_LIMIT = -1
 
 class AuthError(RuntimeError):
     pass
+
+
+class KeyUnavailable(AuthError):
+    """A key the operation signs with is not in (or not readable from) the auth folder: the
+    caller is not who may do it."""
 
 
 def _b64(data: bytes) -> str:
@@ -51,10 +72,10 @@ def public_key(seed: bytes) -> str:
 
 
 def encode_jwt(claims: dict[str, Any], signer_seed: bytes) -> str:
-    """A NATS JWT: ``claims`` (``iss`` set to the signer, ``jti`` and ``iat`` filled in) signed
-    with ``signer_seed``."""
+    """A NATS JWT: ``claims`` (``iss`` set to the signer, ``jti`` filled in, ``iat`` unless
+    given) signed with ``signer_seed``."""
     kp = nkeys.from_seed(bytearray(signer_seed))
-    body = {**claims, "iat": int(time.time()), "iss": kp.public_key.decode()}
+    body = {"iat": int(time.time()), **claims, "iss": kp.public_key.decode()}
     # The id is the hash of the claims without it, as nats-io/jwt computes it.
     digest = hashlib.new("sha512_256", json.dumps(body, sort_keys=True).encode()).digest()
     body["jti"] = base64.b32encode(digest).rstrip(b"=").decode()
@@ -91,6 +112,11 @@ def _account_limits(jetstream: bool) -> dict[str, Any]:
 
 
 _ROLE_TAG = "gpulayer-role:"
+_KEY_USE = {
+    "operator": "operator key (it signs the account: revoking)",
+    "signing": "account signing key (minting)",
+    "system": "system account key (updating the running servers)",
+}
 
 
 def user_claims(
@@ -164,6 +190,64 @@ def creds_name(role: Role, name: str) -> str:
     return "placement.creds" if role == "placement" else f"{role}-{name}.creds"
 
 
+# The longest lifetime ``--expires`` accepts: past any rotation policy, and still a plain
+# integer of seconds in every JWT library.
+MAX_EXPIRES_S = 10 * 365 * 86400
+INDEX = "identities.json"
+# Where each server's account resolver keeps the account JWTs: relative to its working
+# directory, so every server has its own.
+RESOLVER_DIR = "./accounts"
+
+
+class Credential(msgspec.Struct, frozen=True, kw_only=True):
+    """One credential minted in an auth folder (times: unix seconds)."""
+
+    role: str
+    name: str
+    public_key: str
+    issued: int
+    expires: int | None = None
+    revoked: int | None = None
+
+    def state(self, now: float) -> str:
+        if self.revoked is not None:
+            return "revoked"
+        if self.expires is not None and self.expires <= now:
+            return "expired"
+        return "valid"
+
+
+class Revoked(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``AuthStore.revoke`` did: the credentials it revoked, and the account JWT (signed
+    anew, in ``server.conf`` already) that the running servers must be given."""
+
+    credentials: list[Credential]
+    account_jwt: str
+
+
+def _credential_of(path: Path) -> Credential | None:
+    """The credential a gpulayer ``.creds`` file holds; None for one that is not gpulayer's."""
+    try:
+        lines = path.read_text().splitlines()
+        claims = decode_jwt_claims(lines[lines.index("-----BEGIN NATS USER JWT-----") + 1])
+    except (OSError, ValueError, IndexError):
+        return None
+    role = next(
+        (r for t in claims.get("nats", {}).get("tags") or [] for r in ROLES if t == _ROLE_TAG + r),
+        None,
+    )
+    if role is None or not isinstance(claims.get("sub"), str):
+        return None
+    expires = claims.get("exp")
+    return Credential(
+        role=role,
+        name=str(claims.get("name", "")),
+        public_key=claims["sub"],
+        issued=int(claims.get("iat", 0)),
+        expires=int(expires) if isinstance(expires, int) else None,
+    )
+
+
 class AuthStore:
     """The operator, accounts and minted credentials kept in one folder."""
 
@@ -174,6 +258,10 @@ class AuthStore:
     def server_conf(self) -> Path:
         return self.folder / "server.conf"
 
+    @property
+    def account_jwt_path(self) -> Path:
+        return self.folder / "account.jwt"
+
     def creds_path(self, role: Role, name: str = "") -> Path:
         return self.folder / "creds" / creds_name(role, name)
 
@@ -181,17 +269,38 @@ class AuthStore:
         return (self.folder / "signing.nk").exists() and self.server_conf.exists()
 
     def _seed(self, name: str) -> bytes:
+        path = self.folder / f"{name}.nk"
         try:
-            return (self.folder / f"{name}.nk").read_bytes().strip()
-        except FileNotFoundError:
-            raise AuthError(
-                f"{self.folder / (name + '.nk')} is missing: not an auth folder made by "
-                "`gpulayer auth init` (or `gpulayer dev up`)"
+            return path.read_bytes().strip()
+        except OSError as err:
+            why = "is missing" if isinstance(err, FileNotFoundError) else f": {err.strerror}"
+            raise KeyUnavailable(
+                f"{path} {why}: this needs the {_KEY_USE.get(name, name + ' key')}, which only "
+                "the admins holding the auth folder (`gpulayer auth init`, `dev up`) have"
             ) from None
 
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """One writer at a time: two `gpulayer auth` runs at once must not lose an index entry
+        or a revocation."""
+        try:
+            fd = os.open(self.folder / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as err:
+            raise AuthError(f"cannot write in {self.folder}: {err.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
     def init(self) -> AuthStore:
-        """Create the operator and accounts once; later calls keep what exists."""
+        """Create the operator and accounts once; later calls keep what exists (a
+        ``server.conf`` of an older gpulayer, with a memory resolver, is rewritten: the same
+        keys, a resolver that takes revocations live)."""
         if self.exists():
+            if "resolver: MEMORY" in self.server_conf.read_text():
+                with self._locked():
+                    self._write_account(self._revocations(self.credentials()))
             return self
         self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.folder, 0o700)
@@ -203,12 +312,44 @@ class AuthStore:
         }
         for name, seed in seeds.items():
             _write_private(self.folder / f"{name}.nk", seed)
-        _write_private(self.server_conf, self._server_conf(seeds))
+        self._write_account({})
         return self
 
-    def _server_conf(self, seeds: dict[str, bytes]) -> str:
-        op = seeds["operator"]
-        system_pub, account_pub = public_key(seeds["system"]), public_key(seeds["account"])
+    def _sign_account(self, revocations: dict[str, int]) -> str:
+        nats: dict[str, Any] = {
+            "limits": _account_limits(True),
+            # Users are signed by this key, so the account's own key can stay offline.
+            "signing_keys": [public_key(self._seed("signing"))],
+            "type": "account",
+            "version": 2,
+        }
+        if revocations:
+            nats["revocations"] = revocations
+        claims = {"sub": public_key(self._seed("account")), "name": ACCOUNT_NAME, "nats": nats}
+        return encode_jwt(claims, self._seed("operator"))
+
+    def _write_account(self, revocations: dict[str, int]) -> str:
+        """Sign the account with ``revocations`` and write it where servers read it: its own
+        file and ``server.conf``'s preload (what a restarted server starts from)."""
+        account_jwt = self._sign_account(revocations)
+        _write_private(self.account_jwt_path, account_jwt + "\n")
+        _write_private(self.server_conf, self._server_conf(account_jwt))
+        return account_jwt
+
+    def account_jwt(self) -> str:
+        """The account JWT as last signed (what ``server.conf`` preloads)."""
+        try:
+            return self.account_jwt_path.read_text().strip()
+        except FileNotFoundError:
+            with self._locked():
+                return self._write_account(self._revocations(self.credentials()))
+        except OSError as err:
+            raise AuthError(f"cannot read {self.account_jwt_path}: {err.strerror}") from None
+
+    def _server_conf(self, account_jwt: str) -> str:
+        op = self._seed("operator")
+        system_seed = self._seed("system")
+        system_pub, account_pub = public_key(system_seed), public_key(self._seed("account"))
         operator_jwt = encode_jwt(
             {
                 "sub": public_key(op),
@@ -225,40 +366,66 @@ class AuthStore:
             },
             op,
         )
-        account_jwt = encode_jwt(
-            {
-                "sub": account_pub,
-                "name": ACCOUNT_NAME,
-                "nats": {
-                    "limits": _account_limits(True),
-                    # Users are signed by this key, so the account's own key can stay offline.
-                    "signing_keys": [public_key(seeds["signing"])],
-                    "type": "account",
-                    "version": 2,
-                },
-            },
-            op,
-        )
         return (
             "# Generated by gpulayer: NATS decentralized auth (operator mode). Users are minted\n"
-            "# with `gpulayer auth add-node|add-user|add-admin`, never by editing this file.\n"
+            "# with `gpulayer auth add-node|add-user|add-admin`, revoked with `gpulayer auth\n"
+            "# revoke`, never by editing this file.\n"
             f"operator: {operator_jwt}\n"
             f"system_account: {system_pub}\n"
-            "resolver: MEMORY\n"
+            "# The account JWTs a server has, in a folder of its own: relative to the server's\n"
+            "# working directory, so give each server its own (EmbeddedNats runs each in its\n"
+            "# data folder; deploy/compose.yaml sets working_dir: /data). Updates (revocations)\n"
+            "# arrive on the system account and are kept there; the preload below is the\n"
+            "# starting point, taken when newer than what the folder has.\n"
+            f'resolver: {{type: full, dir: "{RESOLVER_DIR}", allow_delete: false, interval: "2m"}}\n'
             "resolver_preload: {\n"
             f"  {system_pub}: {system_jwt}\n"
             f"  {account_pub}: {account_jwt}\n"
             "}\n"
         )
 
-    def mint(self, role: Role, name: str = "") -> Path:
+    def _load_index(self) -> list[Credential]:
+        path = self.folder / INDEX
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return []
+        except OSError as err:
+            raise AuthError(f"cannot read {path}: {err.strerror}") from None
+        try:
+            return msgspec.json.decode(data, type=list[Credential])
+        except msgspec.DecodeError as err:
+            raise AuthError(f"{path} is damaged ({err}): restore it from a backup") from None
+
+    def credentials(self) -> list[Credential]:
+        """Every credential minted here, oldest first, with the ones on disk that the index
+        lacks (minted by a gpulayer before it kept one) adopted."""
+        index = self._load_index()
+        known = {c.public_key for c in index}
+        on_disk = sorted((self.folder / "creds").glob("*.creds"))
+        adopted = [c for p in on_disk if (c := _credential_of(p)) and c.public_key not in known]
+        return index + adopted
+
+    def _save_index(self, credentials: list[Credential]) -> None:
+        _write_private(self.folder / INDEX, msgspec.json.format(msgspec.json.encode(credentials)))
+
+    @staticmethod
+    def _revocations(credentials: list[Credential]) -> dict[str, int]:
+        return {c.public_key: c.revoked for c in credentials if c.revoked is not None}
+
+    def mint(self, role: Role, name: str = "", *, expires_s: int | None = None) -> Path:
         """Write (or rewrite) the credential of identity ``name`` in ``role``; returns its path.
-        Needs only the account's signing key. Refuses a user, an admin or a viewer of one name, since
-        the API knows its callers by name."""
+        ``expires_s``: seconds it stays valid (None: until revoked). Needs only the account's
+        signing key. Refuses a user, an admin or a viewer of one name, since the API knows its
+        callers by name."""
         if role == "placement":
             name = "placement"
         else:
             check_name(name, f"{role} name")
+        if expires_s is not None and not 0 < expires_s <= MAX_EXPIRES_S:
+            raise ValueError(
+                f"expiry of {expires_s}s: give more than 0 and at most {MAX_EXPIRES_S}s (10 years)"
+            )
         # The API knows a caller by name alone: one name is one user, admin or viewer.
         named: tuple[Role, ...] = ("user", "admin", "viewer")
         for other in named if role in named else ():
@@ -267,14 +434,237 @@ class AuthStore:
                 raise AuthError(f"{name!r} is already {article} {other}: pick another name")
         perms = permissions(role, name)
         user_seed = new_seed(nkeys.PREFIX_BYTE_USER)
+        user_pub = public_key(user_seed)
         account_pub = public_key(self._seed("account"))
-        claims = user_claims(public_key(user_seed), account_pub, role, name, perms)
+        claims = user_claims(user_pub, account_pub, role, name, perms)
+        now = int(time.time())
+        claims["iat"] = now
+        if expires_s is not None:
+            claims["exp"] = now + expires_s
         jwt = encode_jwt(claims, self._seed("signing"))
         path = self.creds_path(role, name)
-        _write_private(path, format_creds(jwt, user_seed))
+        with self._locked():
+            # Read before the file is replaced: a credential minted before the index existed
+            # is adopted, so a later revoke still covers it.
+            index = self.credentials()
+            _write_private(path, format_creds(jwt, user_seed))
+            record = Credential(
+                role=role, name=name, public_key=user_pub, issued=now, expires=claims.get("exp")
+            )
+            self._save_index([*index, record])
         return path
 
     def ensure(self, role: Role, name: str = "") -> Path:
         """The identity's credential, minted when missing."""
         path = self.creds_path(role, name)
         return path if path.exists() else self.mint(role, name)
+
+    def revoke(self, role: Role, name: str = "") -> Revoked:
+        """Revoke every credential ever minted here for identity ``name`` in ``role`` (a
+        re-minted identity's older ones too): they go into the account's revocations, the
+        account is signed again (needs the operator key) and ``server.conf`` rewritten, and the
+        identity's ``.creds`` file is removed. The running servers learn of it only from
+        ``push_account``."""
+        if role == "placement":
+            name = "placement"
+        # Both keys checked before anything is written: signing the account, then telling the
+        # servers as the system account.
+        self._seed("operator")
+        self._seed("system")
+        with self._locked():
+            index = self.credentials()
+            mine = [c for c in index if c.role == role and c.name == name]
+            if not mine:
+                raise AuthError(f"no {role} {name!r} was minted in {self.folder}")
+            if all(c.revoked is not None for c in mine):
+                raise AuthError(f"{role} {name!r} is revoked already (`gpulayer auth list`)")
+            now = int(time.time())
+            updated = [
+                msgspec.structs.replace(c, revoked=now)
+                if c.role == role and c.name == name and c.revoked is None
+                else c
+                for c in index
+            ]
+            account_jwt = self._write_account(self._revocations(updated))
+            self._save_index(updated)
+            with contextlib.suppress(FileNotFoundError):
+                self.creds_path(role, name).unlink()
+        revoked = [c for c, before in zip(updated, index, strict=True) if c != before]
+        return Revoked(credentials=revoked, account_jwt=account_jwt)
+
+    def system_creds(self, ttl_s: int = 120) -> str:
+        """A short-lived credential of the system account, never written to disk: what
+        ``push_account`` connects with."""
+        seed = new_seed(nkeys.PREFIX_BYTE_USER)
+        now = int(time.time())
+        claims = {
+            "sub": public_key(seed),
+            "name": "gpulayer-auth",
+            "iat": now,
+            "exp": now + ttl_s,
+            "nats": {"subs": _NO_LIMIT, "data": _NO_LIMIT, "payload": _NO_LIMIT,
+                     "type": "user", "version": 2},
+        }  # fmt: skip
+        return format_creds(encode_jwt(claims, self._seed("system")), seed)
+
+
+class ServerAnswer(msgspec.Struct, frozen=True, kw_only=True):
+    """One server's answer to an account update."""
+
+    server: str
+    ok: bool
+    message: str
+
+
+class Pushed(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``push_account`` heard: the servers the cluster counts, and each one's answer."""
+
+    servers: int
+    answers: list[ServerAnswer]
+
+    @property
+    def complete(self) -> bool:
+        return len(self.answers) >= self.servers and all(a.ok for a in self.answers)
+
+
+class _ServerInfo(msgspec.Struct):
+    name: str = ""
+    id: str = ""
+
+
+class _Stats(msgspec.Struct):
+    active_servers: int = 0
+
+
+class _Ping(msgspec.Struct):
+    """A server's answer to ``$SYS.REQ.SERVER.PING.STATSZ`` (only what is read here)."""
+
+    server: _ServerInfo = msgspec.field(default_factory=_ServerInfo)
+    statsz: _Stats = msgspec.field(default_factory=_Stats)
+
+
+class _Status(msgspec.Struct):
+    message: str = ""
+
+
+class _Failure(msgspec.Struct):
+    description: str = ""
+
+
+class _ClaimsReply(msgspec.Struct):
+    """A server's answer to an account claims update."""
+
+    server: _ServerInfo = msgspec.field(default_factory=_ServerInfo)
+    data: _Status | None = None
+    error: _Failure | None = None
+
+
+_PING = msgspec.json.Decoder(_Ping)
+_CLAIMS_REPLY = msgspec.json.Decoder(_ClaimsReply)
+
+
+def server_answer(raw: bytes) -> ServerAnswer:
+    """One server's reply to an account claims update, in words (anything unreadable is a
+    failure that says so, never an exception)."""
+    try:
+        r = _CLAIMS_REPLY.decode(raw)
+    except msgspec.DecodeError:
+        return ServerAnswer(server="?", ok=False, message=f"unreadable answer {raw[:80]!r}")
+    message = (r.data.message if r.data else "") or (r.error.description if r.error else "")
+    # "jwt update skipped": a memory resolver (an older server.conf) that has not loaded the
+    # account: it keeps the old JWT.
+    ok = r.error is None and message == "jwt updated"
+    return ServerAnswer(
+        server=(r.server.name or r.server.id or "?")[:200],
+        ok=ok,
+        message=message[:500] or "no answer",
+    )
+
+
+async def _gather(nc: Any, subject: str, payload: bytes, want: int, timeout: float) -> list[bytes]:
+    """Replies to one request from many servers: until ``want`` came (a ping reply may raise
+    it: each says how many servers it knows of) or ``timeout`` passed."""
+    replies: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def on_reply(msg: Any) -> None:
+        await replies.put(msg.data)
+
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox, cb=on_reply)
+    try:
+        await nc.publish(subject, payload, reply=inbox)
+        got: list[bytes] = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while len(got) < want and (left := deadline - loop.time()) > 0:
+            try:
+                got.append(await asyncio.wait_for(replies.get(), left))
+            except TimeoutError:
+                break
+            with contextlib.suppress(msgspec.DecodeError):
+                want = max(want, _PING.decode(got[-1]).statsz.active_servers)
+        return got
+    finally:
+        await sub.unsubscribe()
+
+
+async def push_account(
+    url: str,
+    system_creds: str,
+    account_jwt: str,
+    *,
+    timeout: float = 5.0,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+) -> Pushed:
+    """Give ``account_jwt`` to every running server reachable from ``url``, live: a server
+    applies it at once (a revoked user's connections closed), routed servers each get it
+    from the system account's subject."""
+    from nats.aio.client import Client, RawCredentials
+
+    from gpulayer_runtime.nats import server_list, tls_context
+
+    async def quiet(err: Exception) -> None:
+        # A server that can't be reached is the caller's to report, once, from what is raised.
+        pass
+
+    options: dict[str, Any] = {}
+    if (ctx := tls_context(tls_ca, tls_cert, tls_key)) is not None:
+        options["tls"] = ctx
+    # A Client of our own, closed also when the server refuses it: nats-py leaves the
+    # socket of a refused connection open otherwise.
+    nc = Client()
+    try:
+        # Each server tried twice at most (nats-py's 0 means "forever"), all within ``timeout``.
+        await asyncio.wait_for(
+            nc.connect(
+                servers=server_list(url),
+                name="gpulayer-auth",
+                user_credentials=RawCredentials(system_creds),
+                allow_reconnect=False,
+                max_reconnect_attempts=1,
+                connect_timeout=max(1, int(timeout)),
+                error_cb=quiet,
+                **options,
+            ),
+            timeout,
+        )
+    except BaseException:
+        await nc.close()
+        raise
+    try:
+        # How many servers there are: each answers a ping and says how many it knows of; at
+        # least the one connected to (no answer at all must not read as "all applied it").
+        pings = await _gather(nc, "$SYS.REQ.SERVER.PING.STATSZ", b"", 1, timeout)
+        servers = max(1, len(pings))
+        for raw in pings:
+            with contextlib.suppress(msgspec.DecodeError):
+                servers = max(servers, _PING.decode(raw).statsz.active_servers)
+        account = decode_jwt_claims(account_jwt)["sub"]
+        subject = f"$SYS.REQ.ACCOUNT.{account}.CLAIMS.UPDATE"
+        replies = await _gather(nc, subject, account_jwt.encode(), servers, timeout)
+    finally:
+        await nc.close()
+    answers = [server_answer(raw) for raw in replies]
+    return Pushed(servers=servers, answers=answers)

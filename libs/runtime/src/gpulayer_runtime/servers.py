@@ -150,10 +150,11 @@ class EmbeddedNats:
             lines.append(Path(self.auth_conf).read_text())
         if self.tls is not None:
             lines.append("tls {")
-            lines.append(f"  cert_file: {json.dumps(str(self.tls.cert))}")
-            lines.append(f"  key_file: {json.dumps(str(self.tls.key))}")
+            # Absolute: the server runs in its data folder (see ``start``).
+            lines.append(f"  cert_file: {json.dumps(str(Path(self.tls.cert).absolute()))}")
+            lines.append(f"  key_file: {json.dumps(str(Path(self.tls.key).absolute()))}")
             if self.tls.ca is not None:
-                lines.append(f"  ca_file: {json.dumps(str(self.tls.ca))}")
+                lines.append(f"  ca_file: {json.dumps(str(Path(self.tls.ca).absolute()))}")
             lines.append(f"  verify: {'true' if self.tls.verify else 'false'}")
             lines.append("}")
         conf = self.data_dir / "nats.conf"
@@ -185,7 +186,11 @@ class EmbeddedNats:
             ]  # fmt: skip
         if (conf := self._config_file()) is not None:
             argv += ["-c", str(conf)]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # In its data folder: the auth config's account resolver keeps its JWTs in a folder
+        # relative to the working directory, one per server (AuthStore.server_conf).
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.data_dir
+        )
         _wait_for_port(self.port, self.proc, "nats-server", log, timeout, self.host)
         return self
 
