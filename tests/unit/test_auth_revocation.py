@@ -295,3 +295,31 @@ def test_a_servers_answer_in_words(raw: bytes, ok: bool, says: str) -> None:
     assert answer.ok is ok
     assert says in answer.message
     assert len(answer.server) <= 200
+
+
+def test_a_mint_and_a_revoke_are_sent_to_the_audit_trail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What `gpulayer auth` hands the audit trail (publishing it is tests/e2e/test_limits_audit's
+    part): the action, the identity, the outcome and the detail."""
+    import gpulayer_cli.auth_cmd as auth_cmd
+
+    sent: list[tuple[str, str, str, str]] = []
+
+    def record(action: str, target: str, outcome: str = "ok", detail: str = "") -> bool:
+        sent.append((action, target, outcome, detail))
+        return True
+
+    monkeypatch.setattr(auth_cmd, "record_credential_change", record)
+    monkeypatch.setenv("GPULAYER_NATS_URL", "nats://127.0.0.1:1")
+    folder = str(tmp_path / "auth")
+    assert main(["auth", "--dir", folder, "init"]) == 0
+    assert main(["auth", "--dir", folder, "add-user", "dana", "--expires", "1h"]) == 0
+    assert main(["auth", "--dir", folder, "revoke", "user", "dana"]) == EXIT_UNREACHABLE
+    capsys.readouterr()
+    assert [(a, t, o) for a, t, o, _ in sent] == [
+        ("mint", "user dana", "ok"),
+        ("revoke", "user dana", "not pushed"),
+    ]
+    assert sent[0][3].startswith("expires ")
+    assert sent[1][3].startswith("U")  # the revoked public key(s)

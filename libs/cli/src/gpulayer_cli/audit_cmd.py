@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import re
 import sys
@@ -194,11 +195,19 @@ def record_credential_change(
             outcome=outcome,
             detail=detail[:500],
         )
+
+        async def quiet(err: Exception) -> None:
+            pass  # the one line below says it, not one per try
+
+        # Each server tried once (nats-py's 0 means "forever"), quickly: a mint made with no
+        # server running (before the stack starts) must not wait on the trail.
         nc = await connect(
             settings.url,
             "gpulayer-cli",
-            max_reconnect_attempts=0,
+            max_reconnect_attempts=1,
             allow_reconnect=False,
+            connect_timeout=2,
+            error_cb=quiet,
             **settings.connect_args(),
         )
         try:
@@ -206,9 +215,22 @@ def record_credential_change(
         finally:
             await nc.close()
 
-    try:
+    def run() -> None:
         asyncio.run(asyncio.wait_for(go(), 5.0))
+
+    try:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            run()
+        else:  # called from code that runs an event loop (a test, an embedding): a thread
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                pool.submit(run).result()
     except Exception as err:
-        print(f"gpulayer: the audit trail did not record this {action}: {err!r}", file=sys.stderr)
+        print(
+            f"gpulayer: the audit trail did not record this {action}: "
+            f"{str(err) or type(err).__name__}",
+            file=sys.stderr,
+        )
         return False
     return True

@@ -21,6 +21,7 @@ from pathlib import Path
 import msgspec
 from rich.table import Table
 
+from gpulayer_cli.audit_cmd import record_credential_change
 from gpulayer_cli.common import EXIT_DENIED, EXIT_FAILED, EXIT_INVALID, EXIT_UNREACHABLE, console
 from gpulayer_runtime.auth import (
     MAX_EXPIRES_S,
@@ -205,7 +206,12 @@ def cmd_auth(args: argparse.Namespace) -> int:
             console().print(credentials_table(store.credentials(), time.time()))
             return 0
         if args.auth_command == "revoke":
-            return _report_revoke(asyncio.run(revoke_identity(store, args.role, args.name)), store)
+            result = asyncio.run(revoke_identity(store, args.role, args.name))
+            code = _report_revoke(result, store)
+            outcome = "ok" if code == 0 else "partial" if code == 1 else "not pushed"
+            keys = ", ".join(c.public_key for c in result.revoked)
+            record_credential_change("revoke", f"{args.role} {args.name}", outcome, keys)
+            return code
         if args.auth_command == "push":
             return _report_push(*asyncio.run(push(store, store.account_jwt())), store)
         role = _ADD[args.auth_command]
@@ -219,6 +225,8 @@ def cmd_auth(args: argparse.Namespace) -> int:
         return EXIT_INVALID
     path = store.creds_path(role, minted.name)
     print(path)
+    expiry = f"expires {_when(minted.expires)}" if minted.expires else "no expiry"
+    record_credential_change("mint", f"{role} {minted.name}", "ok", expiry)
     until = f", valid until {_when(minted.expires)}" if minted.expires else ""
     print(
         f"give it to the {role}'s processes as GPULAYER_NATS_CREDS={path} (mode 0600; "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
 from collections.abc import Iterable
@@ -110,7 +111,17 @@ async def connect(
     if inbox_prefix:
         options["inbox_prefix"] = inbox_prefix
     options.update(kwargs)
-    return await nats.connect(server_list(url), **options)
+    nc = Client()
+    try:
+        await nc.connect(server_list(url), **options)  # type: ignore[arg-type]
+    except BaseException:
+        # nats-py leaves a refused connection's socket open (a ResourceWarning, and one fd
+        # per failed try of a CLI that is told no).
+        # Bounded: after a failed TLS handshake, close() waits for a reader that never ran.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(nc.close(), 2.0)
+        raise
+    return nc
 
 
 async def ensure_streams(
