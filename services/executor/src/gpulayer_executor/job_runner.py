@@ -22,6 +22,8 @@ from nats.js import JetStreamContext
 
 from gpulayer_contracts.events import Grant
 from gpulayer_contracts.jobenv import DEFAULT_PATH, EnvRefused, grant_device_env, grant_environment
+from gpulayer_detection.cdi import read_cdi_devices
+from gpulayer_executor import container as ctr
 from gpulayer_executor import state as st
 from gpulayer_executor.cgroups import Hierarchy
 from gpulayer_executor.config import ExecutorConfig
@@ -31,8 +33,9 @@ from gpulayer_executor.gang import LaunchRefused, job_argv
 from gpulayer_executor.limits import JobLimits, NvidiaNodes, job_limits
 from gpulayer_executor.output import LogSink
 from gpulayer_executor.reporter import Reporter
-from gpulayer_executor.runner import SpawnError, StopRequest, run_process
+from gpulayer_executor.runner import MARKER, SpawnError, StopRequest, run_process
 from gpulayer_executor.shim_client import Detached, Follower
+from gpulayer_executor.state import grant_key
 from gpulayer_executor.torchrun import RootCause
 from gpulayer_executor.users import run_as_for
 from gpulayer_executor.writer import DurableWriter
@@ -45,7 +48,9 @@ log = logging.getLogger("gpulayer_executor.service")
 
 class Launch(Protocol):
     """Runs a job's process to its end (``runner.run_process``). The seam where another way of
-    launching plugs in (a supervisor shim, a cgroup per job) without touching a job's life."""
+    launching plugs in (a supervisor shim, a cgroup per job) without touching a job's life. A
+    container job also gets ``container=`` (``container.ContainerRun``): only the shim's
+    launcher runs one."""
 
     def __call__(
         self,
@@ -273,15 +278,24 @@ class JobRunner:
         env = self._environment(job, run_as, cwd)
         if isinstance(env, st.Outcome):
             return env
+        in_container = grant.job.container is not None
         try:
             argv = job_argv(
                 grant,
                 workload_python=self._config.workload_python,
                 path=env.get("PATH", DEFAULT_PATH),
+                in_container=in_container,
             )
         except LaunchRefused as err:
             log.warning("job %s refused: %s", grant.job.job_id, err, extra=self._ctx(job.rec))
             return st.Outcome(state="failed", reason=str(err))
+        extra: dict[str, Any] = {}
+        if in_container:
+            try:
+                extra["container"] = self._container(grant, run_as, cwd, env, argv)
+            except ctr.ContainerError as err:
+                log.warning("job %s refused: %s", grant.job.job_id, err, extra=self._ctx(job.rec))
+                return st.Outcome(state="failed", reason=str(err))
         prepare_job_dir(cwd, run_as)  # no disk flush: cheaper than a thread hand-off
         await self._save(job, st.starting(job.rec))
         sink = self._sink(grant)
@@ -300,7 +314,8 @@ class JobRunner:
                 max_line_bytes=self._config.max_line_bytes,
                 on_started=on_started,
                 hierarchy=self._hierarchy,
-                limits=self._limits(grant),
+                limits=self._limits(grant) if not in_container else None,
+                **extra,
             )
             return _explained(outcome, sink)
         except SpawnError as err:
@@ -313,6 +328,54 @@ class JobRunner:
             return None
         finally:
             await self._close_sink(job, sink)
+
+    def _container(
+        self, grant: Grant, run_as: RunAs | None, cwd: Path, env: dict[str, str], argv: list[str]
+    ) -> ctr.ContainerRun:
+        """How the shim runs the job's container (``container.py``). Raises ContainerError."""
+        config = self._config
+        spec = grant.job.container
+        assert spec is not None
+        if config.podman is None:
+            raise ctr.ContainerError(f"image {spec.image}: podman is not on this node")
+        if not config.shim:
+            raise ctr.ContainerError(
+                f"image {spec.image}: container jobs run under a shim (GPULAYER_EXECUTOR_SHIM=on)"
+            )
+        cdi, _ = read_cdi_devices(config.cdi_dirs) if grant.devices else ([], [])
+        limits = (
+            job_limits(grant, pids_max=config.job_pids_max, nodes=()) if config.enforce else None
+        )
+        name = ctr.container_name(config.workdir, grant.grant_id)
+        run = ctr.ContainerRun(
+            podman=config.podman,
+            name=name,
+            image=spec.image,
+            pull=spec.pull,
+            pull_timeout_s=config.container_pull_timeout_s,
+            argv=ctr.run_argv(
+                podman=config.podman,
+                runtime=config.container_runtime,
+                name=name,
+                labels={
+                    ctr.LABEL_GRANT: grant.grant_id,
+                    ctr.LABEL_EXECUTOR: ctr.executor_label(config.workdir),
+                },
+                image=spec.image,
+                command=argv,
+                user=ctr.job_user(run_as),
+                cwd=cwd,
+                env_file=self._store.run_dir / grant_key(grant.grant_id) / ctr.ENV_FILE,
+                devices=ctr.device_args(grant, cdi, config.device_dir, config.cdi_kind),
+                limits=ctr.limit_args(limits),
+                ulimit=ctr.machine_ulimits(),
+                network=config.container_network,
+            ),
+            env=ctr.container_env(env, grant.job.env, cwd),
+            podman_env=ctr.podman_env(config.base_env, grant.grant_id, MARKER),
+            limits=limits,
+        )
+        return run
 
     def _sink(self, grant: Grant) -> LogSink:
         sink = LogSink(
