@@ -292,12 +292,18 @@ def container_settings(env: Mapping[str, str]) -> dict[str, Any]:
         "podman": _program(env, "GPULAYER_EXECUTOR_PODMAN", "podman"),
         "container_runtime": runtime or None,
         "container_network": network,
-        "container_pull_timeout_s": env_float(
-            env, "GPULAYER_EXECUTOR_CONTAINER_PULL_TIMEOUT_S", 300.0
-        ),
+        "container_pull_timeout_s": _pull_timeout(env),
         "cdi_dirs": tuple(d for d in dirs.split(os.pathsep) if d) if dirs else CDI_DIRS,
         "cdi_kind": kind or None,
     }
+
+
+def _pull_timeout(env: Mapping[str, str]) -> float:
+    name = "GPULAYER_EXECUTOR_CONTAINER_PULL_TIMEOUT_S"
+    value = _number(env, name, 300.0, 24 * 3600.0)
+    if value <= 0:
+        raise ConfigError(f"{name}={value:g}: expected a number above 0")
+    return value
 
 
 _CDI_KIND = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
