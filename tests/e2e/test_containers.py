@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import tarfile
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -29,6 +28,7 @@ from tests.helpers import Services, gpulayer, service_env
 
 from gpulayer_contracts.codec import event_decoder
 from gpulayer_contracts.subjects import JOB_WILDCARD_EVENTS
+from gpulayer_executor import container as ctr
 from gpulayer_executor.container import LABEL_EXECUTOR, executor_label
 from gpulayer_runtime.nats import ensure_streams
 
@@ -47,6 +47,7 @@ pytestmark = [
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 TERMINAL = {"rejected", "succeeded", "failed", "cancelled", "lost"}
 OWNER_UIDS = (4_100_000, 4_100_999)
+PULL_TIMEOUT_S = 4
 
 
 def _podman(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
@@ -58,7 +59,8 @@ def _podman(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProce
 
 @pytest.fixture
 def image(tmp_path: Path) -> Iterator[tuple[str, str]]:
-    """A busybox image only this test has: its name and the marker only it holds."""
+    """A busybox image only this test has: its name and the marker only it holds. The same
+    files also as an image for another architecture: ``<name>-foreign``."""
     assert BUSYBOX is not None
     marker = f"marker-{uuid.uuid4().hex}"
     name = f"localhost/gpulayer-test-{uuid.uuid4().hex[:12]}:1"
@@ -69,12 +71,34 @@ def image(tmp_path: Path) -> Iterator[tuple[str, str]]:
     tar = tmp_path / "rootfs.tar"
     with tarfile.open(tar, "w") as t:
         t.add(root, arcname=".")
-    done = _podman("import", str(tar), name)
-    assert done.returncode == 0, done.stderr
+    foreign = name.replace(":1", "-foreign:1")
+    other = "arm64" if ctr.host_arch() != "arm64" else "amd64"
+    for args in ([str(tar), name], ["--arch", other, str(tar), foreign]):
+        done = _podman("import", *args)
+        assert done.returncode == 0, done.stderr
     try:
         yield name, marker
     finally:
-        _podman("rmi", "--force", name)
+        _podman("rmi", "--force", name, foreign)
+
+
+@pytest.fixture
+async def silent_registry() -> AsyncIterator[str]:
+    """A registry address that accepts connections and never answers: a pull that hangs."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+        await server.wait_closed()
 
 
 @pytest.fixture
@@ -159,6 +183,7 @@ async def stack(
         GPULAYER_EXECUTOR_CDI_KIND=cdi,
         GPULAYER_EXECUTOR_OWNER_UIDS=f"{OWNER_UIDS[0]}-{OWNER_UIDS[1]}",
         GPULAYER_KILL_GRACE_S="1",
+        GPULAYER_EXECUTOR_CONTAINER_PULL_TIMEOUT_S=str(PULL_TIMEOUT_S),
         FAKE_NVIDIA_SMI_DIR=str(FIXTURES / "nvidia-smi" / "t4-2x"),
     )
     env["PATH"] = f"{tools}{os.pathsep}{env['PATH']}"
@@ -178,7 +203,7 @@ def _gpu(job_id: str, image: str, command: list[str]) -> dict[str, Any]:
         "job_id": job_id,
         "command": command,
         "container": {"image": image, "pull": "never"},
-        "requirements": {"accelerator": "cuda", "gpu_count": 1},
+        "requirements": {"accelerator": "cuda", "gpu_count": 1, "cpu_cores": 0.1},
         "gpu": {"use": "exclusive"},
         "sandbox": {"devices": {"gpu": "compute"}},
     }
@@ -193,6 +218,7 @@ async def _logs(job: str, env: dict[str, str]) -> str:
 async def test_container_jobs_the_whole_way(
     stack: tuple[Services, dict[str, str]],
     image: tuple[str, str],
+    silent_registry: str,
     nc: Client,
     tmp_path: Path,
 ) -> None:
@@ -203,8 +229,12 @@ async def test_container_jobs_the_whole_way(
     bb = "/bin/busybox"
     tag = uuid.uuid4().hex[:6]
     ids = {k: f"ctr-{k}-{tag}" for k in ("ok", "seven", "never", "oom", "timeout", "hold", "dev1")}
-    ids["kill"] = f"ctr-kill-{tag}"
+    ids.update({k: f"ctr-{k}-{tag}" for k in ("kill", "pullfail", "pullslow", "arch")})
     missing = f"localhost/gpulayer-missing-{tag}:1"
+    # Nothing listens on port 1: the pull fails at once. The silent registry holds it.
+    unreachable = f"127.0.0.1:1/gpulayer-{tag}:1"
+    hanging = f"{silent_registry}/gpulayer-{tag}:1"
+    foreign = name.replace(":1", "-foreign:1")
     jobs: dict[str, dict[str, Any]] = {
         "ok": {
             "command": [bb, "sh", "-c", f"{bb} cat /marker; {bb} id -u; echo $GREETING; {bb} pwd"],
@@ -215,7 +245,7 @@ async def test_container_jobs_the_whole_way(
         "never": {"command": ["true"], "container": {"image": missing, "pull": "never"}},
         "oom": {
             "command": [bb, "sh", "-c", f'x=$({bb} head -c 200000000 /dev/zero | {bb} tr "\\0" a)'],
-            "requirements": {"memory_gb": 0.03},
+            "requirements": {"memory_gb": 0.03, "cpu_cores": 0.1},
             "container": {"image": name, "pull": "never"},
         },
         "timeout": {
@@ -223,9 +253,13 @@ async def test_container_jobs_the_whole_way(
             "timeout_s": 2,
             "container": {"image": name, "pull": "never"},
         },
+        "pullfail": {"command": ["true"], "container": {"image": unreachable}},
+        "pullslow": {"command": ["true"], "container": {"image": hanging, "pull": "always"}},
+        "arch": {"command": ["true"], "container": {"image": foreign}},
     }
-    started = time.monotonic()
     for key, body in jobs.items():
+        # A tenth of a core each: the 2-core node runs them all at once.
+        body.setdefault("requirements", {"cpu_cores": 0.1})
         path = _job(tmp_path / f"{key}.json", {"job_id": ids[key], **body})
         code, _, err = await gpulayer("submit", path, env=env)
         assert code == 0, err
@@ -239,12 +273,13 @@ async def test_container_jobs_the_whole_way(
     assert code == 0, err
 
     never = await events.until(ids["never"], TERMINAL)
-    never_s = time.monotonic() - started
-    for key in ("ok", "seven", "oom", "timeout", "dev1"):
-        await events.until(ids[key], TERMINAL, timeout=120)
+    placed = await events.until(ids["never"], {"placed"})
+    never_s = (never.at - placed.at).total_seconds()
+    await events.until(ids["dev1"], TERMINAL, timeout=120)
     code, _, err = await gpulayer("cancel", ids["hold"], env=env)
     assert code == 0, err
-    await events.until(ids["hold"], TERMINAL)
+    for key in ("hold", "ok", "seven", "oom", "timeout", "pullfail", "pullslow", "arch"):
+        await events.until(ids[key], TERMINAL, timeout=120)
 
     assert events.types(ids["ok"])[-1] == "succeeded", events.seen[ids["ok"]]
     out = (await _logs(ids["ok"], env)).splitlines()
@@ -260,7 +295,21 @@ async def test_container_jobs_the_whole_way(
     assert events.types(ids["never"])[-1] == "failed"
     assert missing in never.reason, never.reason
     assert "never" in never.reason, never.reason
-    print(f"missing image with pull=never failed {never_s:.1f} s after the first submit")
+    print(f"missing image with pull=never: failed {never_s:.2f} s after it was placed")
+
+    pullfail = events.last(ids["pullfail"])
+    assert events.types(ids["pullfail"])[-1] == "failed"
+    assert pullfail.reason.startswith(f"image {unreachable}: pull failed: "), pullfail.reason
+    pullslow = events.last(ids["pullslow"])
+    assert events.types(ids["pullslow"])[-1] == "failed"
+    assert pullslow.reason.startswith(
+        f"image {hanging}: its pull took longer than {PULL_TIMEOUT_S} s"
+    ), pullslow.reason
+    arch = events.last(ids["arch"])
+    assert events.types(ids["arch"])[-1] == "failed"
+    assert arch.reason == f"image {foreign} is for arm64, this node is amd64" or (
+        ctr.host_arch() == "arm64"
+    ), arch.reason
 
     oom = events.last(ids["oom"])
     assert events.types(ids["oom"])[-1] == "failed"
