@@ -229,7 +229,7 @@ async def test_container_jobs_the_whole_way(
     bb = "/bin/busybox"
     tag = uuid.uuid4().hex[:6]
     ids = {k: f"ctr-{k}-{tag}" for k in ("ok", "seven", "never", "oom", "timeout", "hold", "dev1")}
-    ids.update({k: f"ctr-{k}-{tag}" for k in ("kill", "pullfail", "pullslow", "arch")})
+    ids.update({k: f"ctr-{k}-{tag}" for k in ("kill", "pullfail", "pullslow", "arch", "shim")})
     missing = f"localhost/gpulayer-missing-{tag}:1"
     # Nothing listens on port 1: the pull fails at once. The silent registry holds it.
     unreachable = f"127.0.0.1:1/gpulayer-{tag}:1"
@@ -343,6 +343,21 @@ async def test_container_jobs_the_whole_way(
     assert [t for t in types if t in TERMINAL] == ["succeeded"], types
     lines = (await _logs(ids["kill"], env)).splitlines()
     assert [line.split()[-1] for line in lines] == ["before", "after"], lines
+
+    # Its shim killed: the job is lost, and its container goes with it.
+    body = {
+        "job_id": ids["shim"],
+        "command": [bb, "sleep", "60"],
+        "container": {"image": name, "pull": "never"},
+    }
+    code, _, err = await gpulayer("submit", _job(tmp_path / "shim.json", body), env=env)
+    assert code == 0, err
+    await events.until(ids["shim"], {"running"} | TERMINAL)
+    runs = [r for r in (tmp_path / "work" / "run").iterdir() if not (r / "exit.json").exists()]
+    assert len(runs) == 1, runs
+    os.kill(json.loads((runs[0] / "shim.json").read_text())["pid"], signal.SIGKILL)
+    lost = await events.until(ids["shim"], TERMINAL)
+    assert (events.types(ids["shim"])[-1], lost.reason) == ("lost", "the job's shim died")
 
     await sub.unsubscribe()
     # Nothing of an ended job is left: no container of this executor's.

@@ -377,6 +377,19 @@ class JobRunner:
         )
         return run
 
+    async def _remove_container(self, grant: Grant) -> None:
+        """A container job lost with its shim: its container goes too (the shim would have
+        removed it), so that nothing of it runs on devices placement gives to others."""
+        podman = self._config.podman
+        if podman is None:
+            return
+        name = ctr.container_name(self._config.workdir, grant.grant_id)
+        error = await asyncio.to_thread(ctr.remove, podman, name)
+        if error is not None:
+            log.warning(
+                "container %s of lost job %s not removed: %s", name, grant.job.job_id, error
+            )
+
     def _sink(self, grant: Grant) -> LogSink:
         sink = LogSink(
             self._nc,
@@ -468,6 +481,8 @@ class JobRunner:
             self._told.discard(job.rec.grant_id)
             outcome = msgspec.structs.replace(outcome, told=True)
         await self._save(job, st.finished(job.rec, outcome))
+        if outcome.state == "lost" and job.rec.grant.job.container is not None:
+            await self._remove_container(job.rec.grant)
         if self._tel.enabled:
             trace_job(self._tel, self._node_id, job, outcome)
         log.info(
