@@ -107,6 +107,29 @@ def test_limits_become_podman_options() -> None:
     assert ctr.limit_args(JobLimits()) == []
 
 
+def test_a_job_folder_volume_cannot_carry_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ctr.ContainerError, match="holds ':' or ','"):
+        _argv(tmp_path / "a:b", [])
+
+
+def _argv(cwd: Path, command: list[str]) -> list[str]:
+    return ctr.run_argv(
+        podman="podman",
+        runtime=None,
+        name="n",
+        labels={},
+        image="i",
+        command=command,
+        user=(1, 1),
+        cwd=cwd,
+        env_file=cwd / "env",
+        devices=[],
+        limits=[],
+        ulimit=[],
+        network="host",
+    )
+
+
 def test_the_image_is_last_and_the_command_follows_it_untouched(tmp_path: Path) -> None:
     command = ["--privileged", "-v", "/:/host", "--", "$HOME"]
     argv = ctr.run_argv(
@@ -153,6 +176,9 @@ def test_the_jobs_env_goes_in_less_the_hosts_path(tmp_path: Path) -> None:
     assert ctr.container_env(env, {"PATH": "/host/bin"}, tmp_path)["PATH"] == "/host/bin"
     with pytest.raises(ctr.ContainerError, match="env: B holds a line break"):
         ctr.container_env({"B": "x\nC=evil"}, {}, tmp_path)
+    for bad in ("#A", "A B", "A\tB"):
+        with pytest.raises(ctr.ContainerError, match="is not a name a container job can pass"):
+            ctr.container_env({bad: "1"}, {}, tmp_path)
     assert ctr.env_file_text({"A": "1", "B": "a b=c"}) == "A=1\nB=a b=c\n"
     big = {f"V{i}": "x" * 10_000 for i in range(300)}  # 3 MB: over ARG_MAX on an argv
     assert len(ctr.env_file_text(ctr.container_env(big, {}, tmp_path))) > 3_000_000

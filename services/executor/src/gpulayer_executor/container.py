@@ -181,6 +181,9 @@ def container_env(env: Mapping[str, str], job_env: Mapping[str, str], cwd: Path)
             raise ContainerError(
                 f"env: {name} holds a line break, which a container job can't pass"
             )
+        # podman's env file skips a line starting with "#" and refuses a name with blanks.
+        if name.startswith("#") or any(c.isspace() for c in name):
+            raise ContainerError(f"env: {name!r} is not a name a container job can pass")
     return out
 
 
@@ -215,7 +218,10 @@ def run_argv(
     network: Network,
 ) -> list[str]:
     """``podman run`` for one job. The image is the last option, then the command: podman
-    reads nothing after the image as its own. Pure."""
+    reads nothing after the image as its own. Raises ContainerError for a job folder whose path
+    podman's ``--volume`` can't carry. Pure."""
+    if ":" in str(cwd) or "," in str(cwd):
+        raise ContainerError(f"the job's folder {cwd} holds ':' or ',' (podman's --volume can't)")
     argv = [podman]
     if runtime:
         argv += ["--runtime", runtime]
