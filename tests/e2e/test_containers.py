@@ -229,7 +229,7 @@ async def test_container_jobs_the_whole_way(
     bb = "/bin/busybox"
     tag = uuid.uuid4().hex[:6]
     ids = {k: f"ctr-{k}-{tag}" for k in ("ok", "seven", "never", "oom", "timeout", "hold", "dev1")}
-    ids.update({k: f"ctr-{k}-{tag}" for k in ("kill", "pullfail", "pullslow", "arch", "shim")})
+    ids.update({k: f"ctr-{k}-{tag}" for k in ("kill", "pullfail", "pullslow", "arch", "shim", "pullcancel")})
     missing = f"localhost/gpulayer-missing-{tag}:1"
     # Nothing listens on port 1: the pull fails at once. The silent registry holds it.
     unreachable = f"127.0.0.1:1/gpulayer-{tag}:1"
@@ -256,6 +256,7 @@ async def test_container_jobs_the_whole_way(
         "pullfail": {"command": ["true"], "container": {"image": unreachable}},
         "pullslow": {"command": ["true"], "container": {"image": hanging, "pull": "always"}},
         "arch": {"command": ["true"], "container": {"image": foreign}},
+        "pullcancel": {"command": ["true"], "container": {"image": hanging, "pull": "always"}},
     }
     for key, body in jobs.items():
         # A tenth of a core each: the 2-core node runs them all at once.
@@ -275,6 +276,10 @@ async def test_container_jobs_the_whole_way(
     never = await events.until(ids["never"], TERMINAL)
     placed = await events.until(ids["never"], {"placed"})
     never_s = (never.at - placed.at).total_seconds()
+    # Cancelled while its image is being pulled (never running): the pull ends with it.
+    await events.until(ids["pullcancel"], {"placed"} | TERMINAL)
+    code, _, err = await gpulayer("cancel", ids["pullcancel"], env=env)
+    assert code == 0, err
     await events.until(ids["dev1"], TERMINAL, timeout=120)
     code, _, err = await gpulayer("cancel", ids["hold"], env=env)
     assert code == 0, err
@@ -305,6 +310,9 @@ async def test_container_jobs_the_whole_way(
     assert pullslow.reason.startswith(
         f"image {hanging}: its pull took longer than {PULL_TIMEOUT_S} s"
     ), pullslow.reason
+    await events.until(ids["pullcancel"], TERMINAL)
+    assert events.types(ids["pullcancel"])[-1] == "cancelled", events.seen[ids["pullcancel"]]
+    assert "running" not in events.types(ids["pullcancel"])
     arch = events.last(ids["arch"])
     assert events.types(ids["arch"])[-1] == "failed"
     assert arch.reason == f"image {foreign} is for arm64, this node is amd64" or (
