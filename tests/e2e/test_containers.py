@@ -228,8 +228,8 @@ async def test_container_jobs_the_whole_way(
     sub = await nc.subscribe(JOB_WILDCARD_EVENTS, cb=events.cb)
     bb = "/bin/busybox"
     tag = uuid.uuid4().hex[:6]
-    ids = {k: f"ctr-{k}-{tag}" for k in ("ok", "seven", "never", "oom", "timeout", "hold", "dev1")}
-    ids.update({k: f"ctr-{k}-{tag}" for k in ("kill", "pullfail", "pullslow", "arch", "shim", "pullcancel")})
+    keys = "ok seven never oom timeout hold dev1 kill pullfail pullslow arch shim pullcancel"
+    ids = {k: f"ctr-{k}-{tag}" for k in keys.split()}
     missing = f"localhost/gpulayer-missing-{tag}:1"
     # Nothing listens on port 1: the pull fails at once. The silent registry holds it.
     unreachable = f"127.0.0.1:1/gpulayer-{tag}:1"
