@@ -47,7 +47,7 @@ pytestmark = [
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 TERMINAL = {"rejected", "succeeded", "failed", "cancelled", "lost"}
 OWNER_UIDS = (4_100_000, 4_100_999)
-PULL_TIMEOUT_S = 4
+PULL_TIMEOUT_S = 8
 
 
 def _podman(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
@@ -264,6 +264,10 @@ async def test_container_jobs_the_whole_way(
         path = _job(tmp_path / f"{key}.json", {"job_id": ids[key], **body})
         code, _, err = await gpulayer("submit", path, env=env)
         assert code == 0, err
+    # Cancelled while its image is being pulled (never running): the pull ends with it.
+    await events.until(ids["pullcancel"], {"placed"} | TERMINAL)
+    code, _, err = await gpulayer("cancel", ids["pullcancel"], env=env)
+    assert code == 0, err
     # The GPU jobs: the one holding device 0 runs first, so the second gets device 1.
     hold = _gpu(ids["hold"], name, [bb, "sleep", "60"])
     code, _, err = await gpulayer("submit", _job(tmp_path / "hold.json", hold), env=env)
@@ -276,10 +280,6 @@ async def test_container_jobs_the_whole_way(
     never = await events.until(ids["never"], TERMINAL)
     placed = await events.until(ids["never"], {"placed"})
     never_s = (never.at - placed.at).total_seconds()
-    # Cancelled while its image is being pulled (never running): the pull ends with it.
-    await events.until(ids["pullcancel"], {"placed"} | TERMINAL)
-    code, _, err = await gpulayer("cancel", ids["pullcancel"], env=env)
-    assert code == 0, err
     await events.until(ids["dev1"], TERMINAL, timeout=120)
     code, _, err = await gpulayer("cancel", ids["hold"], env=env)
     assert code == 0, err
