@@ -21,21 +21,20 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from gpulayer_contracts.events import Grant
-from gpulayer_contracts.jobenv import DEFAULT_PATH, EnvRefused, grant_device_env, grant_environment
-from gpulayer_detection.cdi import read_cdi_devices
-from gpulayer_executor import container as ctr
+from gpulayer_contracts.jobenv import EnvRefused, grant_device_env, grant_environment
 from gpulayer_executor import state as st
 from gpulayer_executor.cgroups import Hierarchy
 from gpulayer_executor.config import ExecutorConfig
+from gpulayer_executor.container import ContainerError
+from gpulayer_executor.container_jobs import launch_argv, remove_lost
 from gpulayer_executor.env import RunAs, account_env
 from gpulayer_executor.folders import clear_scratch, prepare_job_dir, scratch_dir
-from gpulayer_executor.gang import LaunchRefused, job_argv
+from gpulayer_executor.gang import LaunchRefused
 from gpulayer_executor.limits import JobLimits, NvidiaNodes, job_limits
 from gpulayer_executor.output import LogSink
 from gpulayer_executor.reporter import Reporter
-from gpulayer_executor.runner import MARKER, SpawnError, StopRequest, run_process
+from gpulayer_executor.runner import SpawnError, StopRequest, run_process
 from gpulayer_executor.shim_client import Detached, Follower
-from gpulayer_executor.state import grant_key
 from gpulayer_executor.torchrun import RootCause
 from gpulayer_executor.users import run_as_for
 from gpulayer_executor.writer import DurableWriter
@@ -278,24 +277,10 @@ class JobRunner:
         env = self._environment(job, run_as, cwd)
         if isinstance(env, st.Outcome):
             return env
-        in_container = grant.job.container is not None
-        try:
-            argv = job_argv(
-                grant,
-                workload_python=self._config.workload_python,
-                path=env.get("PATH", DEFAULT_PATH),
-                in_container=in_container,
-            )
-        except LaunchRefused as err:
-            log.warning("job %s refused: %s", grant.job.job_id, err, extra=self._ctx(job.rec))
-            return st.Outcome(state="failed", reason=str(err))
-        extra: dict[str, Any] = {}
-        if in_container:
-            try:
-                extra["container"] = self._container(grant, run_as, cwd, env, argv)
-            except ctr.ContainerError as err:
-                log.warning("job %s refused: %s", grant.job.job_id, err, extra=self._ctx(job.rec))
-                return st.Outcome(state="failed", reason=str(err))
+        launch = self._argv(job, run_as, cwd, env)
+        if isinstance(launch, st.Outcome):
+            return launch
+        argv, extra = launch
         prepare_job_dir(cwd, run_as)  # no disk flush: cheaper than a thread hand-off
         await self._save(job, st.starting(job.rec))
         sink = self._sink(grant)
@@ -314,7 +299,7 @@ class JobRunner:
                 max_line_bytes=self._config.max_line_bytes,
                 on_started=on_started,
                 hierarchy=self._hierarchy,
-                limits=self._limits(grant) if not in_container else None,
+                limits=self._limits(grant) if not extra else None,
                 **extra,
             )
             return _explained(outcome, sink)
@@ -329,66 +314,15 @@ class JobRunner:
         finally:
             await self._close_sink(job, sink)
 
-    def _container(
-        self, grant: Grant, run_as: RunAs | None, cwd: Path, env: dict[str, str], argv: list[str]
-    ) -> ctr.ContainerRun:
-        """How the shim runs the job's container (``container.py``). Raises ContainerError."""
-        config = self._config
-        spec = grant.job.container
-        assert spec is not None
-        if config.podman is None:
-            raise ctr.ContainerError(f"image {spec.image}: podman is not on this node")
-        if not config.shim:
-            raise ctr.ContainerError(
-                f"image {spec.image}: container jobs run under a shim (GPULAYER_EXECUTOR_SHIM=on)"
-            )
-        cdi, _ = read_cdi_devices(config.cdi_dirs) if grant.devices else ([], [])
-        limits = (
-            job_limits(grant, pids_max=config.job_pids_max, nodes=()) if config.enforce else None
-        )
-        name = ctr.container_name(config.workdir, grant.grant_id)
-        run = ctr.ContainerRun(
-            podman=config.podman,
-            name=name,
-            image=spec.image,
-            pull=spec.pull,
-            pull_timeout_s=config.container_pull_timeout_s,
-            argv=ctr.run_argv(
-                podman=config.podman,
-                runtime=config.container_runtime,
-                name=name,
-                labels={
-                    ctr.LABEL_GRANT: grant.grant_id,
-                    ctr.LABEL_EXECUTOR: ctr.executor_label(config.workdir),
-                },
-                image=spec.image,
-                command=argv,
-                user=ctr.job_user(run_as),
-                cwd=cwd,
-                env_file=self._store.run_dir / grant_key(grant.grant_id) / ctr.ENV_FILE,
-                devices=ctr.device_args(grant, cdi, config.device_dir, config.cdi_kind),
-                limits=ctr.limit_args(limits),
-                ulimit=ctr.machine_ulimits(),
-                network=config.container_network,
-            ),
-            env=ctr.container_env(env, grant.job.env, cwd),
-            podman_env=ctr.podman_env(config.base_env, grant.grant_id, MARKER),
-            limits=limits,
-        )
-        return run
-
-    async def _remove_container(self, grant: Grant) -> None:
-        """A container job lost with its shim: its container goes too (the shim would have
-        removed it), so that nothing of it runs on devices placement gives to others."""
-        podman = self._config.podman
-        if podman is None:
-            return
-        name = ctr.container_name(self._config.workdir, grant.grant_id)
-        error = await asyncio.to_thread(ctr.remove, podman, name)
-        if error is not None:
-            log.warning(
-                "container %s of lost job %s not removed: %s", name, grant.job.job_id, error
-            )
+    def _argv(
+        self, job: Job, run_as: RunAs | None, cwd: Path, env: dict[str, str]
+    ) -> tuple[list[str], dict[str, Any]] | st.Outcome:
+        """What to start and the launch's extra arguments; or the outcome of a job refused."""
+        try:
+            return launch_argv(self._config, self._store.run_dir, job.rec.grant, run_as, cwd, env)
+        except (LaunchRefused, ContainerError) as err:
+            log.warning("job %s refused: %s", job.rec.job_id, err, extra=self._ctx(job.rec))
+            return st.Outcome(state="failed", reason=str(err))
 
     def _sink(self, grant: Grant) -> LogSink:
         sink = LogSink(
@@ -482,7 +416,7 @@ class JobRunner:
             outcome = msgspec.structs.replace(outcome, told=True)
         await self._save(job, st.finished(job.rec, outcome))
         if outcome.state == "lost" and job.rec.grant.job.container is not None:
-            await self._remove_container(job.rec.grant)
+            await asyncio.to_thread(remove_lost, self._config, job.rec.grant)
         if self._tel.enabled:
             trace_job(self._tel, self._node_id, job, outcome)
         log.info(

@@ -29,7 +29,6 @@ import msgspec
 
 from gpulayer_executor import procs
 from gpulayer_executor.cgroups import Hierarchy, JobCgroup, LimitError
-from gpulayer_executor.container import ContainerRun
 from gpulayer_executor.env import RunAs
 from gpulayer_executor.limits import JobLimits, oom_reason
 from gpulayer_executor.lines import LineSink, PipeReader
@@ -317,17 +316,13 @@ async def run_process(
     on_started: Callable[[ProcessInfo], Awaitable[None]],
     hierarchy: Hierarchy | None = None,
     limits: JobLimits | None = None,
-    container: ContainerRun | None = None,
 ) -> Outcome:
     """Run the job to its end and say how it ended. Raises SpawnError if it never started.
     ``hierarchy``: where the job's cgroup is made (``cgroups.hierarchy``; None: no cgroup);
     ``limits``: what that cgroup enforces, where its controllers can. The end is the main
     process' exit (or the timeout, or ``stop``), never EOF on its pipes: whatever the job left
     behind (in its group, its cgroup, or found by its marker) is killed then, and its output
-    read for at most ``PIPE_DRAIN_S`` more. A ``container`` job runs under a shim alone
-    (``shim_job``): the executor refuses it before this without one."""
-    if container is not None:
-        raise SpawnError(f"image {container.image}: container jobs run under a shim")
+    read for at most ``PIPE_DRAIN_S`` more."""
     marker_value = env.get(MARKER)
     limits = limits or JobLimits()
     cgroup = hierarchy.create(marker_value) if hierarchy is not None and marker_value else None

@@ -12,12 +12,15 @@ import math
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+import msgspec
+
 from gpulayer_executor import container as ctr
 from gpulayer_executor.limits import oom_reason
-from gpulayer_executor.shim import read_stop
+from gpulayer_executor.shim import ShimSpec, read_stop
 from gpulayer_executor.state import Outcome
 
 log = logging.getLogger(__name__)
@@ -72,6 +75,30 @@ def prepare(box: ctr.ContainerRun, run: Path, signals: Flags) -> Outcome | None:
     except OSError as err:
         return Outcome(state="failed", reason=f"image {box.image}: podman: {err}")
     return look.request(run)
+
+
+def supervise(
+    spec: ShimSpec,
+    box: ctr.ContainerRun,
+    run: Path,
+    signals: Flags,
+    process: Callable[[ShimSpec], Outcome],
+) -> Outcome:
+    """The container job of ``spec``: the image made ready, then ``podman run`` supervised by
+    ``process`` as a job's process is, then the container removed whatever ended it."""
+    early = prepare(box, run, signals)
+    if early is not None:
+        return early
+    # podman runs as the shim's user (rootful) with its own environment; the job's account,
+    # env and limits are its options. The job's cgroup holds podman's client, not the job.
+    podman = msgspec.structs.replace(
+        spec, argv=box.argv, env=box.podman_env, run_as=None, limits=None
+    )
+    try:
+        outcome = process(podman)
+    finally:
+        finish(box, run)
+    return explain(outcome, box)
 
 
 def _write_env(path: Path, text: str) -> None:

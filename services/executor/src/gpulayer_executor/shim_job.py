@@ -316,22 +316,12 @@ class _Group:
 def _supervise(
     spec: ShimSpec, run: Path, sink: FileSink, notify: Notifier, signals: Signals
 ) -> Outcome:
-    box = spec.container
-    if box is None:
-        return _supervise_process(spec, run, sink, notify, signals)
-    early = shim_container.prepare(box, run, signals)
-    if early is not None:
-        return early
-    # podman runs as the shim's user (rootful) with its own environment; the job's account,
-    # env and limits are its options. The job's cgroup holds podman's client, not the job.
-    podman = msgspec.structs.replace(
-        spec, argv=box.argv, env=box.podman_env, run_as=None, limits=None
-    )
-    try:
-        outcome = _supervise_process(podman, run, sink, notify, signals)
-    finally:
-        shim_container.finish(box, run)
-    return shim_container.explain(outcome, box)
+    def process(s: ShimSpec) -> Outcome:
+        return _supervise_process(s, run, sink, notify, signals)
+
+    if spec.container is None:
+        return process(spec)
+    return shim_container.supervise(spec, spec.container, run, signals, process)
 
 
 def _supervise_process(
