@@ -8,12 +8,15 @@ import resource
 import stat
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from gpulayer_contracts.events import Grant
-from gpulayer_contracts.jobs import JobRequest, Sandbox, SandboxDevices
+from gpulayer_contracts.jobs import Container, JobRequest, Sandbox, SandboxDevices
 from gpulayer_detection.cdi import parse_cdi_devices
 from gpulayer_executor import container as ctr
+from gpulayer_executor.config import ExecutorConfig
+from gpulayer_executor.container_jobs import launch_argv
 from gpulayer_executor.limits import JobLimits
 from gpulayer_executor.shim_container import explain
 from gpulayer_executor.state import Outcome
@@ -229,3 +232,32 @@ def test_a_container_sigkilled_with_a_memory_limit_ran_out_of_memory() -> None:
     podman = explain(Outcome(state="failed", exit_code=125, reason="exit code 125"), box(None))
     assert podman.exit_code == 125
     assert "podman could not run the container" in (podman.reason or "")
+
+
+def test_a_container_job_without_podman_or_without_a_shim_fails_naming_why(
+    tmp_path: Path,
+) -> None:
+    job = JobRequest(job_id="j", command=["x"], container=Container(image="localhost/i:1"))
+    g = Grant(grant_id="g", job=job, node_id="n", accelerator="cpu")
+    base = ExecutorConfig(node_id="n", workdir=tmp_path, base_env={"PATH": "/usr/bin"})
+    with pytest.raises(ctr.ContainerError, match="image localhost/i:1: podman is not on this"):
+        launch_argv(base, tmp_path, g, None, tmp_path, {})
+    no_shim = msgspec.structs.replace(base, podman="/usr/bin/podman", shim=False)
+    with pytest.raises(ctr.ContainerError, match="container jobs run under a shim"):
+        launch_argv(no_shim, tmp_path, g, None, tmp_path, {})
+    ok = msgspec.structs.replace(base, podman="/usr/bin/podman", container_runtime="runc")
+    argv, extra = launch_argv(ok, tmp_path, g, None, tmp_path / "jobs" / "g", {"A": "1"})
+    assert argv == ["x"]
+    run = extra["container"]
+    assert run.argv[-2:] == ["localhost/i:1", "x"]
+    assert run.env == {"A": "1", "HOME": str(tmp_path / "jobs" / "g")}
+    assert run.podman_env == {"PATH": "/usr/bin", "GPULAYER_GRANT_ID": "g"}
+    # A bare job: its argv alone.
+    assert launch_argv(
+        base,
+        tmp_path,
+        msgspec.structs.replace(g, job=JobRequest(job_id="j", command=["x"])),
+        None,
+        tmp_path,
+        {},
+    ) == (["x"], {})
