@@ -22,7 +22,7 @@ from typing import TypeVar
 import asyncpg
 import msgspec
 
-from bench import harness
+from bench import containers, harness
 from bench.figures import (
     REPO,
     Sizes,
@@ -262,6 +262,52 @@ async def loop_group(run: Run) -> None:
             # Where the loop's CPU goes (bench/cpu.py): µs per job of the burst, per process.
             for part, us in fl.cpu_us_per_job.items():
                 run.add(Figure(f"full_loop_cpu_us_per_job_{part}", us, "us"))
+
+    await _guard(run, names, work)
+
+
+# The container loop: a container start costs about a second here, so the loop is small.
+CONTAINER_BURST = 24
+CONTAINER_PACED = 12
+
+
+async def loop_container_group(run: Run) -> None:
+    """The full loop with every job in a container (podman, a busybox image made here), beside
+    the bare loop's figures: what a container start costs."""
+    names = [
+        ("full_loop_container_jobs_per_s", "jobs/s"),
+        ("full_loop_container_submit_to_start_p50", "ms"),
+    ]
+    why = containers.missing()
+    if why is not None:
+        for name, unit in names:
+            run.add(unavailable(name, unit, why))
+        return
+
+    async def work() -> None:
+        folder = Path(tempfile.mkdtemp(prefix="containers-", dir=run.root))
+        with containers.bench_image(folder) as image:
+            env = {"GPULAYER_EXECUTOR_DEVICE_DIR": str(containers.device_dir(folder))}
+            async with run.scenario("loop_container") as s:
+                fl = await full_loop(
+                    s,
+                    CONTAINER_BURST,
+                    CONTAINER_PACED,
+                    120.0,
+                    env,
+                    make_job=containers.job_maker(image),
+                    command=containers.COMMAND,
+                    paced_floor=0.5,
+                )
+        note = f"{fl.completed}/{fl.submitted} finished, {fl.failed} not succeeded"
+        if fl.failed or fl.completed < fl.submitted:
+            print(f"# container loop: {note}", flush=True)
+        run.add(
+            Figure("full_loop_container_jobs_per_s", fl.rate, "jobs/s", note=note),
+            Figure("full_loop_container_paced_offered", fl.start_rate, "jobs/s"),
+            Figure("full_loop_container_submit_to_start_p50", fl.start_p50, "ms"),
+            Figure("full_loop_container_submit_to_start_p99", fl.start_p99, "ms"),
+        )
 
     await _guard(run, names, work)
 
@@ -755,6 +801,7 @@ async def amain(args: argparse.Namespace) -> list[Figure]:
             ("latency", lambda: latency_group(run)),
             ("placement10k", lambda: placement_group(run, sizes.large_nodes, "10k")),
             ("loop", lambda: loop_group(run)),
+            ("loop_container", lambda: loop_container_group(run)),
             ("peers", lambda: peers_group(run)),
             ("output", lambda: output_group(run)),
             ("signing", lambda: signing_group(run)),
@@ -796,7 +843,7 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         help=(
             "comma-separated groups: probe,limits,placement1k,replicas,latency,placement10k,requests,observations,"
-            "loop,peers,output,signing,policy,gang,web,telemetry; peers needs --peers and runs "
+            "loop,loop_container,peers,output,signing,policy,gang,web,telemetry; peers needs --peers and runs "
             "with loop"
         ),
     )

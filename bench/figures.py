@@ -615,10 +615,16 @@ async def full_loop(
     paced: int,
     time_limit: float,
     executor_env: dict[str, str] | None = None,
+    *,
+    make_job: Callable[[str, list[str]], JobRequest] = cuda_job,
+    command: Sequence[str] = ("true",),
+    paced_share: float = 0.5,
+    paced_floor: float = 10.0,
 ) -> FullLoop:
     """One node with 8 CUDA devices (a synthetic capabilities event in place of a probe) and
-    the real executor for it (``executor_env`` added to its environment); jobs run ``true``
-    with one GPU each."""
+    the real executor for it (``executor_env`` added to its environment); jobs (``make_job``)
+    run ``command`` with one GPU each. The paced part offers ``paced_share`` of the burst's
+    rate, at least ``paced_floor`` jobs/s."""
     node = "bench-gpu8"
     executor = ServiceProcess(
         "gpulayer_executor",
@@ -641,7 +647,7 @@ async def full_loop(
         await load_fleet(s, [cuda_node(node, datetime.now(UTC))], timeout=30)
 
         # Burst: every job at once; jobs/s from first publish to the last one finished.
-        jobs = encoded([cuda_job(f"loop-{i:06d}", ["true"]) for i in range(burst)])
+        jobs = encoded([make_job(f"loop-{i:06d}", list(command)) for i in range(burst)])
         watch.reset({k for k, _ in jobs})
         assert s.nats.proc is not None  # started by the scenario
         pids = ([s.placement.pid, *(r.pid for r in s.replicas)], executor.pid, s.nats.proc.pid)
@@ -660,8 +666,8 @@ async def full_loop(
         queued = [watch.running_at[k] - t for k, t in sent.items() if k in watch.running_at]
 
         # Paced below capacity: submit-to-process-start without queueing for a free GPU.
-        offered = max(10.0, min(250.0, rate * 0.5))
-        paced_jobs = encoded([cuda_job(f"paced-{i:06d}", ["true"]) for i in range(paced)])
+        offered = max(paced_floor, min(250.0, rate * paced_share))
+        paced_jobs = encoded([make_job(f"paced-{i:06d}", list(command)) for i in range(paced)])
         watch.reset({k for k, _ in paced_jobs})
         psent: dict[str, float] = {}
         tasks: list[asyncio.Task[object]] = []

@@ -283,6 +283,7 @@ def render() -> str:
         ),
         LIFECYCLE.format(),
         DISTRIBUTED,
+        CONTAINERS,
         "## Job request",
         "",
     ]
@@ -388,6 +389,59 @@ distributed = {nodes = 2, processes_per_node = 2, backend = "gloo", launcher = "
   that runs torchrun as its own command gets the same ([executor](executor.md)).
 - **Without a launcher** the command runs once on each node with the variables above; with
   `processes_per_node` > 1 it starts its processes itself.
+"""
+
+
+# Hand-written: a job in a container, as the executor runs it.
+CONTAINERS = """\
+## Jobs in containers
+
+A job with `container` runs its `command` inside that OCI image, with podman on the node,
+instead of on the host:
+
+```toml
+job_id = "train-in-image"
+command = ["python", "train.py"]
+env = { EPOCHS = "3" }
+
+[container]
+image = "registry.example/team/train:2.4"
+pull = "missing"          # missing (default) | never | always
+
+[requirements]
+accelerator = "cuda"
+gpu_count = 1
+
+[sandbox.devices]
+gpu = "compute"
+```
+
+- **What runs inside.** `command` is the argv inside the image (never a shell; after the image,
+  podman reads nothing as its own option); `env` is passed in with gpulayer's own variables
+  (`CUDA_VISIBLE_DEVICES`, `GPULAYER_JOB_ID`, the rendezvous of a distributed rank, ...), as for
+  a bare job; `PATH` is the image's unless `env` sets one. The job runs as its account on the
+  node (the owner's uid, as bare jobs), with no capabilities and no new privileges; its folder
+  on the node is mounted at the same path and is its working directory and `HOME`.
+- **GPUs.** Only the granted devices, each by its CDI name in the node's spec
+  (`nvidia.com/gpu=1`), else its device nodes; a job that asked for no GPU gets none.
+- **Limits.** `memory_gb`, `cpu_cores` and the node's process limit hold inside; a job past its
+  `memory_gb` is `failed` with `out of memory: ...` as a bare job.
+- **Pull.** `never`: the node must hold the image, else the job fails at once with
+  `image REF is not on this node and its pull policy is never`. `missing` pulls when the node
+  lacks it, `always` every time, each within the node's bound (`failed` with `image REF: its
+  pull took longer than 300 s ...` or `image REF: pull failed: <podman's error>`). An image for
+  another architecture fails with `image REF is for arm64, this node is amd64`. A job never
+  waits in `running` for its image: pulling happens before `running`.
+- **Exit.** The exit code is the command's; podman's own 125 (it could not run the container),
+  126 and 127 (the command could not be run, or was not in the image) say so in the reason.
+  Cancel and timeout stop the container (its stop signal, the grace, then SIGKILL), and nothing
+  of it is left on the node when the job has ended.
+- **Distributed jobs.** Each rank's container gets the rank's environment; with `launcher =
+  "torchrun"`, the `torchrun` on the image's `PATH` is started with the static rendezvous.
+  Ranks reach each other over the host's network (the node's default).
+
+How the executor runs it, and its settings: [executor](executor.md#container-jobs); what a
+container job can and can't reach: [security](security.md#container-jobs).
 """
 
 

@@ -37,6 +37,34 @@ def test_defaults() -> None:
     assert (config.reserved_cores, config.reserved_memory_gb) == (0.0, 1.0)
 
 
+def test_container_settings(tmp_path: Path) -> None:
+    podman = tmp_path / "podman"
+    podman.write_text("#!/bin/sh\n")
+    podman.chmod(0o755)
+    base = {"GPULAYER_NODE_ID": "n1", "PATH": str(tmp_path), **KEYS}
+    config = settings(base, euid=4321)
+    # Found on PATH; no runc there: podman's own default runtime.
+    assert (config.podman, config.container_runtime) == (str(podman), None)
+    assert (config.container_network, config.container_pull_timeout_s) == ("host", 300.0)
+    assert (config.cdi_dirs, config.cdi_kind) == (("/etc/cdi", "/var/run/cdi"), None)
+    config = settings(
+        {
+            **base,
+            "GPULAYER_EXECUTOR_CONTAINER_NETWORK": "none",
+            "GPULAYER_EXECUTOR_CONTAINER_RUNTIME": "crun",
+            "GPULAYER_EXECUTOR_CONTAINER_PULL_TIMEOUT_S": "20",
+            "GPULAYER_EXECUTOR_CDI_DIRS": f"{tmp_path}{os.pathsep}/x",
+            "GPULAYER_EXECUTOR_CDI_KIND": "example.com/gpu",
+        },
+        euid=4321,
+    )
+    assert (config.container_network, config.container_runtime) == ("none", "crun")
+    assert config.container_pull_timeout_s == 20.0
+    assert (config.cdi_dirs, config.cdi_kind) == ((str(tmp_path), "/x"), "example.com/gpu")
+    # No podman on the node: container jobs fail saying so, the executor still starts.
+    assert settings({**base, "PATH": "/nonexistent"}, euid=4321).podman is None
+
+
 def test_limit_settings(tmp_path: Path) -> None:
     config = settings(
         {
@@ -110,6 +138,11 @@ def test_overrides() -> None:
         ({"GPULAYER_EXECUTOR_DEVICE_DIR": "/no/such/dev"}, "DEVICE_DIR='/no/such/dev': no such"),
         ({"GPULAYER_EXECUTOR_ENFORCE": "maybe"}, "ENFORCE='maybe': expected on or off"),
         ({"GPULAYER_NODE_ID": "a.b"}, "may not contain"),
+        ({"GPULAYER_EXECUTOR_CONTAINER_NETWORK": "bridge"}, "NETWORK='bridge': expected host"),
+        ({"GPULAYER_EXECUTOR_CONTAINER_PULL_TIMEOUT_S": "nan"}, "PULL_TIMEOUT_S"),
+        ({"GPULAYER_EXECUTOR_CONTAINER_PULL_TIMEOUT_S": "-1"}, "PULL_TIMEOUT_S"),
+        ({"GPULAYER_EXECUTOR_PODMAN": "/no/such/podman"}, "PODMAN='/no/such/podman': no such"),
+        ({"GPULAYER_EXECUTOR_CDI_KIND": "gpu"}, "CDI_KIND='gpu': expected vendor/class"),
     ],
 )
 def test_bad_settings_are_config_errors(env: dict[str, str], match: str) -> None:

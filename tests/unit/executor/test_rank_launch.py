@@ -11,6 +11,7 @@ import pytest
 from gpulayer_contracts.events import GangRank, Grant
 from gpulayer_contracts.jobenv import EnvRefused, grant_environment
 from gpulayer_contracts.jobs import Distributed, JobRequest, rank_job_id
+from gpulayer_executor.container import container_env
 from gpulayer_executor.gang import (
     LaunchRefused,
     find_torchrun,
@@ -144,3 +145,18 @@ def test_the_command_itself_without_a_launcher_or_a_gang() -> None:
 def test_a_launcher_the_executor_cannot_start_is_refused() -> None:
     with pytest.raises(LaunchRefused, match="'mpirun' is not a launcher"):
         job_argv(rank_grant(launcher="mpirun"), workload_python=None, path=os.defpath)
+
+
+def test_a_rank_in_a_container_runs_the_images_torchrun_with_the_same_rendezvous(
+    tmp_path: Path,
+) -> None:
+    # torchrun is the image's (its PATH), never looked up on the host; the rank's environment is
+    # the same as a bare rank's, and goes into the container whole (less the host's PATH).
+    grant = rank_grant()
+    argv = job_argv(grant, workload_python=None, path=str(tmp_path), in_container=True)
+    assert argv == torchrun_argv("torchrun", grant)
+    env = grant_environment(grant, BASE)
+    inside = container_env(env, grant.job.env, tmp_path)
+    rendezvous = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "GPULAYER_JOB_ID")
+    assert {k: inside[k] for k in rendezvous} == {k: env[k] for k in rendezvous}
+    assert "PATH" not in inside

@@ -7,6 +7,8 @@ import logging
 import math
 import os
 import pwd
+import re
+import shutil
 import signal
 import sys
 from collections.abc import Mapping
@@ -18,6 +20,7 @@ import msgspec
 
 from gpulayer_contracts.bounds import MAX_EXECUTOR_SLOTS, MAX_JOB_CPU_CORES, MAX_JOB_MEMORY_GB
 from gpulayer_contracts.jobenv import base_environment
+from gpulayer_detection.cdi import CDI_DIRS
 from gpulayer_executor import users
 from gpulayer_executor.env import RunAs
 from gpulayer_executor.limits import MAX_PIDS
@@ -262,6 +265,50 @@ def limit_settings(env: Mapping[str, str]) -> dict[str, Any]:
     }
 
 
+def _program(env: Mapping[str, str], name: str, default: str) -> str | None:
+    """A program by setting (a path, or a name looked up on PATH), else ``default`` on PATH;
+    None when it is not there. A setting naming a missing program is an error."""
+    raw = env_str(env, name, "")
+    found = shutil.which(raw or default, path=env.get("PATH") or os.defpath)
+    if raw and found is None:
+        raise ConfigError(f"{name}={raw!r}: no such program")
+    return str(Path(found).resolve()) if found else None
+
+
+def container_settings(env: Mapping[str, str]) -> dict[str, Any]:
+    """How container jobs are run (``ExecutorConfig`` fields): podman, its OCI runtime (runc
+    where found: crun refuses hybrid cgroup layouts), the network, the pull bound, CDI."""
+    network = env_str(env, "GPULAYER_EXECUTOR_CONTAINER_NETWORK", "host").lower()
+    if network not in ("host", "none"):
+        raise ConfigError(f"GPULAYER_EXECUTOR_CONTAINER_NETWORK={network!r}: expected host or none")
+    runtime = env_str(env, "GPULAYER_EXECUTOR_CONTAINER_RUNTIME", "")
+    if not runtime:
+        runtime = "runc" if shutil.which("runc", path=env.get("PATH") or os.defpath) else ""
+    dirs = env_str(env, "GPULAYER_EXECUTOR_CDI_DIRS", "")
+    kind = env_str(env, "GPULAYER_EXECUTOR_CDI_KIND", "")
+    if kind and not _CDI_KIND.fullmatch(kind):
+        raise ConfigError(f"GPULAYER_EXECUTOR_CDI_KIND={kind!r}: expected vendor/class")
+    return {
+        "podman": _program(env, "GPULAYER_EXECUTOR_PODMAN", "podman"),
+        "container_runtime": runtime or None,
+        "container_network": network,
+        "container_pull_timeout_s": _pull_timeout(env),
+        "cdi_dirs": tuple(d for d in dirs.split(os.pathsep) if d) if dirs else CDI_DIRS,
+        "cdi_kind": kind or None,
+    }
+
+
+def _pull_timeout(env: Mapping[str, str]) -> float:
+    name = "GPULAYER_EXECUTOR_CONTAINER_PULL_TIMEOUT_S"
+    value = _number(env, name, 300.0, 24 * 3600.0)
+    if value <= 0:
+        raise ConfigError(f"{name}={value:g}: expected a number above 0")
+    return value
+
+
+_CDI_KIND = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
 def settings(env: Mapping[str, str], *, euid: int | None = None) -> ExecutorConfig:
     """The executor's configuration from an environment mapping (``euid``: the executor's
     effective uid, this process' when not given)."""
@@ -283,6 +330,7 @@ def settings(env: Mapping[str, str], *, euid: int | None = None) -> ExecutorConf
         owner_uids=uids,
         kill_grace_s=env_float(env, "GPULAYER_KILL_GRACE_S", 5.0),
         **limit_settings(env),
+        **container_settings(env),
         drain_s=_seconds_or_zero(env, "GPULAYER_EXECUTOR_DRAIN_S"),
         shim=_on_off(env, "GPULAYER_EXECUTOR_SHIM"),
         heartbeat_s=env_float(env, "GPULAYER_HEARTBEAT_S", 5.0),
@@ -309,7 +357,8 @@ async def _amain() -> None:
     log.info(
         "settings: nats=%s node=%s workdir=%s user=%s kill_grace_s=%s max_jobs=%s drain_s=%s "
         "signed grants=%s (%d keys, max age %ss) enforce=%s job_pids_max=%s device_dir=%s "
-        "reserved_cores=%s reserved_memory_gb=%s shim=%s",
+        "reserved_cores=%s reserved_memory_gb=%s shim=%s podman=%s container_runtime=%s "
+        "container_network=%s container_pull_timeout_s=%s cdi_dirs=%s cdi_kind=%s",
         nats,
         config.node_id,
         config.workdir,
@@ -326,6 +375,12 @@ async def _amain() -> None:
         config.reserved_cores,
         config.reserved_memory_gb,
         "on" if config.shim else "off",
+        config.podman or "(none: container jobs fail)",
+        config.container_runtime or "(podman's default)",
+        config.container_network,
+        config.container_pull_timeout_s,
+        ":".join(config.cdi_dirs),
+        config.cdi_kind or "(by accelerator)",
     )
     _say_who_runs_jobs(config)
     from gpulayer_executor.service import Executor

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
+from gpulayer_detection.cdi import CDI_DIRS
 from gpulayer_executor.env import RunAs
 from gpulayer_runtime.signing import DEFAULT_MAX_AGE_S
 
@@ -67,3 +69,13 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
     # The node's workload interpreter (GPULAYER_WORKLOAD_PYTHON, as the probe's): a rank of a
     # distributed job with launcher torchrun runs the torchrun next to it, else the one on PATH.
     workload_python: str | None = None
+    # Container jobs (container.py): podman (None: not on this node, such a job fails saying
+    # so), the OCI runtime it is told to use (None: podman's own default), the network a
+    # container gets, how long a pull may take, where the node's CDI specs are and the CDI kind
+    # granted GPUs are named by (None: nvidia.com/gpu for CUDA, amd.com/gpu for ROCm).
+    podman: str | None = None
+    container_runtime: str | None = None
+    container_network: Literal["host", "none"] = "host"
+    container_pull_timeout_s: float = 300.0
+    cdi_dirs: tuple[str, ...] = CDI_DIRS
+    cdi_kind: str | None = None

@@ -55,9 +55,12 @@ def torchrun_argv(torchrun: str, grant: Grant) -> list[str]:
     ]
 
 
-def job_argv(grant: Grant, *, workload_python: str | None, path: str) -> list[str]:
+def job_argv(
+    grant: Grant, *, workload_python: str | None, path: str, in_container: bool = False
+) -> list[str]:
     """What the executor starts for ``grant``: its command, or for a rank of a distributed job
-    with ``launcher = "torchrun"``, torchrun around it. Raises LaunchRefused."""
+    with ``launcher = "torchrun"``, torchrun around it (``in_container``: the image's own,
+    found on the image's PATH). Raises LaunchRefused."""
     dist = grant.job.distributed
     launcher = dist.launcher if dist is not None else None
     if grant.gang is None or launcher is None:
@@ -67,6 +70,8 @@ def job_argv(grant: Grant, *, workload_python: str | None, path: str) -> list[st
             f"distributed.launcher: {launcher!r} is not a launcher this executor can start "
             f"({TORCHRUN}, or unset)"
         )
+    if in_container:
+        return torchrun_argv(TORCHRUN, grant)
     torchrun = find_torchrun(workload_python, path)
     if torchrun is None:
         where = (

@@ -21,13 +21,15 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from gpulayer_contracts.events import Grant
-from gpulayer_contracts.jobenv import DEFAULT_PATH, EnvRefused, grant_device_env, grant_environment
+from gpulayer_contracts.jobenv import EnvRefused, grant_device_env, grant_environment
 from gpulayer_executor import state as st
 from gpulayer_executor.cgroups import Hierarchy
 from gpulayer_executor.config import ExecutorConfig
+from gpulayer_executor.container import ContainerError
+from gpulayer_executor.container_jobs import launch_argv, remove_lost
 from gpulayer_executor.env import RunAs, account_env
 from gpulayer_executor.folders import clear_scratch, prepare_job_dir, scratch_dir
-from gpulayer_executor.gang import LaunchRefused, job_argv
+from gpulayer_executor.gang import LaunchRefused
 from gpulayer_executor.limits import JobLimits, NvidiaNodes, job_limits
 from gpulayer_executor.output import LogSink
 from gpulayer_executor.reporter import Reporter
@@ -45,7 +47,9 @@ log = logging.getLogger("gpulayer_executor.service")
 
 class Launch(Protocol):
     """Runs a job's process to its end (``runner.run_process``). The seam where another way of
-    launching plugs in (a supervisor shim, a cgroup per job) without touching a job's life."""
+    launching plugs in (a supervisor shim, a cgroup per job) without touching a job's life. A
+    container job also gets ``container=`` (``container.ContainerRun``): only the shim's
+    launcher runs one."""
 
     def __call__(
         self,
@@ -273,15 +277,10 @@ class JobRunner:
         env = self._environment(job, run_as, cwd)
         if isinstance(env, st.Outcome):
             return env
-        try:
-            argv = job_argv(
-                grant,
-                workload_python=self._config.workload_python,
-                path=env.get("PATH", DEFAULT_PATH),
-            )
-        except LaunchRefused as err:
-            log.warning("job %s refused: %s", grant.job.job_id, err, extra=self._ctx(job.rec))
-            return st.Outcome(state="failed", reason=str(err))
+        launch = self._argv(job, run_as, cwd, env)
+        if isinstance(launch, st.Outcome):
+            return launch
+        argv, extra = launch
         prepare_job_dir(cwd, run_as)  # no disk flush: cheaper than a thread hand-off
         await self._save(job, st.starting(job.rec))
         sink = self._sink(grant)
@@ -300,7 +299,8 @@ class JobRunner:
                 max_line_bytes=self._config.max_line_bytes,
                 on_started=on_started,
                 hierarchy=self._hierarchy,
-                limits=self._limits(grant),
+                limits=self._limits(grant) if not extra else None,
+                **extra,
             )
             return _explained(outcome, sink)
         except SpawnError as err:
@@ -313,6 +313,16 @@ class JobRunner:
             return None
         finally:
             await self._close_sink(job, sink)
+
+    def _argv(
+        self, job: Job, run_as: RunAs | None, cwd: Path, env: dict[str, str]
+    ) -> tuple[list[str], dict[str, Any]] | st.Outcome:
+        """What to start and the launch's extra arguments; or the outcome of a job refused."""
+        try:
+            return launch_argv(self._config, self._store.run_dir, job.rec.grant, run_as, cwd, env)
+        except (LaunchRefused, ContainerError) as err:
+            log.warning("job %s refused: %s", job.rec.job_id, err, extra=self._ctx(job.rec))
+            return st.Outcome(state="failed", reason=str(err))
 
     def _sink(self, grant: Grant) -> LogSink:
         sink = LogSink(
@@ -405,6 +415,8 @@ class JobRunner:
             self._told.discard(job.rec.grant_id)
             outcome = msgspec.structs.replace(outcome, told=True)
         await self._save(job, st.finished(job.rec, outcome))
+        if outcome.state == "lost" and job.rec.grant.job.container is not None:
+            await asyncio.to_thread(remove_lost, self._config, job.rec.grant)
         if self._tel.enabled:
             trace_job(self._tel, self._node_id, job, outcome)
         log.info(

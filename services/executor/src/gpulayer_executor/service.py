@@ -23,7 +23,7 @@ from nats.js import JetStreamContext
 from gpulayer_contracts import Heartbeat, __version__
 from gpulayer_contracts.codec import encode
 from gpulayer_contracts.subjects import node_heartbeat
-from gpulayer_executor import cgroups
+from gpulayer_executor import cgroups, container
 from gpulayer_executor import state as st
 from gpulayer_executor.config import ExecutorConfig
 from gpulayer_executor.folders import empty_trash
@@ -112,8 +112,30 @@ class Executor:
             verifier=_verifier(config),
         )
         self._side_tasks: list[asyncio.Task[None]] = []
+        self._sweep: asyncio.Task[None] | None = None
         self._trash_removal: asyncio.Future[None] | None = None
         self.ready = asyncio.Event()  # set once reconciled and consuming
+
+    async def _sweep_containers(self) -> None:
+        """Remove the containers an earlier run of this executor left whose job is not held
+        now (its shim gone, or killed before it could remove them): nothing of an ended job
+        stays on the node. Other executors' containers carry another label and are left."""
+        podman = self.config.podman
+        assert podman is not None
+        try:
+            await self._remove_leftovers(podman)
+        except Exception:
+            log.exception("looking for leftover containers failed")
+
+    async def _remove_leftovers(self, podman: str) -> None:
+        found = await asyncio.to_thread(container.leftovers, podman, self.config.workdir)
+        for name, grant_id in found.items():
+            if grant_id in self.runner.jobs:
+                continue
+            log.info("removing container %s (grant %s): no job of it runs", name, grant_id)
+            error = await asyncio.to_thread(container.remove, podman, name)
+            if error is not None:
+                log.warning("container %s not removed: %s", name, error)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set, then shut down (see docs/executor.md, "Stopping")."""
@@ -123,6 +145,9 @@ class Executor:
         self._trash_removal = empty_trash(self.store.trash_dir)
         await self.intake.subscribe()
         await self.reconciler.reconcile()
+        if self.config.podman is not None:
+            # Once, beside serving: it ends, where a side task ending stops the executor.
+            self._sweep = asyncio.create_task(self._sweep_containers(), name="containers")
         self._side_tasks = [
             asyncio.create_task(self.intake.consume_grants(), name="grants"),
             asyncio.create_task(self.intake.consume_cancels(), name="control"),
@@ -156,6 +181,8 @@ class Executor:
         for task in self._side_tasks:
             task.cancel()
         await asyncio.gather(*self._side_tasks, return_exceptions=True)
+        if self._sweep is not None:
+            await asyncio.gather(self._sweep, return_exceptions=True)
         await self.intake.unsubscribe()
         await self.runner.shutdown(self.config.drain_s, STOPPED)
         await self.writer.drain()

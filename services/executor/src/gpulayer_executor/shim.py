@@ -33,6 +33,7 @@ from pathlib import Path
 import msgspec
 
 from gpulayer_executor.cgroups import Hierarchy
+from gpulayer_executor.container import ContainerRun
 from gpulayer_executor.env import RunAs
 from gpulayer_executor.limits import JobLimits
 from gpulayer_executor.lines import Stream
@@ -102,6 +103,8 @@ class ShimSpec(msgspec.Struct, frozen=True, kw_only=True):
     max_file_bytes: int = MAX_OUTPUT_FILE_BYTES
     hierarchy: HierarchySpec | None = None
     limits: JobLimits | None = None
+    # A container job: ``argv`` and ``env`` are the command's and the job's; podman runs them.
+    container: ContainerRun | None = None
 
 
 class ShimInfo(msgspec.Struct, frozen=True, kw_only=True):

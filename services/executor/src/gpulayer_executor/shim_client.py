@@ -28,6 +28,7 @@ import msgspec
 
 from gpulayer_executor import procs
 from gpulayer_executor.cgroups import Hierarchy
+from gpulayer_executor.container import ContainerRun
 from gpulayer_executor.env import RunAs
 from gpulayer_executor.limits import JobLimits
 from gpulayer_executor.output import LogSink, Stream
@@ -439,6 +440,7 @@ class ShimLauncher:
         on_started: Callable[[ProcessInfo], Awaitable[None]],
         hierarchy: Hierarchy | None,
         limits: JobLimits | None,
+        container: ContainerRun | None = None,
     ) -> Outcome:
         grant_id = env[MARKER]
         run = self.run_dir(cwd.name)  # the job folder's name: the grant's safe key
@@ -457,6 +459,7 @@ class ShimLauncher:
             max_bytes_per_s=sink.max_bytes_per_s,
             hierarchy=hierarchy_spec(hierarchy) if hierarchy is not None else None,
             limits=limits,
+            container=container,
         )
         try:
             pid, notify = await self.server.fork(spec)

@@ -24,7 +24,7 @@ from types import FrameType
 
 import msgspec
 
-from gpulayer_executor import procs, users
+from gpulayer_executor import procs, shim_container, users
 from gpulayer_executor.cgroups import Hierarchy, JobCgroup, LimitError
 from gpulayer_executor.env import RunAs
 from gpulayer_executor.limits import JobLimits
@@ -316,6 +316,17 @@ class _Group:
 def _supervise(
     spec: ShimSpec, run: Path, sink: FileSink, notify: Notifier, signals: Signals
 ) -> Outcome:
+    def process(s: ShimSpec) -> Outcome:
+        return _supervise_process(s, run, sink, notify, signals)
+
+    if spec.container is None:
+        return process(spec)
+    return shim_container.supervise(spec, spec.container, run, signals, process)
+
+
+def _supervise_process(
+    spec: ShimSpec, run: Path, sink: FileSink, notify: Notifier, signals: Signals
+) -> Outcome:
     marker = spec.env.get(MARKER)
     limits = spec.limits or JobLimits()
     hierarchy = _hierarchy(spec.hierarchy)
@@ -454,18 +465,27 @@ def _until_end(spec: ShimSpec, run: Path, group: _Group, watch: _Watch) -> Outco
     if watch.request is not None:
         request = watch.request
         log.info("stopping pid %s: %s", group.pgid, request.reason)
-        _terminate(group, watch, spec.kill_grace_s)
+        _terminate(group, watch, spec)
         assert watch.returncode is not None
         return _stopped_outcome(watch.returncode, request.state, request.reason)
     log.info("pid %s exceeded its timeout of %ss", group.pgid, spec.timeout_s)
-    _terminate(group, watch, spec.kill_grace_s)
+    _terminate(group, watch, spec)
     assert watch.returncode is not None
     return _stopped_outcome(watch.returncode, "failed", "timeout")
 
 
-def _terminate(group: _Group, watch: _Watch, grace_s: float) -> None:
+def _terminate(group: _Group, watch: _Watch, spec: ShimSpec) -> None:
     """SIGTERM to all of the job, the grace period, SIGKILL to what is left; its output is read
-    all the while."""
+    all the while. A container is stopped by podman (its stop signal, the grace, SIGKILL);
+    whatever of podman is left then is killed."""
+    grace_s = spec.kill_grace_s
+    if spec.container is not None:
+        stopper = shim_container.start_stop(spec.container, grace_s)
+        watch.until(time.monotonic() + grace_s + shim_container.STOP_MARGIN_S, stop=False)
+        group.kill(watch)
+        watch.until(None, stop=False)
+        shim_container.reap(stopper)
+        return
     group.signal_all(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     watch.until(deadline, stop=False)

@@ -1,0 +1,263 @@
+"""A container job's podman argv, devices, limits and environment (pure), and how the shim
+words its end."""
+
+from __future__ import annotations
+
+import os
+import resource
+import stat
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from gpulayer_contracts.events import Grant
+from gpulayer_contracts.jobs import Container, JobRequest, Sandbox, SandboxDevices
+from gpulayer_detection.cdi import parse_cdi_devices
+from gpulayer_executor import container as ctr
+from gpulayer_executor.config import ExecutorConfig
+from gpulayer_executor.container_jobs import launch_argv
+from gpulayer_executor.limits import JobLimits
+from gpulayer_executor.shim_container import explain
+from gpulayer_executor.state import Outcome
+
+INF = resource.RLIM_INFINITY
+CDI = """
+cdiVersion: 0.5.0
+kind: nvidia.com/gpu
+devices:
+  - name: "0"
+    containerEdits: {deviceNodes: [{path: /dev/nvidia0}]}
+  - name: "1"
+    containerEdits: {deviceNodes: [{path: /dev/nvidia1}]}
+  - name: GPU-aaaa
+    containerEdits: {deviceNodes: [{path: /dev/nvidia1}]}
+  - name: MIG-bbbb
+    containerEdits: {deviceNodes: [{path: /dev/nvidia-caps/nvidia-cap12}]}
+"""
+
+
+def grant(
+    devices: list[int], *, compute: bool = True, instance_uuids: list[str] | None = None
+) -> Grant:
+    sandbox = Sandbox(devices=SandboxDevices(gpu="compute" if compute else None))
+    job = JobRequest(job_id="j", command=["x"], sandbox=sandbox)
+    return Grant(
+        grant_id="g",
+        job=job,
+        node_id="n",
+        accelerator="cuda",
+        devices=devices,
+        instance_uuids=instance_uuids or [],
+    )
+
+
+def test_ulimits_are_what_the_machine_allows() -> None:
+    assert ctr.ulimits(20000, 96365, 32768) == [
+        "--ulimit",
+        "nofile=20000:20000",
+        "--ulimit",
+        "nproc=32768:32768",  # podman caps processes at pid_max
+    ]
+    assert ctr.ulimits(INF, INF, 4194304) == ["--ulimit", "nproc=4194304:4194304"]
+    assert ctr.ulimits(1024, 500, 32768)[-1] == "nproc=500:500"
+
+
+def test_granted_devices_by_cdi_name_only_those() -> None:
+    cdi = parse_cdi_devices(CDI)
+    assert ctr.device_args(grant([1]), cdi, Path("/nonexistent")) == [
+        "--device",
+        "nvidia.com/gpu=1",
+    ]
+    # No GPU asked for, or not granted compute: nothing, whatever the node has.
+    assert ctr.device_args(grant([]), cdi, Path("/dev")) == []
+    assert ctr.device_args(grant([0], compute=False), cdi, Path("/dev")) == []
+    # A MIG instance only by its own name, never its parent's whole GPU.
+    mig = grant([0], instance_uuids=["MIG-bbbb"])
+    assert ctr.device_args(mig, cdi, Path("/dev")) == ["--device", "nvidia.com/gpu=MIG-bbbb"]
+    with pytest.raises(ctr.ContainerError, match="MIG-cccc has no CDI device"):
+        ctr.device_args(grant([0], instance_uuids=["MIG-cccc"]), cdi, Path("/dev"))
+
+
+def test_without_a_cdi_spec_the_device_nodes_and_control_nodes(tmp_path: Path) -> None:
+    for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm"):
+        os.mknod(tmp_path / name, 0o600 | stat.S_IFREG)
+    assert ctr.device_args(grant([1]), [], tmp_path) == [
+        "--device",
+        str(tmp_path / "nvidia1"),
+        "--device",
+        str(tmp_path / "nvidiactl"),
+        "--device",
+        str(tmp_path / "nvidia-uvm"),
+    ]
+    with pytest.raises(ctr.ContainerError, match="device 3: neither a CDI device nor"):
+        ctr.device_args(grant([3]), [], tmp_path)
+
+
+def test_limits_become_podman_options() -> None:
+    limits = JobLimits(memory_gb=0.5, memory_bytes=500_000_000, cpu_quota_us=150_000, pids_max=64)
+    assert ctr.limit_args(limits) == [
+        "--memory",
+        "500000000",
+        "--memory-swap",
+        "500000000",
+        "--cpus",
+        "1.5",
+        "--pids-limit",
+        "64",
+    ]
+    assert ctr.limit_args(None) == []
+    assert ctr.limit_args(JobLimits()) == []
+
+
+def test_a_job_folder_volume_cannot_carry_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ctr.ContainerError, match="holds ':' or ','"):
+        _argv(tmp_path / "a:b", [])
+
+
+def _argv(cwd: Path, command: list[str]) -> list[str]:
+    return ctr.run_argv(
+        podman="podman",
+        runtime=None,
+        name="n",
+        labels={},
+        image="i",
+        command=command,
+        user=(1, 1),
+        cwd=cwd,
+        env_file=cwd / "env",
+        devices=[],
+        limits=[],
+        ulimit=[],
+        network="host",
+    )
+
+
+def test_the_image_is_last_and_the_command_follows_it_untouched(tmp_path: Path) -> None:
+    command = ["--privileged", "-v", "/:/host", "--", "$HOME"]
+    argv = ctr.run_argv(
+        podman="/usr/bin/podman",
+        runtime="runc",
+        name="gpulayer-x",
+        labels={ctr.LABEL_GRANT: "g"},
+        image="localhost/img:1",
+        command=command,
+        user=(3000001, 3000001),
+        cwd=tmp_path,
+        env_file=tmp_path / "env",
+        devices=["--device", "nvidia.com/gpu=1"],
+        limits=[],
+        ulimit=[],
+        network="none",
+    )
+    at = argv.index("localhost/img:1")
+    assert argv[at + 1 :] == command  # podman reads nothing after the image as its own
+    assert argv[:4] == ["/usr/bin/podman", "--runtime", "runc", "run"]
+    for option in (
+        ["--user", "3000001:3000001"],
+        ["--security-opt", "no-new-privileges"],
+        ["--cap-drop", "all"],
+        ["--network", "none"],
+        ["--pull", "never"],
+        ["--workdir", str(tmp_path)],
+        ["--volume", f"{tmp_path}:{tmp_path}:rw"],
+        ["--env-file", str(tmp_path / "env")],
+    ):
+        i = argv.index(option[0], 0, at) if option[0] != "--volume" else argv.index(option[0])
+        while argv[i + 1] != option[1]:
+            i = argv.index(option[0], i + 1, at)
+        assert i < at
+    # No value of the job's environment on the argv (other users read it in /proc).
+    assert not any(a.startswith("-e") for a in argv[:at])
+
+
+def test_the_jobs_env_goes_in_less_the_hosts_path(tmp_path: Path) -> None:
+    env = {"PATH": "/host/bin", "HOME": "/home/x", "A": "1", "GPULAYER_GRANT_ID": "g"}
+    got = ctr.container_env(env, {"A": "1"}, tmp_path)
+    assert got == {"HOME": str(tmp_path), "A": "1", "GPULAYER_GRANT_ID": "g"}
+    # The job's own PATH goes in.
+    assert ctr.container_env(env, {"PATH": "/host/bin"}, tmp_path)["PATH"] == "/host/bin"
+    with pytest.raises(ctr.ContainerError, match="env: B holds a line break"):
+        ctr.container_env({"B": "x\nC=evil"}, {}, tmp_path)
+    for bad in ("#A", "A B", "A\tB"):
+        with pytest.raises(ctr.ContainerError, match="is not a name a container job can pass"):
+            ctr.container_env({bad: "1"}, {}, tmp_path)
+    assert ctr.env_file_text({"A": "1", "B": "a b=c"}) == "A=1\nB=a b=c\n"
+    big = {f"V{i}": "x" * 10_000 for i in range(300)}  # 3 MB: over ARG_MAX on an argv
+    assert len(ctr.env_file_text(ctr.container_env(big, {}, tmp_path))) > 3_000_000
+
+
+def test_podman_gets_the_executors_path_never_the_jobs() -> None:
+    env = ctr.podman_env({"PATH": "/usr/bin", "LANG": "C.UTF-8", "HOME": "/root"}, "g1", "M")
+    assert env == {"PATH": "/usr/bin", "LANG": "C.UTF-8", "M": "g1"}
+
+
+def test_names_and_labels_are_per_executor_and_grant(tmp_path: Path) -> None:
+    a = ctr.container_name(tmp_path / "a", "g1")
+    assert a.startswith("gpulayer-")
+    assert a == ctr.container_name(tmp_path / "a", "g1")
+    assert a != ctr.container_name(tmp_path / "b", "g1")
+    assert a != ctr.container_name(tmp_path / "a", "g2")
+    assert ctr.executor_label(tmp_path / "a") != ctr.executor_label(tmp_path / "b")
+
+
+def test_architecture_and_pull_reasons_name_the_image() -> None:
+    ctr.check_arch("img:1", "amd64", "amd64")
+    with pytest.raises(ctr.ContainerError, match="image img:1 is for arm64, this node is amd64"):
+        ctr.check_arch("img:1", "arm64", "amd64")
+    err = ctr.pull_failed("r.example/x:1", 125, "Trying to pull...\nError: connection refused\n")
+    assert str(err) == "image r.example/x:1: pull failed: Error: connection refused"
+    assert "pull policy is never" in str(ctr.never_pulled("img:1"))
+
+
+def box(limits: JobLimits | None) -> ctr.ContainerRun:
+    return ctr.ContainerRun(
+        podman="podman", name="n", image="i", argv=[], env={}, podman_env={}, limits=limits
+    )
+
+
+def test_a_container_sigkilled_with_a_memory_limit_ran_out_of_memory() -> None:
+    limits = JobLimits(memory_gb=0.03, memory_bytes=30_000_000)
+    killed = Outcome(state="failed", exit_code=137, reason="exit code 137")
+    assert explain(killed, box(limits)).reason == (
+        "out of memory: the job passed its memory_gb = 0.03 (30000000 bytes)"
+    )
+    assert explain(killed, box(None)) == killed  # no limit: no such guess
+    timed_out = Outcome(state="failed", exit_code=137, reason="timeout")
+    assert explain(timed_out, box(limits)) == timed_out
+    cancelled = Outcome(state="cancelled", exit_code=137, reason="by admin")
+    assert explain(cancelled, box(limits)) == cancelled
+    seven = Outcome(state="failed", exit_code=7, reason="exit code 7")
+    assert explain(seven, box(limits)) == seven
+    podman = explain(Outcome(state="failed", exit_code=125, reason="exit code 125"), box(None))
+    assert podman.exit_code == 125
+    assert "podman could not run the container" in (podman.reason or "")
+
+
+def test_a_container_job_without_podman_or_without_a_shim_fails_naming_why(
+    tmp_path: Path,
+) -> None:
+    job = JobRequest(job_id="j", command=["x"], container=Container(image="localhost/i:1"))
+    g = Grant(grant_id="g", job=job, node_id="n", accelerator="cpu")
+    base = ExecutorConfig(node_id="n", workdir=tmp_path, base_env={"PATH": "/usr/bin"})
+    with pytest.raises(ctr.ContainerError, match="image localhost/i:1: podman is not on this"):
+        launch_argv(base, tmp_path, g, None, tmp_path, {})
+    no_shim = msgspec.structs.replace(base, podman="/usr/bin/podman", shim=False)
+    with pytest.raises(ctr.ContainerError, match="container jobs run under a shim"):
+        launch_argv(no_shim, tmp_path, g, None, tmp_path, {})
+    ok = msgspec.structs.replace(base, podman="/usr/bin/podman", container_runtime="runc")
+    argv, extra = launch_argv(ok, tmp_path, g, None, tmp_path / "jobs" / "g", {"A": "1"})
+    assert argv == ["x"]
+    run = extra["container"]
+    assert run.argv[-2:] == ["localhost/i:1", "x"]
+    assert run.env == {"A": "1", "HOME": str(tmp_path / "jobs" / "g")}
+    assert run.podman_env == {"PATH": "/usr/bin", "GPULAYER_GRANT_ID": "g"}
+    # A bare job: its argv alone.
+    assert launch_argv(
+        base,
+        tmp_path,
+        msgspec.structs.replace(g, job=JobRequest(job_id="j", command=["x"])),
+        None,
+        tmp_path,
+        {},
+    ) == (["x"], {})
