@@ -185,6 +185,9 @@ async def stack(
         GPULAYER_KILL_GRACE_S="1",
         GPULAYER_EXECUTOR_CONTAINER_PULL_TIMEOUT_S=str(PULL_TIMEOUT_S),
         FAKE_NVIDIA_SMI_DIR=str(FIXTURES / "nvidia-smi" / "t4-2x"),
+        # The probe looks for podman (tests/conftest.py tells other stacks' probes not to):
+        # container jobs are placed only where its self-test started a container.
+        GPULAYER_PROBE_PODMAN="podman",
     )
     env["PATH"] = f"{tools}{os.pathsep}{env['PATH']}"
     async with Services() as services:

@@ -281,7 +281,11 @@ def container_settings(env: Mapping[str, str]) -> dict[str, Any]:
     network = env_str(env, "GPULAYER_EXECUTOR_CONTAINER_NETWORK", "host").lower()
     if network not in ("host", "none"):
         raise ConfigError(f"GPULAYER_EXECUTOR_CONTAINER_NETWORK={network!r}: expected host or none")
-    runtime = env_str(env, "GPULAYER_EXECUTOR_CONTAINER_RUNTIME", "")
+    # The probe's GPULAYER_OCI_RUNTIME unless the executor is told otherwise: jobs run with the
+    # runtime whose self-test placed them here.
+    runtime = env_str(env, "GPULAYER_EXECUTOR_CONTAINER_RUNTIME", "") or env_str(
+        env, "GPULAYER_OCI_RUNTIME", ""
+    )
     if not runtime:
         runtime = "runc" if shutil.which("runc", path=env.get("PATH") or os.defpath) else ""
     dirs = env_str(env, "GPULAYER_EXECUTOR_CDI_DIRS", "")
