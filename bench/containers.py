@@ -18,6 +18,7 @@ import msgspec
 from bench.fleet import GPUS_PER_CUDA_NODE, cuda_job
 from gpulayer_contracts import JobRequest
 from gpulayer_contracts.jobs import Container
+from gpulayer_detection.containers import is_static_elf
 
 BUSYBOX = "/bin/busybox"
 COMMAND = (BUSYBOX, "true")
@@ -27,8 +28,8 @@ def missing() -> str | None:
     """Why container jobs can't run here, or None."""
     if os.geteuid() != 0:
         return "container jobs need a root executor (rootful podman)"
-    if not all(shutil.which(p) for p in ("podman", "runc")) or not os.path.exists(BUSYBOX):
-        return "no podman, runc or busybox: apt-get install podman runc busybox-static"
+    if not all(shutil.which(p) for p in ("podman", "runc")) or not is_static_elf(BUSYBOX):
+        return "no podman, runc or static busybox: apt-get install podman runc busybox-static"
     return None
 
 

@@ -28,18 +28,23 @@ from tests.helpers import Services, gpulayer, service_env
 
 from gpulayer_contracts.codec import event_decoder
 from gpulayer_contracts.subjects import JOB_WILDCARD_EVENTS
+from gpulayer_detection.containers import is_static_elf
 from gpulayer_executor import container as ctr
 from gpulayer_executor.container import LABEL_EXECUTOR, executor_label
 from gpulayer_runtime.nats import ensure_streams
 
 PODMAN = shutil.which("podman")
-BUSYBOX = next((p for p in ("/bin/busybox", "/usr/bin/busybox") if os.path.exists(p)), None)
+# A static one: the image holds nothing else (a dynamic busybox would find no libc there).
+BUSYBOX = next(
+    (p for p in ("/bin/busybox", "/usr/bin/busybox") if os.path.exists(p) and is_static_elf(p)),
+    None,
+)
 
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.skipif(
         PODMAN is None or shutil.which("runc") is None or BUSYBOX is None or os.geteuid() != 0,
-        reason="container jobs need root, podman, runc and busybox: "
+        reason="container jobs need root, podman, runc and a static busybox: "
         "apt-get install podman runc busybox-static",
     ),
 ]
