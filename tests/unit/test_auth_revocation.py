@@ -250,7 +250,7 @@ def test_what_the_servers_answered_decides_the_status(
     says: str,
 ) -> None:
     from gpulayer_cli.auth_cmd import _report_push
-    from gpulayer_runtime.auth import Pushed, ServerAnswer
+    from gpulayer_runtime.account_push import Pushed, ServerAnswer
 
     pushed = Pushed(
         servers=3, answers=[ServerAnswer(server=s, ok=ok, message=m) for s, ok, m in answers]
@@ -289,7 +289,7 @@ def test_concurrent_mints_each_land_in_the_index(store: AuthStore) -> None:
     ],
 )  # fmt: skip
 def test_a_servers_answer_in_words(raw: bytes, ok: bool, says: str) -> None:
-    from gpulayer_runtime.auth import server_answer
+    from gpulayer_runtime.account_push import server_answer
 
     answer = server_answer(raw)
     assert answer.ok is ok

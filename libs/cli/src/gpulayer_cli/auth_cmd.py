@@ -23,15 +23,9 @@ from rich.table import Table
 
 from gpulayer_cli.audit_cmd import record_credential_change
 from gpulayer_cli.common import EXIT_DENIED, EXIT_FAILED, EXIT_INVALID, EXIT_UNREACHABLE, console
-from gpulayer_runtime.auth import (
-    MAX_EXPIRES_S,
-    AuthError,
-    AuthStore,
-    Credential,
-    KeyUnavailable,
-    Pushed,
-    push_account,
-)
+from gpulayer_runtime.account_push import Pushed, push_account
+from gpulayer_runtime.auth import MAX_EXPIRES_S, AuthError, AuthStore, KeyUnavailable
+from gpulayer_runtime.credentials import Credential
 from gpulayer_runtime.roles import Role
 
 DEFAULT_AUTH_DIR = ".gpulayer/auth"

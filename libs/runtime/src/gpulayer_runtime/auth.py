@@ -27,7 +27,6 @@ lookup would use, revocations lost; a full resolver stores the update and applie
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import fcntl
@@ -42,6 +41,8 @@ from typing import Any
 import msgspec
 import nkeys
 
+from gpulayer_runtime.credentials import ROLE_TAG, Credential, Revoked, credential_of
+from gpulayer_runtime.credentials import decode_jwt_claims as decode_jwt_claims
 from gpulayer_runtime.roles import ROLES, Permissions, Role, check_name, permissions
 
 ACCOUNT_NAME = "GPULAYER"
@@ -85,15 +86,6 @@ def encode_jwt(claims: dict[str, Any], signer_seed: bytes) -> str:
     return f"{head}.{payload}.{_b64(bytes(signature))}"
 
 
-def decode_jwt_claims(token: str) -> dict[str, Any]:
-    """The claims of a JWT, unverified (for display and tests)."""
-    payload = token.split(".")[1]
-    claims: dict[str, Any] = json.loads(
-        base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4))
-    )
-    return claims
-
-
 def _account_limits(jetstream: bool) -> dict[str, Any]:
     limits: dict[str, Any] = {
         "subs": _NO_LIMIT,
@@ -111,7 +103,6 @@ def _account_limits(jetstream: bool) -> dict[str, Any]:
     return limits
 
 
-_ROLE_TAG = "gpulayer-role:"
 _KEY_USE = {
     "operator": "operator key (it signs the account: revoking)",
     "signing": "account signing key (minting)",
@@ -124,7 +115,7 @@ def user_claims(
 ) -> dict[str, Any]:
     nats: dict[str, Any] = {
         # Read back by clients to choose their inbox prefix (``identity_of``).
-        "tags": [f"{_ROLE_TAG}{role}"],
+        "tags": [f"{ROLE_TAG}{role}"],
         "pub": {"allow": list(perms.publish)},
         "sub": {"allow": list(perms.subscribe)},
         "subs": _NO_LIMIT,
@@ -156,7 +147,7 @@ def identity_of(creds: str | Path) -> tuple[Role, str] | None:
     tags = claims.get("nats", {}).get("tags") or []
     for tag in tags:
         for role in ROLES:
-            if tag == f"{_ROLE_TAG}{role}":
+            if tag == f"{ROLE_TAG}{role}":
                 return role, str(claims.get("name", ""))
     return None
 
@@ -197,55 +188,6 @@ INDEX = "identities.json"
 # Where each server's account resolver keeps the account JWTs: relative to its working
 # directory, so every server has its own.
 RESOLVER_DIR = "./accounts"
-
-
-class Credential(msgspec.Struct, frozen=True, kw_only=True):
-    """One credential minted in an auth folder (times: unix seconds)."""
-
-    role: str
-    name: str
-    public_key: str
-    issued: int
-    expires: int | None = None
-    revoked: int | None = None
-
-    def state(self, now: float) -> str:
-        if self.revoked is not None:
-            return "revoked"
-        if self.expires is not None and self.expires <= now:
-            return "expired"
-        return "valid"
-
-
-class Revoked(msgspec.Struct, frozen=True, kw_only=True):
-    """What ``AuthStore.revoke`` did: the credentials it revoked, and the account JWT (signed
-    anew, in ``server.conf`` already) that the running servers must be given."""
-
-    credentials: list[Credential]
-    account_jwt: str
-
-
-def _credential_of(path: Path) -> Credential | None:
-    """The credential a gpulayer ``.creds`` file holds; None for one that is not gpulayer's."""
-    try:
-        lines = path.read_text().splitlines()
-        claims = decode_jwt_claims(lines[lines.index("-----BEGIN NATS USER JWT-----") + 1])
-    except (OSError, ValueError, IndexError):
-        return None
-    role = next(
-        (r for t in claims.get("nats", {}).get("tags") or [] for r in ROLES if t == _ROLE_TAG + r),
-        None,
-    )
-    if role is None or not isinstance(claims.get("sub"), str):
-        return None
-    expires = claims.get("exp")
-    return Credential(
-        role=role,
-        name=str(claims.get("name", "")),
-        public_key=claims["sub"],
-        issued=int(claims.get("iat", 0)),
-        expires=int(expires) if isinstance(expires, int) else None,
-    )
 
 
 class AuthStore:
@@ -403,7 +345,7 @@ class AuthStore:
         index = self._load_index()
         known = {c.public_key for c in index}
         on_disk = sorted((self.folder / "creds").glob("*.creds"))
-        adopted = [c for p in on_disk if (c := _credential_of(p)) and c.public_key not in known]
+        adopted = [c for p in on_disk if (c := credential_of(p)) and c.public_key not in known]
         return index + adopted
 
     def _save_index(self, credentials: list[Credential]) -> None:
@@ -506,165 +448,3 @@ class AuthStore:
                      "type": "user", "version": 2},
         }  # fmt: skip
         return format_creds(encode_jwt(claims, self._seed("system")), seed)
-
-
-class ServerAnswer(msgspec.Struct, frozen=True, kw_only=True):
-    """One server's answer to an account update."""
-
-    server: str
-    ok: bool
-    message: str
-
-
-class Pushed(msgspec.Struct, frozen=True, kw_only=True):
-    """What ``push_account`` heard: the servers the cluster counts, and each one's answer."""
-
-    servers: int
-    answers: list[ServerAnswer]
-
-    @property
-    def complete(self) -> bool:
-        return len(self.answers) >= self.servers and all(a.ok for a in self.answers)
-
-
-class _ServerInfo(msgspec.Struct):
-    name: str = ""
-    id: str = ""
-
-
-class _Stats(msgspec.Struct):
-    active_servers: int = 0
-
-
-class _Ping(msgspec.Struct):
-    """A server's answer to ``$SYS.REQ.SERVER.PING.STATSZ`` (only what is read here)."""
-
-    server: _ServerInfo = msgspec.field(default_factory=_ServerInfo)
-    statsz: _Stats = msgspec.field(default_factory=_Stats)
-
-
-class _Status(msgspec.Struct):
-    message: str = ""
-
-
-class _Failure(msgspec.Struct):
-    description: str = ""
-
-
-class _ClaimsReply(msgspec.Struct):
-    """A server's answer to an account claims update."""
-
-    server: _ServerInfo = msgspec.field(default_factory=_ServerInfo)
-    data: _Status | None = None
-    error: _Failure | None = None
-
-
-_PING = msgspec.json.Decoder(_Ping)
-_CLAIMS_REPLY = msgspec.json.Decoder(_ClaimsReply)
-
-
-def server_answer(raw: bytes) -> ServerAnswer:
-    """One server's reply to an account claims update, in words (anything unreadable is a
-    failure that says so, never an exception)."""
-    try:
-        r = _CLAIMS_REPLY.decode(raw)
-    except msgspec.DecodeError:
-        return ServerAnswer(server="?", ok=False, message=f"unreadable answer {raw[:80]!r}")
-    message = (r.data.message if r.data else "") or (r.error.description if r.error else "")
-    # "jwt update skipped": a memory resolver (an older server.conf) that has not loaded the
-    # account: it keeps the old JWT.
-    ok = r.error is None and message == "jwt updated"
-    return ServerAnswer(
-        server=(r.server.name or r.server.id or "?")[:200],
-        ok=ok,
-        message=message[:500] or "no answer",
-    )
-
-
-async def _gather(nc: Any, subject: str, payload: bytes, want: int, timeout: float) -> list[bytes]:
-    """Replies to one request from many servers: until ``want`` came (a ping reply may raise
-    it: each says how many servers it knows of) or ``timeout`` passed."""
-    replies: asyncio.Queue[bytes] = asyncio.Queue()
-
-    async def on_reply(msg: Any) -> None:
-        await replies.put(msg.data)
-
-    inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox, cb=on_reply)
-    try:
-        await nc.publish(subject, payload, reply=inbox)
-        got: list[bytes] = []
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while len(got) < want and (left := deadline - loop.time()) > 0:
-            try:
-                got.append(await asyncio.wait_for(replies.get(), left))
-            except TimeoutError:
-                break
-            with contextlib.suppress(msgspec.DecodeError):
-                want = max(want, _PING.decode(got[-1]).statsz.active_servers)
-        return got
-    finally:
-        await sub.unsubscribe()
-
-
-async def push_account(
-    url: str,
-    system_creds: str,
-    account_jwt: str,
-    *,
-    timeout: float = 5.0,
-    tls_ca: str | None = None,
-    tls_cert: str | None = None,
-    tls_key: str | None = None,
-) -> Pushed:
-    """Give ``account_jwt`` to every running server reachable from ``url``, live: a server
-    applies it at once (a revoked user's connections closed), routed servers each get it
-    from the system account's subject."""
-    from nats.aio.client import Client, RawCredentials
-
-    from gpulayer_runtime.nats import server_list, tls_context
-
-    async def quiet(err: Exception) -> None:
-        # A server that can't be reached is the caller's to report, once, from what is raised.
-        pass
-
-    options: dict[str, Any] = {}
-    if (ctx := tls_context(tls_ca, tls_cert, tls_key)) is not None:
-        options["tls"] = ctx
-    # A Client of our own, closed also when the server refuses it: nats-py leaves the
-    # socket of a refused connection open otherwise.
-    nc = Client()
-    try:
-        # Each server tried twice at most (nats-py's 0 means "forever"), all within ``timeout``.
-        await asyncio.wait_for(
-            nc.connect(
-                servers=server_list(url),
-                name="gpulayer-auth",
-                user_credentials=RawCredentials(system_creds),
-                allow_reconnect=False,
-                max_reconnect_attempts=1,
-                connect_timeout=max(1, int(timeout)),
-                error_cb=quiet,
-                **options,
-            ),
-            timeout,
-        )
-    except BaseException:
-        await nc.close()
-        raise
-    try:
-        # How many servers there are: each answers a ping and says how many it knows of; at
-        # least the one connected to (no answer at all must not read as "all applied it").
-        pings = await _gather(nc, "$SYS.REQ.SERVER.PING.STATSZ", b"", 1, timeout)
-        servers = max(1, len(pings))
-        for raw in pings:
-            with contextlib.suppress(msgspec.DecodeError):
-                servers = max(servers, _PING.decode(raw).statsz.active_servers)
-        account = decode_jwt_claims(account_jwt)["sub"]
-        subject = f"$SYS.REQ.ACCOUNT.{account}.CLAIMS.UPDATE"
-        replies = await _gather(nc, subject, account_jwt.encode(), servers, timeout)
-    finally:
-        await nc.close()
-    answers = [server_answer(raw) for raw in replies]
-    return Pushed(servers=servers, answers=answers)
