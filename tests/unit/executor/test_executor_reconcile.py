@@ -48,7 +48,7 @@ def test_each_leftover_state_gets_its_action(rec: st.GrantRecord, action: str) -
 
 
 class Parts:
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, run_root: Path | None = None) -> None:
         self.fake = FakeJetStream()
         self.store = st.StateStore(tmp_path)
         self.writer = DurableWriter(self.store)
@@ -66,7 +66,7 @@ class Parts:
             launch=self.launch,
         )
         self.reconciler = Reconciler(
-            self.store, self.runner, reporter, node_id=NODE, kill_grace_s=0.5
+            self.store, self.runner, reporter, node_id=NODE, kill_grace_s=0.5, run_root=run_root
         )
 
     async def reconcile(self, *recs: st.GrantRecord) -> None:
@@ -174,3 +174,20 @@ async def test_a_starting_record_without_pid_finds_its_processes_by_env(tmp_path
         child.wait()
     assert (p.outcome(grant_id).state, p.outcome(grant_id).reason) == ("lost", RESTARTED)
     assert p.fake.msg_ids(job_events("job-1")) == [f"{grant_id}:end"]
+
+
+async def test_a_starting_record_whose_shim_was_never_asked_for_is_started(
+    tmp_path: Path,
+) -> None:
+    """Killed between recording ``starting`` and making the shim's run folder (which comes
+    before the fork): nothing ran, so it starts now, once. With the folder there, the shim may
+    have been forked: lost, as before."""
+    run_root = tmp_path / "run"
+    run_root.mkdir()
+    p = Parts(tmp_path / "state", run_root)
+    forked = st.starting(st.received(grant("g2", "job-2")))
+    (run_root / st.grant_key("g2")).mkdir()
+    await p.reconcile(STARTING, forked)
+    assert p.launch.spawned == ["g1"]
+    assert p.outcome("g1").state == "succeeded"
+    assert (p.outcome("g2").state, p.outcome("g2").reason) == ("lost", RESTARTED)

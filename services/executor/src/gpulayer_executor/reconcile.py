@@ -9,6 +9,8 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import Literal
 
+import msgspec
+
 from gpulayer_executor import procs
 from gpulayer_executor import state as st
 from gpulayer_executor.job_runner import JobRunner
@@ -77,12 +79,28 @@ class Reconciler:
             elif action == "start":
                 log.info("grant %s (job %s) was queued; starting it", rec.grant_id, rec.job_id)
                 self._runner.launch(rec)
+            elif action == "orphan" and self._never_spawned(rec):
+                log.info(
+                    "grant %s (job %s) was starting, its shim never asked for; starting it",
+                    rec.grant_id,
+                    rec.job_id,
+                )
+                self._runner.launch(msgspec.structs.replace(rec, phase="received"))
             elif action == "orphan":
                 reason = self._adopt(rec)
                 if reason is not None:
                     settle.append(self._settle_orphan(rec, reason))
         if settle:
             await asyncio.gather(*settle)
+
+    def _never_spawned(self, rec: st.GrantRecord) -> bool:
+        """A ``starting`` grant whose shim run folder doesn't exist: the launcher makes that
+        folder before it asks the fork server for a shim, so nothing of the job ever ran, and
+        starting it now runs it once (the executor was killed between the two: reporting it
+        ``lost`` lost a job that never started; the fault run, once)."""
+        if self._run_root is None or rec.phase != "starting" or rec.process is not None:
+            return False
+        return not (self._run_root / st.grant_key(rec.grant_id)).exists()
 
     def _adopt(self, rec: st.GrantRecord) -> str | None:
         """Re-attach to the job when its shim still runs or wrote its end; else why it is lost."""
