@@ -370,7 +370,11 @@ def _workload_cache() -> Path:
     """Where the workload venv is kept between runs: ``GPULAYER_TEST_CACHE`` or
     ``~/.cache/gpulayer-tests``, one folder per interpreter and torch version."""
     root = Path(os.environ.get("GPULAYER_TEST_CACHE") or Path.home() / ".cache" / "gpulayer-tests")
-    tag = hashlib.sha256(f"{sys.executable}|{sys.version}|{TORCH}".encode()).hexdigest()[:12]
+    # The interpreter behind the checkout's .venv, not the venv's own path: keyed by that,
+    # every fresh clone (each CI run, each make test-repeat) built a 1 GB venv again, a
+    # minute and more of the first run.
+    base = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+    tag = hashlib.sha256(f"{base}|{sys.version}|{TORCH}".encode()).hexdigest()[:12]
     return root / f"workload-py{sys.version_info[0]}{sys.version_info[1]}-{tag}"
 
 
