@@ -28,6 +28,18 @@ from gpulayer_matching import NodeView, Placement, explain, match
 from gpulayer_runtime.settings import node_id
 
 
+def container_settings_for(job: JobRequest, console: Console) -> ContainerSettings | None:
+    """How to look for a container runtime for ``job``: not at all unless it names an image
+    (the self-test takes a second); None, the reason printed, when the settings are bad."""
+    if job.container is None:
+        return ContainerSettings(podman=None)
+    try:
+        return settings_from_env(os.environ)
+    except ValueError as err:
+        console.print(f"[red]{err}[/]")
+        return None
+
+
 def load_checked_job(file: str, profiles: str | None, command: str) -> JobRequest | None:
     """The job in ``file``, its profile expanded from the ``profiles`` file, valid; None (each
     problem printed as ``gpulayer <command>: <file>: ...``) when it is not."""
@@ -84,14 +96,9 @@ def run_check(
     job = load_checked_job(file, profiles, "check")
     if job is None:
         return 2
-    # The container runtime (its self-test takes a second) matters only to a job with an image.
-    containers = ContainerSettings(podman=None)
-    if job.container is not None:
-        try:
-            containers = settings_from_env(os.environ)
-        except ValueError as err:
-            console.print(f"[red]{err}[/]")
-            return 2
+    containers = container_settings_for(job, console)
+    if containers is None:
+        return 2
     caps = asyncio.run(detect_capabilities(node_id(), python=python, containers=containers))
     view = local_view(caps)
     decision = match(job, [view])

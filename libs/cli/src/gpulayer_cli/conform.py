@@ -33,11 +33,10 @@ from typing import IO, Any
 
 from rich.console import Console
 
-from gpulayer_cli.check import load_checked_job, local_view
+from gpulayer_cli.check import container_settings_for, load_checked_job, local_view
 from gpulayer_contracts import JobRequest, WorkerCapabilities
 from gpulayer_contracts.jobenv import base_environment, job_environment
 from gpulayer_detection import detect_capabilities
-from gpulayer_detection.containers import ContainerSettings, settings_from_env
 from gpulayer_matching import Placement, explain, match
 from gpulayer_runtime.settings import node_id
 
@@ -97,14 +96,9 @@ def run_conform(
     job = load_checked_job(file, profiles, "conform")
     if job is None:
         return 2
-    # The container runtime (its self-test takes a second) matters only to a job with an image.
-    containers = ContainerSettings(podman=None)
-    if job.container is not None:
-        try:
-            containers = settings_from_env(os.environ)
-        except ValueError as err:
-            console.print(f"[red]{err}[/]")
-            return 2
+    containers = container_settings_for(job, console)
+    if containers is None:
+        return 2
     caps = asyncio.run(detect_capabilities(node_id(), python=python, containers=containers))
     outcome = conform(job, caps, golden_dir(file, golden), update=update, environ=environ)
     _report(outcome, as_json, console)

@@ -44,6 +44,26 @@ class Active:
 Items = Callable[[str], list[tuple[str, int]]]  # job id -> what it reserves besides devices
 
 
+def _totals(
+    held: Iterable[tuple[str, int]], gpu_reserved: dict[int, int], sign: int
+) -> tuple[int, int, int, dict[int, int]]:
+    """The cores, RAM and slots in ``held`` (``resources.reservations`` items), and the GPU
+    memory reserved per device with theirs added (``sign`` +1) or taken off (-1)."""
+    cpu = memory = slots = 0
+    gpu = dict(gpu_reserved)
+    for resource, amount in held:
+        if resource == CPU:
+            cpu += amount
+        elif resource == MEMORY:
+            memory += amount
+        elif resource == SLOTS:
+            slots += amount
+        elif resource.startswith(GPU_MEMORY):
+            d = int(resource[len(GPU_MEMORY) :])
+            gpu[d] = gpu.get(d, 0) + sign * amount
+    return cpu, memory, slots, gpu
+
+
 def without(
     view: NodeView, gone: Sequence[Active], rest: Iterable[Active], items: Items
 ) -> NodeView:
@@ -52,23 +72,13 @@ def without(
     RAM, slot and GPU memory given back."""
     exclusive = set(view.exclusive)
     shared_gone: set[int] = set()
-    cpu = memory = slots = 0
-    gpu = dict(view.gpu_reserved)
     for a in gone:
         if a.shared:
             shared_gone.update(a.devices)
         else:
             exclusive.difference_update(a.devices)
-        for resource, amount in items(a.job_id):
-            if resource == CPU:
-                cpu += amount
-            elif resource == MEMORY:
-                memory += amount
-            elif resource == SLOTS:
-                slots += amount
-            elif resource.startswith(GPU_MEMORY):
-                d = int(resource[len(GPU_MEMORY) :])
-                gpu[d] = gpu.get(d, 0) - amount
+    released = [item for a in gone for item in items(a.job_id)]
+    cpu, memory, slots, gpu = _totals(released, view.gpu_reserved, -1)
     still = {d for a in rest if a.shared for d in a.devices}
     return msgspec.structs.replace(
         view,
@@ -86,18 +96,7 @@ def with_placed(
 ) -> NodeView:
     """``view`` with one more placement on it: ``devices`` held (shared or whole) and ``held``
     (``resources.reservations``) taken, as ``Fleet.hold`` would leave it."""
-    cpu = memory = slots = 0
-    gpu = dict(view.gpu_reserved)
-    for resource, amount in held:
-        if resource == CPU:
-            cpu += amount
-        elif resource == MEMORY:
-            memory += amount
-        elif resource == SLOTS:
-            slots += amount
-        elif resource.startswith(GPU_MEMORY):
-            d = int(resource[len(GPU_MEMORY) :])
-            gpu[d] = gpu.get(d, 0) + amount
+    cpu, memory, slots, gpu = _totals(held, view.gpu_reserved, +1)
     devs = frozenset(devices)
     return msgspec.structs.replace(
         view,
