@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import sys
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, cast
@@ -138,9 +139,13 @@ async def server() -> AsyncIterator[ForkServer]:
 
 def spec(run: Path, argv: list[str], **fields: object) -> ShimSpec:
     run.mkdir(parents=True, exist_ok=True)
-    env = {"PATH": os.environ["PATH"], "GPULAYER_GRANT_ID": run.name}
+    # Unique: with no cgroup, a shim finds its job's escaped processes by this marker in
+    # their environment, machine-wide. A short name ("slow") shared with a job of another
+    # test running at the same time had that job killed too.
+    grant_id = f"{run.name}-{uuid.uuid4().hex[:12]}"
+    env = {"PATH": os.environ["PATH"], "GPULAYER_GRANT_ID": grant_id}
     return ShimSpec(
-        grant_id=run.name,
+        grant_id=grant_id,
         job_id=run.name,
         run_dir=str(run),
         argv=argv,

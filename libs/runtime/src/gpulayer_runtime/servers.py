@@ -45,27 +45,44 @@ def preferred_port(port: int, host: str = "127.0.0.1") -> int:
     return port
 
 
-def _wait_for_port(
-    port: int,
+class _PortTaken(ServerStartError):
+    """The server could not bind a port: another process took it after ``free_port``."""
+
+
+def _wait_for_ports_file(
     proc: subprocess.Popen[bytes],
+    ports_dir: Path,
     what: str,
     log: Path,
+    log_start: int,
     timeout: float,
-    host: str = "127.0.0.1",
 ) -> None:
+    """Until nats-server's ports file for ``proc`` exists (it writes it once it listens)."""
     deadline = time.monotonic() + timeout
+    name = f"{Path(nats_server_binary()).name}_{proc.pid}.ports"
     while time.monotonic() < deadline:
+        if (ports_dir / name).exists():
+            return
         if proc.poll() is not None:
+            text = _log_since(log, log_start)
+            if "address already in use" in text:
+                raise _PortTaken(f"{what}: a port was taken; see {log}:\n{text[-2000:]}")
             raise ServerStartError(
                 f"{what} exited with {proc.returncode}; see {log}:\n{_tail(log)}"
             )
-        with (
-            contextlib.suppress(OSError),
-            socket.create_connection((host, port), timeout=0.2),
-        ):
-            return
-        time.sleep(0.02)
-    raise ServerStartError(f"{what} did not listen on port {port} within {timeout}s; see {log}")
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+    raise ServerStartError(f"{what} was not ready within {timeout}s; see {log}:\n{_tail(log)}")
+
+
+def _log_since(path: Path, offset: int) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _tail(path: Path, lines: int = 20) -> str:
@@ -133,6 +150,9 @@ class EmbeddedNats:
         self.data_dir = Path(data_dir).absolute()
         self.port = port or free_port(host)
         self.monitor_port = monitor_port or free_port()
+        # Ports we picked (not the caller): picked again when another process took them
+        # between ``free_port`` and the server's bind.
+        self._picked = (port is None, monitor_port is None)
         self.auth_conf = auth_conf
         self.tls = tls
         self.cluster = cluster
@@ -166,7 +186,22 @@ class EmbeddedNats:
 
     def start(self, timeout: float = 15.0) -> EmbeddedNats:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        for attempt in range(5):
+            try:
+                return self._start_once(timeout)
+            except _PortTaken:
+                if attempt == 4 or not any(self._picked):
+                    raise
+                if self._picked[0]:
+                    self.port = free_port(self.host)
+                if self._picked[1]:
+                    self.monitor_port = free_port()
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> EmbeddedNats:
         log = self.data_dir / "nats-server.log"
+        ports_dir = self.data_dir / "ports"
+        ports_dir.mkdir(exist_ok=True)
         argv = [
             nats_server_binary(),
             "-a", self.host,
@@ -175,6 +210,9 @@ class EmbeddedNats:
             "-js",
             "-sd", str(self.data_dir / "jetstream"),
             "-l", str(log),
+            # Written by this process once its listeners are up: readiness is read from there,
+            # never by connecting to the port, which another worker's server may hold.
+            "--ports_file_dir", str(ports_dir),
         ]  # fmt: skip
         if self.cluster is not None:
             c = self.cluster
@@ -186,12 +224,13 @@ class EmbeddedNats:
             ]  # fmt: skip
         if (conf := self._config_file()) is not None:
             argv += ["-c", str(conf)]
+        log_start = log.stat().st_size if log.exists() else 0
         # In its data folder: the auth config's account resolver keeps its JWTs in a folder
         # relative to the working directory, one per server (AuthStore.server_conf).
         self.proc = subprocess.Popen(
             argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.data_dir
         )
-        _wait_for_port(self.port, self.proc, "nats-server", log, timeout, self.host)
+        _wait_for_ports_file(self.proc, ports_dir, "nats-server", log, log_start, timeout)
         return self
 
     def kill(self) -> None:
@@ -309,6 +348,7 @@ class EmbeddedPostgres:
         # directory), so a relative socket or lock path would point elsewhere.
         self.data_dir = Path(data_dir).absolute()
         self.port = port or free_port()
+        self._picked = port is None
         self.fast = fast
         self.proc: subprocess.Popen[bytes] | None = None
         self._user: tuple[int, int] | None = None
@@ -358,25 +398,52 @@ class EmbeddedPostgres:
                 "-c",
                 "full_page_writes=off",
             ]
+        for attempt in range(5):
+            try:
+                self._start_once(argv, log, timeout)
+                return self
+            except _PortTaken:
+                if attempt == 4 or not self._picked:
+                    raise
+                self.port = free_port()
+                argv[argv.index("-p") + 1] = str(self.port)
+        raise AssertionError("unreachable")
+
+    def _start_once(self, argv: list[str], log: Path, timeout: float) -> None:
+        log_start = log.stat().st_size if log.exists() else 0
         with open(log, "ab") as out:
             if self._user is not None:
                 os.chown(log, *self._user)
             self.proc = subprocess.Popen(argv, stdout=out, stderr=out, **self._run_kwargs())  # type: ignore[call-overload]
-        _wait_for_port(self.port, self.proc, "postgres", log, timeout)
-        self._wait_ready(bin_dir, log, timeout)
-        return self
+        self._wait_ready(log, log_start, timeout)
 
-    def _wait_ready(self, bin_dir: Path, log: Path, timeout: float) -> None:
-        # The port opens before recovery ends; pg_isready says when connections are accepted.
+    def _wait_ready(self, log: Path, log_start: int, timeout: float) -> None:
+        """Until this postmaster's ``postmaster.pid`` says ``ready`` (as ``pg_ctl -w`` waits):
+        never by connecting to the port, which another worker's server may hold."""
+        assert self.proc is not None
+        pidfile = self.data_dir / "pgdata" / "postmaster.pid"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            ready = subprocess.run(
-                [str(bin_dir / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(self.port)],
-                check=False,
-            )
-            if ready.returncode == 0:
-                return
-            time.sleep(0.05)
+            with contextlib.suppress(OSError):
+                lines = pidfile.read_text().splitlines()
+                # 1: the postmaster's pid, 4: its port, 8: its status.
+                if (
+                    len(lines) >= 8
+                    and lines[0].strip() == str(self.proc.pid)
+                    and lines[3].strip() == str(self.port)
+                    and lines[7].strip() == "ready"
+                ):
+                    return
+            if self.proc.poll() is not None:
+                text = _log_since(log, log_start)
+                if "Address already in use" in text:
+                    raise _PortTaken(f"postgres: port {self.port} was taken; see {log}")
+                raise ServerStartError(
+                    f"postgres exited with {self.proc.returncode}; see {log}:\n{_tail(log)}"
+                )
+            time.sleep(0.01)
+        self.proc.kill()
+        self.proc.wait()
         raise ServerStartError(f"postgres not ready within {timeout}s; see {log}:\n{_tail(log)}")
 
     def stop(self) -> None:
