@@ -198,11 +198,21 @@ async def test_two_owners_get_equal_gpu_seconds(nc: Client, placement: Placement
     alice's first)."""
     ex = FakeExecutor(nc, run_s=0.05)
     await ex.start()
-    await node(nc, "f1", 4)
     for i in range(100):
         await submit(nc, f"a-{i:03}", "alice")
     for i in range(100):
         await submit(nc, f"b-{i:03}", "bob")
+    # Every job stored before the GPUs appear, so both owners wait from the first grant on. With
+    # the node there first, alice's jobs ran while bob's were still being submitted (under the
+    # suite's load that took long enough to give alice 100 grants to bob's 65 in the window).
+    async with asyncio.timeout(60):
+        while True:
+            async with placement.pool.acquire() as db:
+                stored = await db.fetchval("SELECT count(*) FROM jobs")
+            if stored == 200:
+                break
+            await asyncio.sleep(0.05)
+    await node(nc, "f1", 4)
     async with asyncio.timeout(120):
         await ex.until(lambda: len(ex.runs) == 200)
     # The window: until the last job of either owner was granted (then only one owner waits).
