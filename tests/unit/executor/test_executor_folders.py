@@ -77,9 +77,9 @@ async def test_the_tmpdir_is_removed_with_what_the_job_left(tmp_path: Path) -> N
     # Out of the job's folder at once, whole: the folder is final before the removal ends (a
     # walk of it meanwhile sees only what the job keeps), the files go behind (awaited here).
     assert sorted(p.name for p in cwd.rglob("*")) == ["result"]
+    # Moved into the trash (a removal in place returns None): its removal runs in a thread,
+    # which may be done already, so the trash is not looked into before it is awaited.
     assert removal is not None
-    (moved,) = trash.iterdir()
-    assert moved.name.startswith("job-")
     await removal
     assert list(trash.iterdir()) == []
     assert sorted(p.name for p in cwd.iterdir()) == ["result"]  # the job's folder stays

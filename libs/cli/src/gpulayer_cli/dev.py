@@ -80,6 +80,8 @@ class Stack:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     servers: list[EmbeddedNats | EmbeddedPostgres] = field(default_factory=list)
     web_url: str = ""
+    web_host: str = "127.0.0.1"
+    web_port: int = 0
 
 
 def load_examples(folder: Path, run_tag: str) -> list[Example]:
@@ -209,6 +211,8 @@ def start_services(stack: Stack, console: Console, env: dict[str, str]) -> None:
     own["gpulayer-web"] = {"GPULAYER_WEB_HOST": host, "GPULAYER_WEB_PORT": port}
     shown = f"[{host}]" if ":" in host else host
     stack.web_url = f"http://{shown}:{port}"
+    # Looked for before "serving" (0: a port the page picks itself, or one it will refuse).
+    stack.web_host, stack.web_port = host, int(port) if port.isdigit() else 0
     for name in SERVICES:
         log_path = stack.data_dir / "logs" / f"{name}.log"
         service_env = dict(child_env)
@@ -323,6 +327,7 @@ async def _run(
         # Ready means placement answers and knows this machine: before the examples, and
         # before "serving" tells someone to use the stack.
         await _wait_for_node(nc, stack, console)
+        await _wait_for_web(stack, console)
         ok = await _run_examples(
             nc, stack, examples, once=once, timeout_s=timeout_s, console=console
         )
@@ -445,6 +450,29 @@ async def _wait_for_node(
     console.print(
         f"[yellow]node {stack.node_id} not registered after {timeout_s:g}s; submitting anyway[/]"
     )
+
+
+async def _wait_for_web(stack: Stack, console: Console, timeout_s: float = 30.0) -> None:
+    """Wait until the fleet page listens (its URL was printed as it started): a short
+    ``--once`` run ended before a slow start had it serving (and its log said nothing)."""
+    host, port = stack.web_host, stack.web_port
+    if not port:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        crashed = list(_crashed(stack))
+        if crashed:
+            raise RuntimeError("; ".join(crashed))
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 1.0)
+        except (OSError, TimeoutError):
+            await asyncio.sleep(0.1)
+            continue
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return
+    console.print(f"[yellow]the fleet page did not answer within {timeout_s:g}s[/]")
 
 
 async def _serve(nc: object, stack: Stack, console: Console) -> None:
