@@ -5,6 +5,7 @@ nothing was stored or delivered."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import subprocess
@@ -526,10 +527,19 @@ async def test_placement_hears_the_max_deliveries_advisory(secure_nats: SecureNa
         )
         await placement.nc.flush()
         subject = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.JOBS.placement-jobs"
-        await admin.nc.publish(subject, b"{}")
-        await admin.nc.flush()
+
+        async def advise_until_heard() -> str:
+            # Again every second until heard: a first publish right after both connected was
+            # delivered to nobody in about 1 run of 8 (no error on either connection; not
+            # explained yet), while what this test is about, the permission, holds.
+            while True:
+                await admin.nc.publish(subject, b"{}")
+                await admin.nc.flush()
+                with contextlib.suppress(TimeoutError):
+                    return await asyncio.wait_for(heard.get(), 1.0)
+
         try:
-            assert await asyncio.wait_for(heard.get(), 30) == subject
+            assert await asyncio.wait_for(advise_until_heard(), 30) == subject
         except TimeoutError:
             said = {
                 who: [w.errors.get_nowait() for _ in range(w.errors.qsize())]
