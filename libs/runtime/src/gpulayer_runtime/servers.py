@@ -7,7 +7,6 @@ given by the caller.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
@@ -17,6 +16,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -49,23 +49,24 @@ class _PortTaken(ServerStartError):
     """The server could not bind a port: another process took it after ``free_port``."""
 
 
-def _wait_for_ports_file(
+def _wait_until(
+    ready: Callable[[], bool],
     proc: subprocess.Popen[bytes],
-    ports_dir: Path,
     what: str,
     log: Path,
     log_start: int,
     timeout: float,
 ) -> None:
-    """Until nats-server's ports file for ``proc`` exists (it writes it once it listens)."""
+    """Until ``ready()`` (the server's own word that it serves, never a connection to its
+    port, which another process may hold). It exited: ``_PortTaken`` when its log since
+    ``log_start`` says a port was in use, else ``ServerStartError``; killed past ``timeout``."""
     deadline = time.monotonic() + timeout
-    name = f"{Path(nats_server_binary()).name}_{proc.pid}.ports"
     while time.monotonic() < deadline:
-        if (ports_dir / name).exists():
+        if ready():
             return
         if proc.poll() is not None:
             text = _log_since(log, log_start)
-            if "address already in use" in text:
+            if "address already in use" in text.lower():
                 raise _PortTaken(f"{what}: a port was taken; see {log}:\n{text[-2000:]}")
             raise ServerStartError(
                 f"{what} exited with {proc.returncode}; see {log}:\n{_tail(log)}"
@@ -230,7 +231,9 @@ class EmbeddedNats:
         self.proc = subprocess.Popen(
             argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.data_dir
         )
-        _wait_for_ports_file(self.proc, ports_dir, "nats-server", log, log_start, timeout)
+        # nats-server writes its ports file once it listens.
+        ports = ports_dir / f"{Path(argv[0]).name}_{self.proc.pid}.ports"
+        _wait_until(ports.exists, self.proc, "nats-server", log, log_start, timeout)
         return self
 
     def kill(self) -> None:
@@ -415,36 +418,22 @@ class EmbeddedPostgres:
             if self._user is not None:
                 os.chown(log, *self._user)
             self.proc = subprocess.Popen(argv, stdout=out, stderr=out, **self._run_kwargs())  # type: ignore[call-overload]
-        self._wait_ready(log, log_start, timeout)
+        _wait_until(self._ready, self.proc, "postgres", log, log_start, timeout)
 
-    def _wait_ready(self, log: Path, log_start: int, timeout: float) -> None:
-        """Until this postmaster's ``postmaster.pid`` says ``ready`` (as ``pg_ctl -w`` waits):
-        never by connecting to the port, which another worker's server may hold."""
+    def _ready(self) -> bool:
+        """This postmaster's ``postmaster.pid`` says ``ready`` on our port (what ``pg_ctl -w``
+        reads): lines 1, 4 and 8 are its pid, port and status."""
         assert self.proc is not None
-        pidfile = self.data_dir / "pgdata" / "postmaster.pid"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError):
-                lines = pidfile.read_text().splitlines()
-                # 1: the postmaster's pid, 4: its port, 8: its status.
-                if (
-                    len(lines) >= 8
-                    and lines[0].strip() == str(self.proc.pid)
-                    and lines[3].strip() == str(self.port)
-                    and lines[7].strip() == "ready"
-                ):
-                    return
-            if self.proc.poll() is not None:
-                text = _log_since(log, log_start)
-                if "Address already in use" in text:
-                    raise _PortTaken(f"postgres: port {self.port} was taken; see {log}")
-                raise ServerStartError(
-                    f"postgres exited with {self.proc.returncode}; see {log}:\n{_tail(log)}"
-                )
-            time.sleep(0.01)
-        self.proc.kill()
-        self.proc.wait()
-        raise ServerStartError(f"postgres not ready within {timeout}s; see {log}:\n{_tail(log)}")
+        try:
+            lines = (self.data_dir / "pgdata" / "postmaster.pid").read_text().splitlines()
+        except OSError:
+            return False
+        return (
+            len(lines) >= 8
+            and lines[0].strip() == str(self.proc.pid)
+            and lines[3].strip() == str(self.port)
+            and lines[7].strip() == "ready"
+        )
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
