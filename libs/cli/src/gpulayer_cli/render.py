@@ -198,17 +198,24 @@ def device_groups(devices: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def container_runtime_text(caps: dict[str, Any]) -> str:
-    """A node's container runtime in one cell: ``podman 4.3.1/runc``, ``... (self-test
-    failed)``, with its CDI devices counted; ``none`` when its probe reports none."""
+def container_runtime_label(caps: dict[str, Any]) -> str:
+    """A node's container runtime: ``podman 4.3.1/runc``, ``... (self-test failed)``, or
+    ``none`` when its probe reports none (the CLI's column and the fleet page's)."""
     rt = caps.get("container_runtime")
     if not isinstance(rt, dict):
         return "none"
     text = " ".join(str(rt[k]) for k in ("name", "version") if rt.get(k))
     if rt.get("oci_runtime"):
         text += f"/{rt['oci_runtime']}"
-    if not rt.get("works"):
-        text += " (self-test failed)"
+    return text if rt.get("works") else f"{text} (self-test failed)"
+
+
+def container_runtime_text(caps: dict[str, Any]) -> str:
+    """``container_runtime_label`` in one cell, with the node's CDI devices counted."""
+    text = container_runtime_label(caps)
+    rt = caps.get("container_runtime")
+    if not isinstance(rt, dict):
+        return text
     cdi = rt.get("cdi_devices") or []
     if cdi:
         text += f", {len(cdi)} CDI device{'s' if len(cdi) != 1 else ''}"

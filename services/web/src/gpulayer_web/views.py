@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
-from gpulayer_cli.render import ago
+from gpulayer_cli.render import ago, container_runtime_label
 from gpulayer_contracts.health import NodeObservations
 from gpulayer_contracts.matrix import SUPPORT_MATRIX
 
@@ -73,17 +73,6 @@ def gpu_counts(node: dict[str, Any]) -> tuple[int, int]:
     return sum(1 for i in usable if i not in busy and i not in held), len(usable)
 
 
-def _container_runtime(caps: dict[str, Any]) -> str:
-    """``podman 4.3.1/runc``, ``... (self-test failed)``, or ``none``."""
-    rt = caps.get("container_runtime")
-    if not isinstance(rt, dict):
-        return "none"
-    text = " ".join(str(rt[k]) for k in ("name", "version") if rt.get(k))
-    if rt.get("oci_runtime"):
-        text += f"/{rt['oci_runtime']}"
-    return text if rt.get("works") else f"{text} (self-test failed)"
-
-
 def _container_gpu(caps: dict[str, Any], container_apis: list[str]) -> str:
     """The devices the node's CDI specs name, counted; else whether containers get a GPU API."""
     rt = caps.get("container_runtime")
@@ -105,7 +94,7 @@ def fleet_row(node: dict[str, Any], now: datetime | None = None) -> dict[str, An
         "host_apis": list(apis.get("host") or []),
         "container_apis": containers,
         "container_gpu": _container_gpu(caps, containers),
-        "container_runtime": _container_runtime(caps),
+        "container_runtime": container_runtime_label(caps),
         "accelerators": accelerators(_devices(node)) or ["cpu only"],
         "gpus": f"{free}/{total}",
         "cores": _in_use(res.get("cores_used"), res.get("cores")),
@@ -233,7 +222,7 @@ def container_detail(node: dict[str, Any]) -> dict[str, Any]:
     rt = caps.get("container_runtime")
     cdi = [str(n) for n in ((rt.get("cdi_devices") or []) if isinstance(rt, dict) else [])]
     return {
-        "runtime": _container_runtime(caps),
+        "runtime": container_runtime_label(caps),
         "notes": [str(n) for n in (rt.get("notes") or [])] if isinstance(rt, dict) else [],
         "cdi": cdi[:_CDI_SHOWN],
         "cdi_more": max(0, len(cdi) - _CDI_SHOWN),
