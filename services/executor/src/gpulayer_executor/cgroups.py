@@ -26,6 +26,7 @@ import functools
 import logging
 import os
 import signal
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -344,6 +345,14 @@ def hierarchy(enforce: bool = True) -> Hierarchy | None:
     return None
 
 
+def own_tasks() -> int:
+    """This process' tasks (threads included: ``pids.max`` counts each)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # pragma: no cover - no /proc: the Python threads at least
+        return threading.active_count()
+
+
 class JobCgroup:
     """One job's cgroup (one folder per hierarchy in v1). The job is born inside: the executor
     steps into it for the moment of the spawn (``spawning``), so the child inherits it at fork,
@@ -359,6 +368,7 @@ class JobCgroup:
         # cgroup v2 since Linux 5.14: the kernel kills every member at once, forks included.
         self._can_kill_all = (self.path / "cgroup.kill").exists()
         self.join_fds: list[int] = []
+        self._pids_max: int | None = None  # the job's own, once raised for the spawn
         try:
             for path in paths:
                 self.join_fds.append(os.open(path / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC))
@@ -379,17 +389,25 @@ class JobCgroup:
                     f"{path.name} = {value}: {err.strerror or err}", file=name, code=err.errno or 0
                 ) from err
 
-    def limit_devices(self, limits: JobLimits) -> None:
-        """Before the spawn: the job can never open a device it was not granted. Raises
-        LimitError."""
-        if "devices" in self.hierarchy.controllers:
-            self._apply(device_writes(limits))
+    def limit_before_spawn(self, limits: JobLimits) -> None:
+        """Before the spawn, so they hold from the job's first instruction: its devices (it can
+        never open one it was not granted) and its pids. The spawner's own tasks are inside for
+        the spawn (``spawning``) and count against ``pids.max`` there, so it is raised by their
+        number until the spawner, about to leave, writes the job's own: the job never has more
+        than ``pids_max`` tasks, however long the spawner is kept off the CPU (a loaded machine,
+        a fork bomb). Raises LimitError."""
+        writes = device_writes(limits) if "devices" in self.hierarchy.controllers else []
+        if limits.pids_max is not None and "pids" in self.hierarchy.controllers:
+            writes.append(("pids", "pids.max", str(limits.pids_max + own_tasks())))
+            self._pids_max = limits.pids_max
+        self._apply(writes)
 
     def limit_resources(self, limits: JobLimits) -> None:
-        """After the spawn, once the executor is out again: while inside for the spawn its own
-        threads would count against the job's pids, be charged its memory (and be the OOM
-        killer's choice) and share its CPU quota. The job is then microseconds old, still
-        in its first exec; a limit below what it already uses reclaims, or fails (LimitError)."""
+        """After the spawn, once the spawner is out again: memory and CPU (while inside for the
+        spawn its allocations would be charged to the job, it could be the OOM killer's choice
+        there and would share the job's CPU quota), and the job's ``pids.max`` again (where
+        ``spawning`` could not write it). The job is then microseconds old: a memory limit
+        below what it already uses reclaims, or fails (LimitError; the job is ended)."""
         h = self.hierarchy
         self._apply(resource_writes(limits, h.version, frozenset(h.controllers), memsw=h.swap))
 
@@ -434,12 +452,22 @@ class JobCgroup:
                 joined += 1
         except OSError:
             self._leave(joined)
+            self._own_pids_max()
             yield False
             return
         try:
             yield True
         finally:
+            # While the spawner still counts: the job is never above its own limit after.
+            self._own_pids_max()
             self._leave(joined)
+
+    def _own_pids_max(self) -> None:
+        """The job's own ``pids.max`` after ``limit_before_spawn`` raised it; where this write
+        fails, ``limit_resources`` fails on it too and the job is ended."""
+        if self._pids_max is not None:
+            with contextlib.suppress(OSError):
+                _write(self.file("pids", "pids.max"), str(self._pids_max))
 
     def _leave(self, count: int) -> None:
         for fd, path in zip(self.hierarchy.leave_fds()[:count], self.paths, strict=False):

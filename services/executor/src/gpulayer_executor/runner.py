@@ -372,11 +372,12 @@ def _start(
     cgroup: JobCgroup | None,
     limits: JobLimits,
 ) -> tuple[subprocess.Popen[bytes], int, int]:
-    """``_spawn`` in the job's cgroup, its device policy written first (the job never opens a
-    device it was not granted). Raises SpawnError, the cgroup removed."""
+    """``_spawn`` in the job's cgroup, its device policy and pids limit written first (the job
+    never opens a device it was not granted, nor forks past its pids). Raises SpawnError, the
+    cgroup removed."""
     try:
         if cgroup is not None:
-            cgroup.limit_devices(limits)
+            cgroup.limit_before_spawn(limits)
         return _spawn(argv, env, cwd, run_as, cgroup)
     except (OSError, ValueError, subprocess.SubprocessError, LimitError) as err:
         if cgroup is not None:
@@ -392,7 +393,7 @@ async def _end_refused(job: _JobProcesses, waiter: asyncio.Future[int], reason: 
 
 
 def _limit_resources(cgroup: JobCgroup | None, limits: JobLimits) -> str | None:
-    """Memory, CPU and pids limits on the job just started; why they could not be set (the
+    """Memory and CPU limits (and its own pids limit) on the job just started; why they could not be set (the
     job is then ended, never left running unlimited on a node that says it enforces)."""
     if cgroup is None:
         return None

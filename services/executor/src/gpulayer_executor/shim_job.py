@@ -405,7 +405,7 @@ def _spawn(spec: ShimSpec, cgroup: JobCgroup | None, limits: JobLimits) -> tuple
         return proc.pid, out_r, err_r
     try:
         if cgroup is not None:
-            cgroup.limit_devices(limits)
+            cgroup.limit_before_spawn(limits)
         return _posix_spawn(argv, spec, cgroup, switch)
     except (OSError, ValueError, LimitError) as err:
         if cgroup is not None:
