@@ -4,10 +4,19 @@ job events, placement replicas in process, the ``gpulayer`` command line."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import json
 import os
+import selectors
 import signal
+import socket
+import struct
+import subprocess
 import sys
+import tempfile
+import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime
@@ -243,17 +252,103 @@ async def running_executor(nc: Client, config: ExecutorConfig) -> AsyncIterator[
 
 
 async def gpulayer(*args: str, env: dict[str, str], timeout: float = 60) -> tuple[int, str, str]:
-    """Run the ``gpulayer`` command line with ``args``: its exit code, stdout and stderr."""
-    proc = await asyncio.create_subprocess_exec(
-        bin_path("gpulayer"),
-        *args,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
+    """Run the ``gpulayer`` command line with ``args``: its exit code, stdout and stderr. A
+    process of its own, forked from one that has the CLI imported already
+    (``tests/cli_zygote.py``)."""
+    return await asyncio.to_thread(_cli_zygote().run, list(args), env, timeout)
+
+
+class CliZygote:
+    """The client side of ``tests/cli_zygote.py``: one per test worker, started at first use."""
+
+    def __init__(self) -> None:
+        self._folder = tempfile.mkdtemp(prefix="gpulayer-cli-")
+        self.path = os.path.join(self._folder, "zygote.sock")
+        script = Path(__file__).with_name("cli_zygote.py")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script), self.path],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=os.getcwd(),
+        )
+        assert self.proc.stdout is not None
+        ready = self.proc.stdout.readline()
+        if ready != b"ready\n":
+            raise RuntimeError(f"the CLI zygote did not start: {ready!r}")
+
+    def run(self, argv: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, str]:
+        body = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(self.path)
+            head = struct.pack("!I", len(body)) + body
+            sent = socket.send_fds(conn, [head], [devnull, out_w, err_w])
+            conn.sendall(head[sent:])
+        finally:
+            for fd in (out_w, err_w, devnull):
+                os.close(fd)
+        deadline = time.monotonic() + timeout
+        chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
+        answer = b""
+        pid = None
+        sel = selectors.DefaultSelector()
+        for fd in (out_r, err_r, conn.fileno()):
+            sel.register(fd, selectors.EVENT_READ)
+        try:
+            while len(sel.get_map()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    if pid is not None:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+                    raise TimeoutError(f"gpulayer {' '.join(argv)}: no exit in {timeout} s")
+                for key, _ in sel.select(left):
+                    fd = key.fd
+                    data = os.read(fd, 65536)
+                    if not data:
+                        sel.unregister(fd)
+                    elif fd in chunks:
+                        chunks[fd].append(data)
+                    else:
+                        answer += data
+                        lines = answer.split(b"\n")
+                        if pid is None and len(lines) > 1:
+                            pid = int(lines[0]) if lines[0].lstrip(b"-").isdigit() else None
+                            if pid is None:
+                                raise RuntimeError(f"the CLI zygote: {answer!r}")
+        finally:
+            sel.close()
+            conn.close()
+            os.close(out_r)
+            os.close(err_r)
+        lines = answer.split(b"\n")
+        if len(lines) < 3:
+            raise RuntimeError(f"the CLI zygote said no exit code: {answer!r}")
+        out, err = (b"".join(chunks[fd]).decode() for fd in (out_r, err_r))
+        return int(lines[1]), out, err
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(10)
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+            os.rmdir(self._folder)
+
+
+_ZYGOTE: list[CliZygote] = []
+_ZYGOTE_LOCK = threading.Lock()
+
+
+def _cli_zygote() -> CliZygote:
+    with _ZYGOTE_LOCK:
+        if not _ZYGOTE:
+            _ZYGOTE.append(CliZygote())
+            atexit.register(_ZYGOTE[0].close)
+        return _ZYGOTE[0]
 
 
 async def start_replicas(

@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from tests.helpers import Services, bin_path, service_env
+from tests.helpers import Services, bin_path, gpulayer, service_env
 
 from gpulayer_cli.client import api
 from gpulayer_contracts import WIRE_SCHEMAS, schema_for_subject
@@ -62,11 +62,8 @@ class Wire:
 
 
 async def printed_schema(name: str) -> dict[str, Any]:
-    proc = await asyncio.create_subprocess_exec(
-        bin_path("gpulayer"), "schema", name, stdout=asyncio.subprocess.PIPE
-    )
-    out, _ = await proc.communicate()
-    assert proc.returncode == 0
+    rc, out, err = await gpulayer("schema", name, env=dict(os.environ))
+    assert rc == 0, err
     schema: dict[str, Any] = json.loads(out)
     return schema
 

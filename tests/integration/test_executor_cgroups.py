@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gpulayer_executor import cgroups
+from gpulayer_executor import cgroups, procs
 from gpulayer_executor.limits import JobLimits
 
 
@@ -87,7 +87,7 @@ def test_the_pids_limit_holds_before_the_spawner_is_out() -> None:
     extra.start()
     bomb = None
     try:
-        tasks = cgroups.own_tasks()
+        tasks = procs.own_tasks()
         cgroup.limit_before_spawn(limits)
         raised = cgroup.file("pids", "pids.max").read_text().strip()
         with cgroup.spawning() as inside:

@@ -26,11 +26,11 @@ import functools
 import logging
 import os
 import signal
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from gpulayer_executor.limits import JobLimits, counter, device_writes, resource_writes
+from gpulayer_executor.procs import own_tasks
 
 log = logging.getLogger(__name__)
 
@@ -345,14 +345,6 @@ def hierarchy(enforce: bool = True) -> Hierarchy | None:
     return None
 
 
-def own_tasks() -> int:
-    """This process' tasks (threads included: ``pids.max`` counts each)."""
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:  # pragma: no cover - no /proc: the Python threads at least
-        return threading.active_count()
-
-
 class JobCgroup:
     """One job's cgroup (one folder per hierarchy in v1). The job is born inside: the executor
     steps into it for the moment of the spawn (``spawning``), so the child inherits it at fork,
@@ -390,12 +382,10 @@ class JobCgroup:
                 ) from err
 
     def limit_before_spawn(self, limits: JobLimits) -> None:
-        """Before the spawn, so they hold from the job's first instruction: its devices (it can
-        never open one it was not granted) and its pids. The spawner's own tasks are inside for
-        the spawn (``spawning``) and count against ``pids.max`` there, so it is raised by their
-        number until the spawner, about to leave, writes the job's own: the job never has more
-        than ``pids_max`` tasks, however long the spawner is kept off the CPU (a loaded machine,
-        a fork bomb). Raises LimitError."""
+        """Before the spawn, holding from the job's first instruction: its devices and pids.
+        The spawner's tasks, inside for the spawn, count in ``pids.max``: it is raised by their
+        number until ``spawning`` writes the job's own before it leaves, so the job never has
+        more than ``pids_max`` however long the spawner is off the CPU. Raises LimitError."""
         writes = device_writes(limits) if "devices" in self.hierarchy.controllers else []
         if limits.pids_max is not None and "pids" in self.hierarchy.controllers:
             writes.append(("pids", "pids.max", str(limits.pids_max + own_tasks())))
@@ -403,11 +393,10 @@ class JobCgroup:
         self._apply(writes)
 
     def limit_resources(self, limits: JobLimits) -> None:
-        """After the spawn, once the spawner is out again: memory and CPU (while inside for the
-        spawn its allocations would be charged to the job, it could be the OOM killer's choice
-        there and would share the job's CPU quota), and the job's ``pids.max`` again (where
-        ``spawning`` could not write it). The job is then microseconds old: a memory limit
-        below what it already uses reclaims, or fails (LimitError; the job is ended)."""
+        """After the spawn, the spawner out again: memory and CPU (inside, the spawner would be
+        charged the job's memory, be the OOM killer's choice, share its CPU quota), and pids
+        again. The job is microseconds old: a memory limit below its use reclaims, or fails
+        (LimitError; the job is ended)."""
         h = self.hierarchy
         self._apply(resource_writes(limits, h.version, frozenset(h.controllers), memsw=h.swap))
 
@@ -441,33 +430,24 @@ class JobCgroup:
 
     @contextlib.contextmanager
     def spawning(self) -> Iterator[bool]:
-        """Inside: the executor itself is in the job's cgroups (True), or could not enter them
-        (False: the caller adds the child after the spawn instead, which leaves a window of
-        microseconds before the job is inside). The executor is single-threaded in its event
-        loop and the spawn is synchronous, so nothing else of it runs in the job's cgroup."""
-        joined = 0
+        """Inside: the spawner itself is in the job's cgroups (True), or could not enter them
+        (False: the caller adds the child after the spawn, microseconds later). The spawn is
+        synchronous in a single-threaded loop: nothing else of the spawner runs inside."""
+        joined, inside = 0, True
         try:
             for fd in self.join_fds:
                 os.write(fd, b"0")
                 joined += 1
         except OSError:
             self._leave(joined)
-            self._own_pids_max()
-            yield False
-            return
+            joined, inside = 0, False
         try:
-            yield True
+            yield inside
         finally:
-            # While the spawner still counts: the job is never above its own limit after.
-            self._own_pids_max()
+            if self._pids_max is not None:  # the job's own, before the spawner stops counting
+                with contextlib.suppress(OSError):  # limit_resources writes it again, or fails
+                    _write(self.file("pids", "pids.max"), str(self._pids_max))
             self._leave(joined)
-
-    def _own_pids_max(self) -> None:
-        """The job's own ``pids.max`` after ``limit_before_spawn`` raised it; where this write
-        fails, ``limit_resources`` fails on it too and the job is ended."""
-        if self._pids_max is not None:
-            with contextlib.suppress(OSError):
-                _write(self.file("pids", "pids.max"), str(self._pids_max))
 
     def _leave(self, count: int) -> None:
         for fd, path in zip(self.hierarchy.leave_fds()[:count], self.paths, strict=False):
