@@ -74,6 +74,7 @@ LOAD_S = 50.0
 # After the load: how long the accepted jobs may take to end.
 DRAIN_S = 150.0
 TERMINAL = {"succeeded", "failed", "cancelled", "lost", "rejected"}
+ANNOUNCED = {"accepted", "rejected"}
 
 
 def command(markers: Path, job_id: str, kind: str) -> list[str]:
@@ -165,13 +166,15 @@ async def until_nodes_known(nc: Client, caller: str, names: set[str]) -> None:
 async def stored_events(
     js: JetStreamContext, jobs: set[str], lost_on: dict[str, str]
 ) -> dict[str, list[str]]:
-    """Every stored event of ``jobs``, read until each accepted one has ended (and one second
-    more: a duplicate would come next). ``lost_on`` gets the node each ``lost`` event names."""
+    """Every stored event of ``jobs``, read until each one was announced and has ended (and
+    one second more: a duplicate would come next). An announcement whose replica stopped
+    while NATS could not store it comes when JetStream delivers its submit again, after the
+    ack wait. ``lost_on`` gets the node each ``lost`` event names."""
     seen: dict[str, list[str]] = {j: [] for j in jobs}
     done = asyncio.Event()
 
     def all_ended() -> bool:
-        return all(TERMINAL & set(t) for t in seen.values())
+        return all(TERMINAL & set(t) and ANNOUNCED & set(t) for t in seen.values())
 
     async def cb(msg: Msg) -> None:
         event = json.loads(msg.data)

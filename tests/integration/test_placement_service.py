@@ -15,7 +15,7 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from gpulayer_cli.client import api
+from gpulayer_cli.client import ApiFailed, api
 from gpulayer_contracts import (
     AcceleratorDevice,
     Grant,
@@ -441,6 +441,46 @@ async def test_a_waiting_job_cancelled_while_nats_fails_over_still_says_so(
         stored = [json.loads(m.data)["type"] for m in await psub.fetch(10, timeout=2)]
         await psub.unsubscribe()
         assert stored.count("cancelled") == 1, stored
+    finally:
+        await svc.close()
+        await pool.close()
+
+
+async def test_a_cancel_asked_again_says_what_a_stopped_replica_did_not(
+    nc: Client, database_url: str
+) -> None:
+    """A replica committed a waiting job's cancel and stopped before its `cancelled` event was
+    stored; the client, with no answer, asks another replica again. That one finds the job
+    already cancelled and says so, and stores the event the first could not, once (the fault
+    run's job that never ended)."""
+    js = nc.jetstream()
+    await ensure_streams(js)
+    pool = await create_pool(database_url)
+    svc = PlacementService(nc, pool, Settings(node_timeout_s=30, resend_after_s=60))
+    await svc.start()
+    subject = "gpulayer.job.anonymous.gone-1.events"
+    try:
+        body = json.dumps({"job_id": "gone-1", "command": ["true"]}).encode()
+        await js.publish(JOBS_SUBMIT, body, headers={MSG_ID_HEADER: "gone-1"})
+        async with pool.acquire() as conn:
+            async with asyncio.timeout(10):
+                while True:  # stored, waiting: no node at all
+                    if await conn.fetchval("SELECT state FROM jobs WHERE job_id = 'gone-1'"):
+                        break
+                    await asyncio.sleep(0.02)
+            # What the stopped replica committed (the cancel_pending query), nothing published.
+            await conn.execute(
+                "UPDATE jobs SET state = 'cancelled', reason = 'by alice', updated_at = now() "
+                "WHERE job_id = 'gone-1'"
+            )
+        for _ in range(2):
+            with pytest.raises(ApiFailed, match="already cancelled"):
+                await api(nc, API_CANCEL, {"job_id": "gone-1"}, timeout=30)
+        psub = await js.pull_subscribe(subject, stream="JOB_EVENTS")
+        stored = [json.loads(m.data) for m in await psub.fetch(10, timeout=2)]
+        await psub.unsubscribe()
+        assert [e["type"] for e in stored].count("cancelled") == 1, stored
+        assert [e["reason"] for e in stored if e["type"] == "cancelled"] == ["by alice"]
     finally:
         await svc.close()
         await pool.close()

@@ -247,3 +247,60 @@ async def test_a_submit_on_its_last_delivery_waits_for_nats_to_store_its_announc
     assert [h["Nats-Msg-Id"] for _, _, h in js.sent] == ["a:accepted"]
     assert msg.acked
     assert not msg.nakked
+
+
+class FirstDelivery(LastDelivery):
+    """A submit on its first delivery, counting the times it is kept in progress."""
+
+    kept = 0
+
+    async def in_progress(self) -> None:
+        self.kept += 1
+
+
+async def test_a_submit_whose_announcement_cant_be_stored_is_kept_not_nakked() -> None:
+    # JOB_EVENTS can't store for a while: a nak a second would spend the submit's deliveries
+    # (5), and a replica stopped while keeping it on its last one would leave its job stored
+    # and never announced (the fault run found two). Kept in progress from its first delivery,
+    # it is announced once NATS stores again, without another delivery.
+    young = [{"job_id": "a", "age_s": 0.1}]
+    conn = OnceConn({"insert_jobs": [{"job_id": "a"}], "job_ages": young})
+    intake, wake, js = build(conn)
+    wake.capacity()
+    real = js.publish_async
+    refusals = [RuntimeError("nats: no response from stream")] * 2
+
+    async def publish_async(subject: str, payload: bytes, headers: Any = None) -> Any:
+        if refusals:
+            raise refusals.pop()
+        return await real(subject, payload, headers)
+
+    js.publish_async = publish_async  # type: ignore[method-assign]
+    reply = "$JS.ACK.JOBS.placement-jobs.1.7.7.1700000000000000000.0"
+    msg = FirstDelivery(cast(Any, None), subject="gpulayer.jobs.submit", reply=reply)
+    msg.data = b'{"job_id": "a", "command": ["true"]}'
+    await handle_batch(asyncio.Event(), [msg], intake.ingest, None)
+    assert refusals == []
+    assert [h["Nats-Msg-Id"] for _, _, h in js.sent] == ["a:accepted"]
+    assert msg.acked
+    assert not msg.nakked
+    assert msg.kept == 2  # before each retry: its ack wait never runs out meanwhile
+
+
+async def test_a_replica_stopping_hands_back_what_it_kept() -> None:
+    conn = OnceConn({"insert_jobs": [{"job_id": "a"}], "job_ages": []})
+    intake, wake, js = build(conn)
+    wake.capacity()
+    stop = asyncio.Event()
+
+    async def publish_async(subject: str, payload: bytes, headers: Any = None) -> Any:
+        stop.set()  # the replica is told to stop while NATS can't store
+        raise RuntimeError("nats: no response from stream")
+
+    js.publish_async = publish_async  # type: ignore[method-assign]
+    reply = "$JS.ACK.JOBS.placement-jobs.1.7.7.1700000000000000000.0"
+    msg = FirstDelivery(cast(Any, None), subject="gpulayer.jobs.submit", reply=reply)
+    msg.data = b'{"job_id": "a", "command": ["true"]}'
+    await handle_batch(stop, [msg], intake.ingest, None)
+    assert msg.nakked  # redelivered at once to a replica still running
+    assert not msg.acked

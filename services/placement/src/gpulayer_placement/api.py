@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 import asyncpg
@@ -48,7 +49,7 @@ from gpulayer_placement.audit import Auditor, audited
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.limits import RateLimit
 from gpulayer_placement.policy import Policy, load_policy
-from gpulayer_placement.publisher import Publisher
+from gpulayer_placement.publisher import ANNOUNCE_AGAIN_WITHIN_S, Publisher
 from gpulayer_placement.store import Store
 
 log = logging.getLogger(__name__)
@@ -380,7 +381,8 @@ class Api:
                 self.forget(q.job_id)
                 cancelled = Cancelled(job_id=q.job_id, reason=q.reason, owner=owner)
                 # Committed: no other path says it, so it is retried through a failover.
-                items = [self.publisher.event_item(e) for e in (cancelled, *cascaded)]
+                items = [self.publisher.event_item(cancelled, f"{q.job_id}:cancelled")]
+                items += [self.publisher.event_item(e) for e in cascaded]
                 await self.publisher.publish_committed(items, f"job {q.job_id}'s cancelled event")
                 return {"job_id": q.job_id, "state": "cancelled"}
             if ranks:
@@ -405,7 +407,18 @@ class Api:
             row = await self._job_row(q.job_id)
             if row["state"] not in ("pending", "placed", "running"):
                 break
+        await self._cancelled_again(row, owner)
         raise ApiError(f"job {q.job_id} is already {row['state']}")
+
+    async def _cancelled_again(self, row: dict[str, Any], owner: str) -> None:
+        """A job cancelled while waiting, cancelled again (a client retrying after a failover):
+        the replica that cancelled it may have stopped before its event was stored. Said again
+        under the same message id, while JetStream would drop a copy already stored."""
+        age = (datetime.now(UTC) - row["updated_at"]).total_seconds()
+        if row["state"] == "cancelled" and row["node_id"] is None and age < ANNOUNCE_AGAIN_WITHIN_S:
+            event = Cancelled(job_id=row["job_id"], reason=row["reason"] or "", owner=owner)
+            item = self.publisher.event_item(event, f"{event.job_id}:cancelled")
+            await self.publisher.publish_committed([item], f"job {event.job_id}'s cancelled event")
 
     async def matrix(self, data: bytes, caller: str = ANONYMOUS) -> Any:
         return SUPPORT_MATRIX

@@ -149,14 +149,22 @@ async def _retry_later(
     dead: DeadLetters | None,
     err: BaseException,
 ) -> None:
-    """The database (or a stream) is unreachable: nak for redelivery (the handlers are
-    idempotent). A message on its last delivery is not the one to blame: it is kept (in
+    """The database or a stream is unreachable.
+
+    A database away: nak for redelivery (the handlers are idempotent; another replica may
+    reach it). A message on its last delivery is not the one to blame: it is kept (in
     progress) and handled here again once the server answers, never dead-lettered or left
-    undelivered."""
+    undelivered. A stream that can't store now (``Unpublished``: the batch is stored, its
+    announcements are not): every message is kept so. Naks would spend a delivery a second
+    while NATS elects a leader, and a replica stopped while keeping a message on its last
+    delivery would leave it never delivered again: its job stored, never announced (the fault
+    run found two). Kept, a message outlives its replica: JetStream delivers it again after
+    its ack wait, with deliveries to spare."""
     log.warning("batch of %d failed, will be redelivered: %s", len(msgs), err)
-    held = [m for m in msgs if last_delivery(m)]
+    keep_all = isinstance(err, Unpublished)
+    held = [m for m in msgs if keep_all or last_delivery(m)]
     for m in msgs:
-        if not last_delivery(m):
+        if not keep_all and not last_delivery(m):
             with contextlib.suppress(Exception):
                 await m.nak(delay=1.0)
     while held and not stop.is_set():
@@ -175,6 +183,11 @@ async def _retry_later(
                     if not _settled(m):
                         await handle_batch(stop, [m], handle, dead)
                 return
+    # Stopping: another replica takes what this one kept, now rather than after the ack wait.
+    for m in held:
+        if not _settled(m) and not last_delivery(m):
+            with contextlib.suppress(Exception):
+                await m.nak()
 
 
 def _settled(msg: Msg) -> bool:
