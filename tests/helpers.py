@@ -332,8 +332,10 @@ class CliZygote:
 
     def close(self) -> None:
         assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
         self.proc.stdin.close()
         self.proc.wait(10)
+        self.proc.stdout.close()
         with contextlib.suppress(OSError):
             os.unlink(self.path)
             os.rmdir(self._folder)

@@ -114,8 +114,10 @@ async def test_services_ride_out_a_nats_restart(
 
 
 # The PostgreSQL restart happens under this load: submits per second, for this long, the
-# restart this far in.
-PG_LOAD_RATE = 200
+# restart this far in. 100 a second is above what a 2-core machine's stack finishes (the full
+# loop bench: ~100 jobs/s with the machine to itself), so jobs are queued in every part when
+# PostgreSQL goes; 200 only doubled the suite's CPU spent here.
+PG_LOAD_RATE = 100
 PG_LOAD_S = 6.0
 PG_RESTART_AT_S = 2.0
 
