@@ -5,13 +5,19 @@ process took between ``free_port`` and the server's bind is never mistaken for t
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from gpulayer_runtime import servers
-from gpulayer_runtime.servers import EmbeddedNats, EmbeddedPostgres, ServerStartError
+from gpulayer_runtime.servers import (
+    EmbeddedNats,
+    EmbeddedNatsCluster,
+    EmbeddedPostgres,
+    ServerStartError,
+)
 
 
 @pytest.fixture
@@ -86,3 +92,17 @@ def test_postgres_picks_another_port_when_its_first_was_taken(
         assert server.port != taken_port
         assert server.proc is not None
         assert server.proc.pid in _listening_pid(server.port)
+
+
+def test_a_cluster_is_routed_once_started(tmp_path: Path) -> None:
+    """Started means every server routes to both others (its own monitor says so), not only
+    that each listens: a request to every server right after would reach only some."""
+    with EmbeddedNatsCluster(tmp_path / "cluster") as cluster:
+        assert [s.peers() for s in cluster.servers] == [2, 2, 2]
+        cluster.servers[2].stop()
+        # A route gone is seen as gone: peers() reads the server, it doesn't remember.
+        for _ in range(200):
+            if cluster.servers[0].peers() == 1:
+                break
+            time.sleep(0.05)
+        assert cluster.servers[0].peers() == 1

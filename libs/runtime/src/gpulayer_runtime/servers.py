@@ -7,6 +7,7 @@ given by the caller.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
@@ -236,6 +238,17 @@ class EmbeddedNats:
         _wait_until(ports.exists, self.proc, "nats-server", log, log_start, timeout)
         return self
 
+    def peers(self) -> int:
+        """How many other servers this one has a route to, by its monitor (``/routez``; a
+        route pool opens several connections to one peer); 0 when it can't say."""
+        url = f"http://127.0.0.1:{self.monitor_port}/routez"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:  # our own, on loopback
+                routes = json.loads(reply.read()).get("routes") or []
+        except (OSError, ValueError):
+            return 0
+        return len({r.get("remote_name") or r.get("remote_id") for r in routes})
+
     def kill(self) -> None:
         """SIGKILL: the server goes as a crashed machine's would."""
         if self.proc and self.proc.poll() is None:
@@ -265,6 +278,10 @@ class ClusterMember(msgspec.Struct, frozen=True, kw_only=True):
     cluster_name: str
     port: int
     route_ports: list[int]
+
+
+def _routed_to(server: EmbeddedNats, others: int) -> bool:
+    return server.peers() >= others
 
 
 class EmbeddedNatsCluster:
@@ -301,8 +318,18 @@ class EmbeddedNatsCluster:
         return ",".join(s.url for s in self.servers)
 
     def start(self, timeout: float = 30.0) -> EmbeddedNatsCluster:
+        """Each server listening, then routed to every other one. A server serves before its
+        routes are up: a request to "every server" made then reached some (a revocation said
+        "all 1 running servers applied it" on a loaded machine)."""
         for server in self.servers:
             server.start(timeout)
+        others = len(self.servers) - 1
+        for server in self.servers:
+            assert server.proc is not None
+            log = server.data_dir / "nats-server.log"
+            what = f"nats-server {server.cluster.server_name if server.cluster else ''} routes"
+            routed = functools.partial(_routed_to, server, others)
+            _wait_until(routed, server.proc, what, log, 0, timeout)
         return self
 
     def stop(self) -> None:
