@@ -241,7 +241,8 @@ class EmbeddedNats:
     def peers(self) -> int:
         """How many other servers this one has a route to, by its monitor (``/routez``; a
         route pool opens several connections to one peer); 0 when it can't say."""
-        url = f"http://127.0.0.1:{self.monitor_port}/routez"
+        # The monitor listens on the client address (a test's own link, in tests/faults).
+        url = f"http://{self.host}:{self.monitor_port}/routez"
         try:
             with urllib.request.urlopen(url, timeout=2) as reply:  # our own, on loopback
                 routes = json.loads(reply.read()).get("routes") or []
@@ -321,15 +322,19 @@ class EmbeddedNatsCluster:
         """Each server listening, then routed to every other one. A server serves before its
         routes are up: a request to "every server" made then reached some (a revocation said
         "all 1 running servers applied it" on a loaded machine)."""
-        for server in self.servers:
-            server.start(timeout)
-        others = len(self.servers) - 1
-        for server in self.servers:
-            assert server.proc is not None
-            log = server.data_dir / "nats-server.log"
-            what = f"nats-server {server.cluster.server_name if server.cluster else ''} routes"
-            routed = functools.partial(_routed_to, server, others)
-            _wait_until(routed, server.proc, what, log, 0, timeout)
+        try:
+            for server in self.servers:
+                server.start(timeout)
+            others = len(self.servers) - 1
+            for server in self.servers:
+                assert server.proc is not None
+                log = server.data_dir / "nats-server.log"
+                name = server.cluster.server_name if server.cluster else ""
+                routed = functools.partial(_routed_to, server, others)
+                _wait_until(routed, server.proc, f"nats-server {name} routes", log, 0, timeout)
+        except BaseException:
+            self.stop()  # none left running behind a cluster that did not start
+            raise
         return self
 
     def stop(self) -> None:
