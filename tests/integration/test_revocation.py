@@ -15,9 +15,10 @@ from pathlib import Path
 
 import nats
 import pytest
-from nats.aio.client import Client
+from nats.aio.client import Client, RawCredentials
 
 from gpulayer_cli.main import main
+from gpulayer_runtime.account_push import routed_servers
 from gpulayer_runtime.auth import AuthStore, decode_jwt_claims
 from gpulayer_runtime.nats import connect
 from gpulayer_runtime.roles import Role
@@ -224,3 +225,19 @@ async def test_a_revocation_no_server_took_is_pushed_later(
         other = AuthStore(tmp_path / "other").init()
         assert await asyncio.to_thread(main, ["auth", "--dir", str(other.folder), "push"]) == 3
         assert "another auth folder" in capsys.readouterr().err
+
+
+async def test_every_server_of_a_cluster_is_counted_from_its_routes(tmp_path: Path) -> None:
+    """How many servers a push waits for: one ROUTEZ answer names the answering server's
+    routes, so a cluster of three counts three even while a server's stats have heard of
+    fewer (its first seconds)."""
+    store = AuthStore(tmp_path / "auth").init()
+    with EmbeddedNatsCluster(tmp_path / "cluster", auth_conf=store.server_conf) as cluster:
+        creds = RawCredentials(store.system_creds())
+        nc = await nats.connect(cluster.servers[2].url, user_credentials=creds)
+        try:
+            reply = await nc.request("$SYS.REQ.SERVER.PING.ROUTEZ", b"", timeout=10)
+        finally:
+            await nc.close()
+    assert routed_servers(reply.data) == 3
+    assert routed_servers(b"not json") == 0

@@ -51,6 +51,31 @@ class _Ping(msgspec.Struct):
     statsz: _Stats = msgspec.field(default_factory=_Stats)
 
 
+class _Route(msgspec.Struct):
+    remote_id: str = ""
+    remote_name: str = ""
+
+
+class _Routes(msgspec.Struct):
+    routes: list[_Route] | None = None
+
+
+class _Routez(msgspec.Struct):
+    """A server's answer to ``$SYS.REQ.SERVER.PING.ROUTEZ`` (only what is read here)."""
+
+    data: _Routes = msgspec.field(default_factory=_Routes)
+
+
+def routed_servers(raw: bytes) -> int:
+    """The servers one ROUTEZ answer shows: the answering one and each it routes to (a route
+    pool opens several connections to one peer); 0 when unreadable."""
+    try:
+        routes = _ROUTEZ.decode(raw).data.routes or []
+    except msgspec.DecodeError:
+        return 0
+    return 1 + len({r.remote_name or r.remote_id for r in routes})
+
+
 class _Status(msgspec.Struct):
     message: str = ""
 
@@ -68,6 +93,7 @@ class _ClaimsReply(msgspec.Struct):
 
 
 _PING = msgspec.json.Decoder(_Ping)
+_ROUTEZ = msgspec.json.Decoder(_Routez)
 _CLAIMS_REPLY = msgspec.json.Decoder(_ClaimsReply)
 
 
@@ -169,6 +195,11 @@ async def push_account(
         for raw in pings:
             with contextlib.suppress(msgspec.DecodeError):
                 servers = max(servers, _PING.decode(raw).statsz.active_servers)
+        # A server's stats count the servers it has heard from, fewer than it routes to in its
+        # first seconds (a revocation right after a start said "all 1 running servers applied
+        # it" of three): its routes count them too.
+        for raw in await _gather(nc, "$SYS.REQ.SERVER.PING.ROUTEZ", b"", 1, timeout):
+            servers = max(servers, routed_servers(raw))
         account = decode_jwt_claims(account_jwt)["sub"]
         subject = f"$SYS.REQ.ACCOUNT.{account}.CLAIMS.UPDATE"
         replies = await _gather(nc, subject, account_jwt.encode(), servers, timeout)
