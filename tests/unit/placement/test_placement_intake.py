@@ -226,27 +226,36 @@ async def test_a_submit_on_its_last_delivery_waits_for_nats_to_store_its_announc
     # JOB_EVENTS has no leader for a moment (a NATS server went away): the announcement
     # can't be stored. The message is not nak'ed into oblivion: it is held and announced once
     # NATS stores again (the fault run lost an accepted event so).
+    msg = await _submit_while_nats_refuses(LastDelivery, MAX_DELIVER, refusals=2)
+    assert msg.acked
+    assert not msg.nakked
+
+
+async def _submit_while_nats_refuses(
+    kind: type[LastDelivery], delivery: int, *, refusals: int
+) -> LastDelivery:
+    """Job "a" submitted (its ``delivery``-th delivery, a ``kind``) while JOB_EVENTS refuses
+    the first ``refusals`` publishes; it was announced once, when NATS stored again."""
     young = [{"job_id": "a", "age_s": 0.1}]
     conn = OnceConn({"insert_jobs": [{"job_id": "a"}], "job_ages": young})
     intake, wake, js = build(conn)
     wake.capacity()
     real = js.publish_async
-    refusals = [RuntimeError("nats: no response from stream")] * 2
+    refused = [RuntimeError("nats: no response from stream")] * refusals
 
     async def publish_async(subject: str, payload: bytes, headers: Any = None) -> Any:
-        if refusals:
-            raise refusals.pop()
+        if refused:
+            raise refused.pop()
         return await real(subject, payload, headers)
 
     js.publish_async = publish_async  # type: ignore[method-assign]
-    reply = f"$JS.ACK.JOBS.placement-jobs.{MAX_DELIVER}.7.7.1700000000000000000.0"
-    msg = LastDelivery(cast(Any, None), subject="gpulayer.jobs.submit", reply=reply)
+    reply = f"$JS.ACK.JOBS.placement-jobs.{delivery}.7.7.1700000000000000000.0"
+    msg = kind(cast(Any, None), subject="gpulayer.jobs.submit", reply=reply)
     msg.data = b'{"job_id": "a", "command": ["true"]}'
     await handle_batch(asyncio.Event(), [msg], intake.ingest, None)
-    assert refusals == []
+    assert refused == []
     assert [h["Nats-Msg-Id"] for _, _, h in js.sent] == ["a:accepted"]
-    assert msg.acked
-    assert not msg.nakked
+    return msg
 
 
 class FirstDelivery(LastDelivery):
@@ -263,25 +272,8 @@ async def test_a_submit_whose_announcement_cant_be_stored_is_kept_not_nakked() -
     # (5), and a replica stopped while keeping it on its last one would leave its job stored
     # and never announced (the fault run found two). Kept in progress from its first delivery,
     # it is announced once NATS stores again, without another delivery.
-    young = [{"job_id": "a", "age_s": 0.1}]
-    conn = OnceConn({"insert_jobs": [{"job_id": "a"}], "job_ages": young})
-    intake, wake, js = build(conn)
-    wake.capacity()
-    real = js.publish_async
-    refusals = [RuntimeError("nats: no response from stream")] * 2
-
-    async def publish_async(subject: str, payload: bytes, headers: Any = None) -> Any:
-        if refusals:
-            raise refusals.pop()
-        return await real(subject, payload, headers)
-
-    js.publish_async = publish_async  # type: ignore[method-assign]
-    reply = "$JS.ACK.JOBS.placement-jobs.1.7.7.1700000000000000000.0"
-    msg = FirstDelivery(cast(Any, None), subject="gpulayer.jobs.submit", reply=reply)
-    msg.data = b'{"job_id": "a", "command": ["true"]}'
-    await handle_batch(asyncio.Event(), [msg], intake.ingest, None)
-    assert refusals == []
-    assert [h["Nats-Msg-Id"] for _, _, h in js.sent] == ["a:accepted"]
+    msg = await _submit_while_nats_refuses(FirstDelivery, 1, refusals=2)
+    assert isinstance(msg, FirstDelivery)
     assert msg.acked
     assert not msg.nakked
     assert msg.kept == 2  # before each retry: its ack wait never runs out meanwhile
