@@ -9,7 +9,7 @@ from typing import Any, cast
 import msgspec
 from tests.unit.placement.placement_fakes import FakeJetStream, FakePool
 
-from gpulayer_contracts import Accepted, Pending, Rejected
+from gpulayer_contracts import Accepted, Cancelled, Pending, Rejected
 from gpulayer_contracts.codec import decode_job_json
 from gpulayer_contracts.subjects import MSG_ID_HEADER
 from gpulayer_matching import NoPlacement, Placement
@@ -51,6 +51,11 @@ def test_event_ids_name_announcements_by_job_and_other_events_by_time() -> None:
     }
     pending = Pending(job_id="j1", summary="s", reasons=[], at=at)
     assert Publisher.event_item(pending)[2] == {MSG_ID_HEADER: f"j1:pending:{at.timestamp()}"}
+    # Placement cancels a job once (waiting, by its dependency, its gang): said again later,
+    # with another time, it is still the same message (JetStream keeps one).
+    later = datetime(2025, 1, 2, 3, 9, 5, tzinfo=UTC)
+    cancels = [Cancelled(job_id="j1", reason="r", at=t) for t in (at, later)]
+    assert [Publisher.event_item(c)[2] for c in cancels] == [{MSG_ID_HEADER: "j1:cancelled"}] * 2
 
 
 def test_grant_and_placed_are_named_by_the_grant_and_carry_the_trace() -> None:

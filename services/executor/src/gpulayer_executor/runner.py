@@ -393,8 +393,8 @@ async def _end_refused(job: _JobProcesses, waiter: asyncio.Future[int], reason: 
 
 
 def _limit_resources(cgroup: JobCgroup | None, limits: JobLimits) -> str | None:
-    """Memory and CPU limits (and its own pids limit) on the job just started; why they could not be set (the
-    job is then ended, never left running unlimited on a node that says it enforces)."""
+    """Memory and CPU limits (and its own pids limit) on the job just started; why they could
+    not be set (the job is then ended, never left running unlimited on a node that enforces)."""
     if cgroup is None:
         return None
     try:

@@ -381,8 +381,7 @@ class Api:
                 self.forget(q.job_id)
                 cancelled = Cancelled(job_id=q.job_id, reason=q.reason, owner=owner)
                 # Committed: no other path says it, so it is retried through a failover.
-                items = [self.publisher.event_item(cancelled, f"{q.job_id}:cancelled")]
-                items += [self.publisher.event_item(e) for e in cascaded]
+                items = [self.publisher.event_item(e) for e in (cancelled, *cascaded)]
                 await self.publisher.publish_committed(items, f"job {q.job_id}'s cancelled event")
                 return {"job_id": q.job_id, "state": "cancelled"}
             if ranks:
@@ -413,11 +412,12 @@ class Api:
     async def _cancelled_again(self, row: dict[str, Any], owner: str) -> None:
         """A job cancelled while waiting, cancelled again (a client retrying after a failover):
         the replica that cancelled it may have stopped before its event was stored. Said again
-        under the same message id, while JetStream would drop a copy already stored."""
+        under the same message id (``<job>:cancelled``, ``Publisher.event_item``), while
+        JetStream would drop a copy already stored. Cancelled by its dependency alike."""
         age = (datetime.now(UTC) - row["updated_at"]).total_seconds()
         if row["state"] == "cancelled" and row["node_id"] is None and age < ANNOUNCE_AGAIN_WITHIN_S:
             event = Cancelled(job_id=row["job_id"], reason=row["reason"] or "", owner=owner)
-            item = self.publisher.event_item(event, f"{event.job_id}:cancelled")
+            item = self.publisher.event_item(event)
             await self.publisher.publish_committed([item], f"job {event.job_id}'s cancelled event")
 
     async def matrix(self, data: bytes, caller: str = ANONYMOUS) -> Any:

@@ -20,6 +20,7 @@ from nats.js import JetStreamContext
 from gpulayer_contracts import (
     Accepted,
     CancelJob,
+    Cancelled,
     Failed,
     Grant,
     JobEvent,
@@ -158,11 +159,12 @@ class Publisher:
     @staticmethod
     def event_item(event: JobEvent, msg_id: str | None = None) -> Item:
         """``msg_id`` names an event that may be published again (a re-sent grant's ``placed``),
-        so JetStream keeps one copy. A job is accepted or rejected once, so those events are
-        named by the job; the others are unique by their time."""
+        so JetStream keeps one copy. A job is accepted or rejected once, and placement cancels
+        it once (waiting, by its dependency, or its gang): those events are named by the job;
+        the others are unique by their time."""
         tag = type(event).__struct_config__.tag
         if msg_id is None:
-            once = isinstance(event, Accepted | Rejected)
+            once = isinstance(event, Accepted | Rejected | Cancelled)
             msg_id = (
                 f"{event.job_id}:{tag}" if once else f"{event.job_id}:{tag}:{event.at.timestamp()}"
             )
