@@ -314,11 +314,11 @@ class CliZygote:
                         chunks[fd].append(data)
                     else:
                         answer += data
-                        lines = answer.split(b"\n")
-                        if pid is None and len(lines) > 1:
-                            pid = int(lines[0]) if lines[0].lstrip(b"-").isdigit() else None
-                            if pid is None:
+                        head, newline, _ = answer.partition(b"\n")
+                        if pid is None and newline:
+                            if not head.isdigit():  # "error ...": the request was refused
                                 raise RuntimeError(f"the CLI zygote: {answer!r}")
+                            pid = int(head)
         finally:
             sel.close()
             conn.close()
