@@ -63,12 +63,14 @@ def trash_in(tmp_path: Path) -> Path:
     return trash
 
 
-async def test_the_tmpdir_is_removed_with_what_the_job_left(tmp_path: Path) -> None:
+async def test_the_tmpdir_is_emptied_of_what_the_job_left(tmp_path: Path) -> None:
     cwd, trash = tmp_path / "job", trash_in(tmp_path)
     prepare_job_dir(cwd, None)
-    assert clear_scratch(cwd, trash) is None  # empty: one rmdir, nothing left behind
-    assert not (cwd / "tmp").exists()
-    prepare_job_dir(cwd, None)
+    empty = (cwd / "tmp").stat()
+    assert clear_scratch(cwd, trash) is None  # empty: left as it is, nothing removed
+    assert (cwd / "tmp").stat().st_ino == empty.st_ino
+    assert list((cwd / "tmp").iterdir()) == []
+    prepare_job_dir(cwd, None)  # a start again finds it and takes it as it is
     (cwd / "tmp" / "a" / "b").mkdir(parents=True)
     for i in range(200):
         (cwd / "tmp" / "a" / "b" / f"f{i}").write_text("x")

@@ -62,7 +62,7 @@ def test_lines_are_written_once_per_flush_with_one_poke(tmp_path: Path) -> None:
     sink, r = sink_on(tmp_path)
     for i in range(100):
         sink.offer("stdout", str(i))
-    assert (tmp_path / OUTPUT_FILE).read_bytes() == b""  # buffered until the turn ends
+    assert not (tmp_path / OUTPUT_FILE).exists()  # buffered until the turn ends
     assert pokes(r) == b""
     sink.flush()
     assert (tmp_path / OUTPUT_FILE).read_bytes() == b"".join(b"o%d\n" % i for i in range(100))
@@ -89,6 +89,26 @@ def test_a_flood_read_from_a_pipe_is_split_only_as_far_as_it_fits(tmp_path: Path
     sink.close()
     lines = (tmp_path / OUTPUT_FILE).read_bytes().splitlines()
     assert lines == [b"e" + b"z" * 36] * 10 + [b"e[gpulayer: 91 lines dropped]"]
+
+
+def test_a_silent_job_makes_no_output_file(tmp_path: Path) -> None:
+    sink, r = sink_on(tmp_path)
+    sink.flush()
+    sink.close()
+    assert not (tmp_path / OUTPUT_FILE).exists()
+    assert pokes(r) == b""
+
+
+def test_a_job_started_again_appends_within_the_same_cap(tmp_path: Path) -> None:
+    (tmp_path / OUTPUT_FILE).write_bytes(b"o" + b"a" * 899 + b"\n")  # its first start's 900
+    sink, _ = sink_on(tmp_path, max_file_bytes=1000)
+    for _ in range(10):
+        sink.offer("stdout", "b" * 49)  # 50 bytes a record: 500 in all, 100 bytes of room
+    sink.close()
+    data = (tmp_path / OUTPUT_FILE).read_bytes()
+    assert len(data) <= 1000
+    assert data.startswith(b"o" + b"a" * 899 + b"\n")
+    assert 1 <= data.count(b"b" * 49) <= 2
 
 
 def test_the_file_never_grows_past_its_cap(tmp_path: Path) -> None:

@@ -2,12 +2,15 @@
 
 The job's folder (``<workdir>/jobs/<grant>``) is its working directory, private to its account
 from its creation, kept with the job's record after the end. Inside it, ``tmp`` is the job's
-``TMPDIR``: private too, and taken away at the job's end, so nothing a job (or a tool it runs,
+``TMPDIR``: private too, and emptied at the job's end, so nothing a job (or a tool it runs,
 such as torchrun's log folders) leaves in temporary files stays on the node or is seen by
-another job. A TMPDIR with files in it is first moved out of the job's folder into the
-executor's own ``<workdir>/trash`` (one rename) and removed from there behind the end report:
-once the end is reported, the job's folder is whole and final, never half-removed under
-someone reading it (a user's script, a test walking it).
+another job. A TMPDIR with anything in it is moved out of the job's folder into the executor's
+own ``<workdir>/trash`` (one rename) and removed from there behind the end report: once the end
+is reported, the job's folder is whole and final, never half-removed under someone reading it
+(a user's script, a test walking it). An empty TMPDIR (most jobs) is left where it is, with the
+job's folder, until the record expires: a removal per job is a file system deletion per job, and
+on ext4 without a journal every new file or folder is then made more slowly for a while (the
+allocator steps over recently freed inodes), those of the next jobs included.
 """
 
 from __future__ import annotations
@@ -69,6 +72,21 @@ def empty_trash(trash: Path) -> asyncio.Future[None] | None:
     return loop.run_in_executor(None, functools.partial(_remove_all, left))
 
 
+def _nothing_in(path: Path) -> bool:
+    """Nothing stands at ``path``, or an empty folder (not a link to one) does."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    except OSError:  # a link, a file, or a folder we may not read: taken away
+        return False
+    try:
+        with os.scandir(fd) as entries:
+            return next(entries, None) is None
+    finally:
+        os.close(fd)
+
+
 def _remove_all(paths: list[Path]) -> None:
     for path in paths:
         if path.is_dir() and not path.is_symlink():
@@ -79,21 +97,18 @@ def _remove_all(paths: list[Path]) -> None:
 
 
 def clear_scratch(cwd: Path, trash: Path) -> asyncio.Future[None] | None:
-    """Take the job's TMPDIR away: when empty (most jobs), one ``rmdir``. Else it is renamed
-    into ``trash`` (the executor's, on the same file system) at once and removed from there in
-    a thread behind the job's end report, so a job that left a million files doesn't hold its
-    report (and so its devices) for the walk, and nobody reading the job's folder after its
-    end sees a half-removed one. The walk never follows a link (``shutil.rmtree`` on Linux
-    works through descriptors). Returns that removal, for whoever wants to wait for it (None:
-    nothing left to remove)."""
+    """Empty the job's TMPDIR: when it is an empty folder (most jobs), nothing is done (see the
+    module's docstring). Else it is renamed into ``trash`` (the executor's, on the same file
+    system) at once and removed from there in a thread behind the job's end report, so a job
+    that left a million files doesn't hold its report (and so its devices) for the walk, and
+    nobody reading the job's folder after its end sees a half-removed one. What stands at
+    ``tmp`` is looked into without following a link (a link the job put there moves as a
+    link), and the walk never follows one either (``shutil.rmtree`` on Linux works through
+    descriptors). Returns that removal, for whoever wants to wait for it (None: nothing left
+    to remove)."""
     scratch = scratch_dir(cwd)
-    try:
-        scratch.rmdir()
+    if _nothing_in(scratch):
         return None
-    except FileNotFoundError:
-        return None
-    except OSError:
-        pass
     gone = trash / f"{cwd.name}-{time.time_ns()}"
     try:
         os.rename(scratch, gone)  # the entry itself: a link the job put there moves as a link

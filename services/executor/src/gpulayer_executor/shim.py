@@ -10,7 +10,7 @@ bounds, and writes what the executor needs into the job's run folder
 - ``started.json``: the job's ``ProcessInfo`` once its process exists;
 - ``output``: the job's lines, one record each (``o``/``e`` for stdout/stderr, the text, a
   newline), cut, rate-limited and capped as the executor's own log sink does, written once per
-  turn of the shim's loop (not once per line);
+  turn of the shim's loop (not once per line); made at the first line (none for a silent job);
 - ``exit.json``: the job's ``Outcome``, written to a temporary file and renamed, so it is
   either whole or absent; written once, when the job is over and its processes are gone.
 
@@ -150,8 +150,14 @@ class FileSink:
         max_file_bytes: int,
     ) -> None:
         self.job_id = job_id
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-        self._size = os.fstat(self._fd).st_size
+        # Made at the first line only: most short jobs print nothing, and a file made per job
+        # is a cost of its own (see folders.py). The executor reads a missing one as empty.
+        self._path = path
+        self._fd: int | None = None
+        try:
+            self._size = os.stat(path).st_size  # a job started again appends to its own
+        except FileNotFoundError:
+            self._size = 0
         self._notify = notify
         self.max_bytes_per_s = max_bytes_per_s
         self.max_file_bytes = max_file_bytes
@@ -212,6 +218,9 @@ class FileSink:
     def flush(self) -> None:
         """Write what is buffered and poke the executor (nothing when nothing is)."""
         if self._buf:
+            if self._fd is None:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+                self._fd = os.open(self._path, flags, 0o600)
             os.write(self._fd, self._buf)
             self._size += len(self._buf)
             self._buf.clear()
@@ -221,7 +230,9 @@ class FileSink:
         if self._dropped:
             self._append("stderr", f"[gpulayer: {self._dropped} lines dropped]", marker=True)
         self.flush()
-        os.close(self._fd)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class Notifier:
