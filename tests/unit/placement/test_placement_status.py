@@ -93,10 +93,42 @@ async def test_a_finished_job_releases_its_devices_is_forgotten_and_wakes_the_sc
 
 
 async def test_a_running_report_changes_no_capacity() -> None:
+    conn = FakeConn({"apply_running": [{"job_id": "j1", "grant_id": "j1-1"}]})
+    status, _, wake, forgotten = build(conn)
+    msgs = [report("g", "running")]
+    await status.apply(list(msgs))
+    # One statement outside a transaction: what apply_running applied goes nowhere else.
+    assert conn.calls == [("apply_running", (["j1"], ["j1-1"], ["g"], [None], [None]))]
+    assert forgotten == []
+    assert not wake.capacity_changed
+    assert msgs[0].acked
+
+
+async def test_running_reports_apply_running_left_go_through_apply_status() -> None:
+    # A rank of a distributed job (or a stale report): not applied by apply_running, so the
+    # transaction that decides its gang sees it.
     changed = [
         {"job_id": "j1", "state": "running", "node_id": "g", "device_index": None, "mode": None}
     ]
-    status, _, wake, forgotten = build(FakeConn({"apply_status": changed}))
+    conn = FakeConn({"apply_running": [], "apply_status": changed})
+    status, _, wake, forgotten = build(conn)
     await status.apply([report("g", "running")])
+    assert conn.names() == ["apply_running", "apply_status"]
+    assert conn.calls[1][1] == (["j1"], ["j1-1"], ["g"], ["running"], [None], [None], "replica-1")
     assert forgotten == []
     assert not wake.capacity_changed
+
+
+async def test_a_batch_with_an_end_in_it_is_applied_whole_in_one_transaction() -> None:
+    conn = FakeConn({"apply_status": []})
+    status, _, _, _ = build(conn)
+    other = AckedMsg(
+        cast(Any, None),
+        subject="gpulayer.node.g.status",
+        data=encode(JobStatus(job_id="j2", grant_id="j2-1", node_id="g", state="running")),
+    )
+    await status.apply([other, report("g", "succeeded")])
+    # (The end no job took is then looked for among the fences: release_fences.)
+    assert conn.names()[0] == "apply_status"
+    assert "apply_running" not in conn.names()
+    assert conn.calls[0][1][3] == ["running", "succeeded"]

@@ -207,6 +207,25 @@ SELECT c.job_id, c.node_id, c.state, r.device_index, r.mode,
         HAVING count(*) > 0) AS notified
 FROM changed c LEFT JOIN released r ON r.job_id = c.job_id;
 
+-- name: apply_running
+-- A batch of 'running' reports only (most batches: a job's start comes alone), as apply_status
+-- applies them, in one statement of its own (no BEGIN, no COMMIT round trip) committed without
+-- waiting for the disk: a 'running' lost with PostgreSQL's last moments is harmless (the job's
+-- end replaces it; until then stale_placed re-sends the grant, which an executor starts once).
+-- Ranks of a distributed job are left out: their gang's state is decided in a transaction.
+-- Returns the reports applied; the rest (ranks, stale or repeated reports) go to apply_status.
+WITH durability AS (SELECT set_config('synchronous_commit', 'off', true)),
+s AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int[], $5::text[])
+         AS s(job_id, grant_id, node_id, exit_code, reason)
+)
+UPDATE jobs SET state = 'running', exit_code = s.exit_code, reason = s.reason,
+    preempted_for = NULL, updated_at = now()
+FROM s, durability
+WHERE jobs.job_id = s.job_id AND jobs.grant_id = s.grant_id AND jobs.node_id = s.node_id
+  AND jobs.state = 'placed' AND jobs.gang_id IS NULL
+RETURNING jobs.job_id, jobs.grant_id;
+
 -- name: stale_placed
 -- Placed jobs whose executor never said "running": re-send the grant (executors start a grant
 -- at most once, so this is safe).

@@ -2,7 +2,8 @@
 
 Reports are folded per grant (a final state is never replaced by ``running`` from the same
 batch), applied in one statement that also releases the devices of finished jobs, and acked.
-A job that finished is forgotten and the scheduler is told capacity came back.
+A job that finished is forgotten and the scheduler is told capacity came back. A batch of
+``running`` reports only is applied outside a transaction first (``apply_running``).
 """
 
 from __future__ import annotations
@@ -159,6 +160,8 @@ class ExecutorStatus:
         """Apply one batch of reports in one statement, release devices, then ack it."""
         poison: list[Poison] = []
         rows = self.read(msgs, poison)
+        if rows and all(r[3] == "running" for r in rows):
+            rows = await self._apply_running(rows)
         if rows:
             async with self.pool.acquire() as conn, conn.transaction():
                 changed = await Store.fetch(
@@ -186,6 +189,24 @@ class ExecutorStatus:
         await asyncio.gather(*(m.ack() for m in msgs if id(m) not in dead))
         for msg, reason, why, job_id in poison:
             await self.dead.send(msg, reason, why, job_id)
+
+    async def _apply_running(self, rows: list[Report]) -> list[Report]:
+        """A batch of ``running`` reports, most of them applied in one statement of its own,
+        committed without waiting for the disk (``apply_running`` says why that is safe). A
+        ``running`` changes nothing placement holds in memory. Returns the reports it left to
+        ``apply_status``: ranks of a distributed job, and stale or repeated ones."""
+        async with self.pool.acquire() as conn:
+            done = await Store.fetch(
+                conn,
+                "apply_running",
+                [r[0] for r in rows],
+                [r[1] for r in rows],
+                [r[2] for r in rows],
+                [r[4] for r in rows],
+                [r[5] for r in rows],
+            )
+        applied = {(d["job_id"], d["grant_id"]) for d in done}
+        return [r for r in rows if (r[0], r[1]) not in applied]
 
     async def _unfence(self, rows: list[Report], applied: dict[str, asyncpg.Record]) -> None:
         """Ends reported of grants that changed no job: those of jobs lost with their node
