@@ -10,6 +10,7 @@ from typing import Any, cast
 import msgspec
 from tests.unit.placement.placement_fakes import FakeConn, FakeJetStream, fake_scheduler, gpu_node
 
+from gpulayer_contracts.codec import job_request_decoder
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.outcome import Outcome
 from gpulayer_placement.scheduler import Scheduler
@@ -129,6 +130,37 @@ async def test_new_jobs_wake_a_pass_over_those_ids_only_and_capacity_a_full_one(
         scheduler.stop.set()
         wake.event.set()
         await task
+
+
+def page_row(job_id: str) -> dict[str, Any]:
+    """A row as take_pending returns it: no request."""
+    row = gpu_row(job_id)
+    del row["request"]
+    return row
+
+
+async def test_a_page_reads_only_the_requests_of_jobs_not_decoded_here() -> None:
+    j2 = gpu_row("j2")
+    conn = FakeConn(
+        {
+            "take_pending": [page_row("j1"), page_row("j2")],
+            "job_requests": [{"job_id": "j2", "request": j2["request"]}],
+        }
+    )
+    scheduler, _, _, _ = build(conn)
+    scheduler.remember({"j1": job_request_decoder.decode(gpu_row("j1")["request"])}, {})
+    await scheduler._schedule_all()
+    assert conn.names()[:3] == ["load_policy", "take_pending", "job_requests"]
+    assert conn.calls[2][1] == (["j2"],)
+    assert "j2" in scheduler._jobs  # decoded once: the next page needs no query for it
+    # One GPU: the oldest job gets it, j2 waits.
+    assert next(c for c in conn.calls if c[0] == "place_jobs")[1][0] == ["j1"]
+    conn.calls.clear()
+    scheduler.fleet.release("g", [0], "exclusive")
+    conn.rows["take_pending"] = [page_row("j2")]
+    await scheduler._schedule_all()
+    assert "job_requests" not in conn.names()
+    assert next(c for c in conn.calls if c[0] == "place_jobs")[1][0] == ["j2"]
 
 
 class _OnceConn(FakeConn):

@@ -108,8 +108,10 @@ RETURNING job_id;
 -- name: take_pending
 -- Highest priority first, then oldest, a page after ($2, $3, $4) = (-priority, submitted_at,
 -- job_id) (jobs_pending_priority_idx). SKIP LOCKED lets several replicas split waiting jobs.
-SELECT job_id, request::text AS request, reason, attempt, submitted_at, traceparent, owner,
-       priority
+-- Without the request: the scheduler keeps the decoded requests of the jobs it knows (a pass
+-- after a release reads a page of the queue to place a few), and reads the others' by id
+-- (job_requests). The request's text was a third of this statement's time.
+SELECT job_id, reason, attempt, submitted_at, traceparent, owner, priority
 FROM jobs
 WHERE state = 'pending'
   AND ((-priority), submitted_at, job_id) > ($2::int, $3::timestamptz, $4::text)
@@ -118,6 +120,9 @@ WHERE state = 'pending'
 ORDER BY (-priority), submitted_at, job_id
 LIMIT $1
 FOR UPDATE SKIP LOCKED;
+
+-- name: job_requests
+SELECT job_id, request::text AS request FROM jobs WHERE job_id = ANY($1::text[]);
 
 -- name: take_jobs
 SELECT job_id, request::text AS request, reason, attempt, submitted_at, traceparent, owner,
