@@ -41,7 +41,7 @@ from gpulayer_placement.publisher import Publisher
 from gpulayer_placement.queue_gate import Gate
 from gpulayer_placement.replica_sync import ReplicaSync
 from gpulayer_placement.settings import Settings
-from gpulayer_placement.store import CONFLICTS, DB_ERRORS, Store
+from gpulayer_placement.store import CONFLICTS, DB_ERRORS
 from gpulayer_placement.wake import Wake
 from gpulayer_runtime.telemetry import DISABLED, Telemetry
 
@@ -177,7 +177,7 @@ class Scheduler:
                 rows = await take(conn)
                 if not rows:
                     return None
-                requests = await self._requests(conn, rows)
+                requests = await waiting.requests_for(conn, rows, self._jobs)
                 self.match_rows(rows, failed, outcome, skim=skim, requests=requests)
                 t0 = time.time_ns()
                 await self.persist(conn, outcome)
@@ -223,18 +223,6 @@ class Scheduler:
         outcome.preempt.clear()
         outcome.gangs.clear()
 
-    async def _requests(self, conn: Any, rows: list[asyncpg.Record]) -> dict[str, str]:
-        """The stored requests of the jobs in a page (which carries none) not decoded here
-        yet: after a start, or jobs another replica took in. One query, only when needed."""
-        if rows[0].get("request") is not None:  # take_ids: the rows carry their requests
-            return {}
-        known = self._jobs
-        unknown = [job_id for r in rows if (job_id := r["job_id"]) not in known]
-        if not unknown:
-            return {}
-        found = await Store.fetch(conn, "job_requests", unknown)
-        return {r["job_id"]: r["request"] for r in found}
-
     def match_rows(
         self,
         rows: list[asyncpg.Record],
@@ -247,9 +235,8 @@ class Scheduler:
         """Match locked rows, in order, against the fleet into ``outcome``; each placement holds
         its devices at once. ``failed`` remembers requirement sets that found no node in this
         pass: capacity only shrinks during a pass, so an equal job behind them can't fit
-        either. With ``skim``, once the fleet is full, see ``_only_waits``. A row's request is
-        its ``request`` column, else in ``requests`` (for a page, which carries none), and is
-        needed only for a job not decoded here yet."""
+        either. With ``skim``, once the fleet is full, see ``_only_waits``. ``requests``: see
+        ``waiting.request_text``."""
         full = False
         checked = -1  # placements in the outcome when ``full`` was last checked
         for row in self.policy.order(rows):
@@ -260,10 +247,7 @@ class Scheduler:
             try:
                 job = self._jobs.get(job_id)
                 if job is None:
-                    text = row.get("request") or (requests or {}).get(job_id)
-                    if text is None:
-                        raise ValueError("its stored request is gone")
-                    job = job_request_decoder.decode(text)
+                    job = job_request_decoder.decode(waiting.request_text(row, requests))
                     self._jobs[job_id] = job
                 key = _requirement_key(job)
             except Exception as err:  # a stored row this version can't read

@@ -5,6 +5,7 @@ inline placement) take waiting jobs from here and nowhere else."""
 
 from __future__ import annotations
 
+from collections.abc import Container, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -25,6 +26,28 @@ async def take_page(conn: Any, size: int, after: Cursor) -> list[asyncpg.Record]
 async def take_ids(conn: Any, ids: list[str]) -> list[asyncpg.Record]:
     """The waiting jobs among ``ids``, locked, in matching order."""
     return await Store.fetch(conn, "take_jobs", ids)
+
+
+async def requests_for(
+    conn: Any, rows: Sequence[asyncpg.Record], known: Container[str]
+) -> dict[str, str]:
+    """The stored requests of a page's jobs that ``known`` (the scheduler's decoded ones)
+    lacks: a page carries none (``take_pending``). One query, only when needed: after a start,
+    or for jobs another replica took in."""
+    if not rows or rows[0].get("request") is not None:  # take_ids: the rows carry theirs
+        return {}
+    unknown = [job_id for r in rows if (job_id := r["job_id"]) not in known]
+    if not unknown:
+        return {}
+    return {r["job_id"]: r["request"] for r in await Store.fetch(conn, "job_requests", unknown)}
+
+
+def request_text(row: Any, requests: Mapping[str, str] | None) -> str:
+    """A row's stored request: its own column (``take_ids``), else from ``requests_for``."""
+    text: str | None = row.get("request") or (requests or {}).get(row["job_id"])
+    if text is None:
+        raise ValueError("its stored request is gone")
+    return text
 
 
 def last(rows: list[asyncpg.Record]) -> Cursor:
