@@ -34,6 +34,7 @@ from bench.figures import (
     placement_memory,
     placement_throughput,
     probe_figures,
+    publish_cost,
     raw_jetstream,
     signing_cost,
     submit_to_grant_latency,
@@ -362,6 +363,8 @@ async def limits_group(run: Run) -> None:
     shape = FleetShape.of(sz.small_nodes)
     jobs = encoded(job_mix("raw", sz.jobs, gpu_jobs_for(sz.jobs, shape)))
     run.add(await raw_jetstream(run.root, jobs))
+    for f in await publish_cost(run.root, jobs):
+        run.add(f)
     for f in await naive_postgres(run.admin_url, sz.naive_serial, sz.naive_concurrent):
         run.add(f)
 

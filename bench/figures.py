@@ -280,6 +280,57 @@ async def raw_jetstream(root: Path, jobs: Sequence[tuple[str, bytes]]) -> Figure
         server.stop()
 
 
+async def publish_cost(root: Path, jobs: Sequence[tuple[str, bytes]]) -> list[Figure]:
+    """CPU of this process per JetStream message published in pipelined batches of 256 (as
+    placement publishes its events and grants), through nats-py's ``publish_async`` and through
+    ``gpulayer_runtime.jspub`` (placement's since issue 30), alternating three rounds each;
+    medians of the rounds."""
+    import resource
+
+    from gpulayer_runtime.jspub import PipelinedPublisher
+
+    names = ("jetstream_publish_cpu_us_per_msg_nats_py", "jetstream_publish_cpu_us_per_msg_jspub")
+    server = EmbeddedNats(root / "pub-nats").start()
+    try:
+        nc = await connect(server.url, "bench-pub")
+        try:
+            js = nc.jetstream()
+            await js.add_stream(name="BENCH_PUB", subjects=["bench.pub.>"])
+            pub = PipelinedPublisher(nc)
+            cost: dict[str, list[float]] = {n: [] for n in names}
+            for round_ in range(3):
+                for name in names:
+                    items = [
+                        (f"bench.pub.{i % 8}", body, {MSG_ID_HEADER: f"{key}:{name}:{round_}"})
+                        for i, (key, body) in enumerate(jobs)
+                    ]
+                    used = resource.getrusage(resource.RUSAGE_SELF)
+                    for start in range(0, len(items), 256):
+                        part = items[start : start + 256]
+                        if name.endswith("jspub"):
+                            await pub.publish_many(part, 30.0)
+                        else:
+                            futures = [
+                                await js.publish_async(*it[:2], headers=it[2]) for it in part
+                            ]
+                            await asyncio.wait_for(asyncio.gather(*futures), 30.0)
+                    now = resource.getrusage(resource.RUSAGE_SELF)
+                    cpu = now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime
+                    cost[name].append(cpu / len(items) * 1e6)
+        finally:
+            await nc.close()
+    except (OSError, TimeoutError, ValueError) as err:
+        return [unavailable(n, "us", str(err)) for n in names]
+    finally:
+        server.stop()
+    med = {n: sorted(v)[1] for n, v in cost.items()}
+    out = [Figure(n, med[n], "us", note=f"runs {[round(x, 1) for x in cost[n]]}") for n in names]
+    out.append(
+        Figure("jetstream_publish_jspub_over_nats_py_cpu", med[names[1]] / med[names[0]], "x")
+    )
+    return out
+
+
 async def naive_postgres(admin_url: str, serial: int, concurrent: int) -> list[Figure]:
     """One transaction per grant, no matching: INSERT the job row and its allocation, commit.
     Once on one connection, once on 8 connections (placement's pool size) at once."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
@@ -93,6 +93,9 @@ class Publisher:
         self._unannounced: dict[str, JobEvent] = {}
         # The last publish failed for want of NATS (not for a message too big to send).
         self.unavailable = False
+        # How a batch is sent and its acks awaited: service.py sets runtime.jspub's pipelined
+        # publisher; nats-py's publish_async by default (what the unit tests' fake answers).
+        self.send_batch: Callable[[Sequence[Item], float], Awaitable[None]] = self._send_js
         # A node's devices as last reported (service.py wires the fleet's): a grant of a MIG
         # instance names its parent GPU and the instance's UUID.
         self.devices_of: Callable[[str], list[AcceleratorDevice] | None] = lambda _node: None
@@ -125,16 +128,17 @@ class Publisher:
         if too_big:
             items = [it for it in items if self._fits(it)]
         try:
-            futures = [
-                await self.js.publish_async(subj, data, headers=h) for subj, data, h in items
-            ]
-            await asyncio.wait_for(asyncio.gather(*futures), self.settings.publish_timeout_s)
+            await self.send_batch(items, self.settings.publish_timeout_s)
         except Exception as err:
             log.warning("publishing %d messages failed: %r", len(items), err)
             self.unavailable = True
             return False
         self.unavailable = False
         return not too_big
+
+    async def _send_js(self, items: Sequence[Item], timeout: float) -> None:
+        futures = [await self.js.publish_async(subj, data, headers=h) for subj, data, h in items]
+        await asyncio.wait_for(asyncio.gather(*futures), timeout)
 
     async def publish_committed(self, items: list[Item], what: str) -> bool:
         """``items`` of a change already committed that nothing else would send again (a cancel,

@@ -56,6 +56,7 @@ from gpulayer_placement.settings import Settings
 from gpulayer_placement.status import ExecutorStatus
 from gpulayer_placement.store import migrate
 from gpulayer_placement.wake import Wake
+from gpulayer_runtime.jspub import PipelinedPublisher
 from gpulayer_runtime.settings import ConfigError
 from gpulayer_runtime.signing import Signer
 from gpulayer_runtime.telemetry import DISABLED, Telemetry
@@ -106,6 +107,7 @@ class PlacementService:
 
         self.sync = ReplicaSync(pool, fleet, wake, stop, self.replica_id, on_load=on_load)
         self.publisher = Publisher(js, pool, s, telemetry, self.signer)
+        self.publisher.send_batch = PipelinedPublisher(nc).publish_many
         self.auditor = Auditor(js, s.admins, publish_timeout_s=s.publish_timeout_s)
         self.scheduler = Scheduler(
             pool=pool,
