@@ -24,6 +24,7 @@ import itertools
 from collections.abc import Sequence
 
 import msgspec
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.errors import APIError, NoStreamResponseError
@@ -53,8 +54,9 @@ class _Ack(msgspec.Struct):
 _ack_decoder = msgspec.json.Decoder(_Ack)
 
 
-class BadAck(Exception):
-    """A reply on the ack inbox that is not a stream's answer."""
+class BadAck(nats.errors.Error):
+    """A reply on the ack inbox that is not a stream's answer (a NATS error, as the others a
+    publish raises)."""
 
 
 class PipelinedPublisher:
