@@ -12,7 +12,9 @@ import io
 import json
 import os
 import re
+import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -285,8 +287,6 @@ async def publish_cost(root: Path, jobs: Sequence[tuple[str, bytes]]) -> list[Fi
     placement publishes its events and grants), through nats-py's ``publish_async`` and through
     ``gpulayer_runtime.jspub`` (placement's since issue 30), alternating three rounds each;
     medians of the rounds."""
-    import resource
-
     from gpulayer_runtime.jspub import PipelinedPublisher
 
     names = ("jetstream_publish_cpu_us_per_msg_nats_py", "jetstream_publish_cpu_us_per_msg_jspub")
@@ -323,7 +323,7 @@ async def publish_cost(root: Path, jobs: Sequence[tuple[str, bytes]]) -> list[Fi
         return [unavailable(n, "us", str(err)) for n in names]
     finally:
         server.stop()
-    med = {n: sorted(v)[1] for n, v in cost.items()}
+    med = {n: statistics.median(v) for n, v in cost.items()}
     out = [Figure(n, med[n], "us", note=f"runs {[round(x, 1) for x in cost[n]]}") for n in names]
     out.append(
         Figure("jetstream_publish_jspub_over_nats_py_cpu", med[names[1]] / med[names[0]], "x")
