@@ -1,5 +1,6 @@
 """The shim's pieces: its output file (format, bounds, one write per turn), the stop request,
-the pokes, and the fork server with the shims it hands jobs to (real processes, no NATS)."""
+the pokes, the fork server, and the executor's pool of idle shims it hands jobs to (real
+processes, no NATS)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ from typing import Any, cast
 import msgspec
 import pytest
 
-from gpulayer_executor import cgroups
+from gpulayer_executor import cgroups, shim_pool
 from gpulayer_executor.lines import LineSplitter, consume
 from gpulayer_executor.runner import StopRequest
 from gpulayer_executor.shim import (
     EXIT_FILE,
     FRAME,
+    IDLE,
     OUTPUT_FILE,
     SHIM_FILE,
     STOP_FILE,
@@ -33,7 +35,8 @@ from gpulayer_executor.shim import (
     read_stop,
     record,
 )
-from gpulayer_executor.shim_client import Follower, ForkServer
+from gpulayer_executor.shim_client import Follower
+from gpulayer_executor.shim_pool import ForkServer
 from gpulayer_executor.state import Outcome, ProcessInfo
 
 # --- the output file ----------------------------------------------------------------------------
@@ -212,8 +215,10 @@ async def test_a_shim_runs_its_job_and_is_handed_the_next(
     py = sys.executable
     script = "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"
     first = spec(tmp_path / "g1", [py, "-c", script])
-    pid, notify = await server.fork(first)
-    said = await ended(notify)
+    lease = await server.fork(first)
+    pid = lease.pid
+    said = await ended(lease.notify)
+    server.done(lease)
     # Started, output (once per turn of the shim's loop that wrote some), ended.
     assert said[:1] == b"s"
     assert said[-1:] == b"e"
@@ -229,9 +234,11 @@ async def test_a_shim_runs_its_job_and_is_handed_the_next(
     hierarchy = hierarchy_spec(found) if found is not None else None
     fds = []
     for i in range(2, 10):
-        again, notify = await server.fork(spec(tmp_path / f"g{i}", ["true"], hierarchy=hierarchy))
-        assert again == pid  # the idle shim took it: no fork
-        await ended(notify)
+        again = await server.fork(spec(tmp_path / f"g{i}", ["true"], hierarchy=hierarchy))
+        assert again.pid == pid  # the idle shim took it: no fork
+        await ended(again.notify)
+        server.done(again)
+        assert server.idle_pids() == [pid]
         assert outcome(tmp_path / f"g{i}").state == "succeeded"
         fds.append(open_fds(pid))
     # Nothing a job opened stays open in the shim that ran it (one may be the next job's
@@ -243,10 +250,12 @@ async def test_jobs_at_once_get_shims_of_their_own(server: ForkServer, tmp_path:
     go = tmp_path / "go"
     wait = f"while [ ! -e {go} ]; do sleep 0.01; done"
     forks = [await server.fork(spec(tmp_path / f"p{i}", ["sh", "-c", wait])) for i in range(3)]
-    assert len({pid for pid, _ in forks}) == 3
+    assert len({lease.pid for lease in forks}) == 3
     go.touch()
-    for _, notify in forks:
-        await ended(notify)
+    for lease in forks:
+        await ended(lease.notify)
+        server.done(lease)
+    assert sorted(server.idle_pids()) == sorted(lease.pid for lease in forks)
 
 
 async def test_a_sigterm_without_a_stop_request_is_ignored_and_with_one_stops(
@@ -255,7 +264,8 @@ async def test_a_sigterm_without_a_stop_request_is_ignored_and_with_one_stops(
     go = tmp_path / "go"
     wait = f"while [ ! -e {go} ]; do sleep 0.01; done"
     run = tmp_path / "t1"
-    pid, notify = await server.fork(spec(run, ["sh", "-c", wait], kill_grace_s=1.0))
+    lease = await server.fork(spec(run, ["sh", "-c", wait], kill_grace_s=1.0))
+    pid, notify = lease.pid, lease.notify
     os.kill(pid, signal.SIGTERM)  # e.g. a late stop of the job this shim ran before
     await asyncio.sleep(0.3)  # nothing to await: the signal must have no effect
     assert not (run / EXIT_FILE).exists()
@@ -270,8 +280,8 @@ async def test_a_sigterm_without_a_stop_request_is_ignored_and_with_one_stops(
 
 async def test_a_timeout_ends_the_job_as_failed(server: ForkServer, tmp_path: Path) -> None:
     run = tmp_path / "slow"
-    _, notify = await server.fork(spec(run, ["sleep", "30"], timeout_s=0.3, kill_grace_s=1.0))
-    await ended(notify)
+    lease = await server.fork(spec(run, ["sleep", "30"], timeout_s=0.3, kill_grace_s=1.0))
+    await ended(lease.notify)
     assert outcome(run).state == "failed"
     assert outcome(run).reason == "timeout"
 
@@ -280,8 +290,8 @@ async def test_a_program_that_is_not_there_fails_to_spawn(
     server: ForkServer, tmp_path: Path
 ) -> None:
     run = tmp_path / "missing"
-    _, notify = await server.fork(spec(run, ["no-such-program-here"]))
-    await ended(notify)
+    lease = await server.fork(spec(run, ["no-such-program-here"]))
+    await ended(lease.notify)
     got = outcome(run)
     assert got.state == "failed"
     assert got.reason is not None
@@ -305,13 +315,89 @@ def test_a_bad_request_is_refused_and_the_server_goes_on(tmp_path: Path) -> None
         ours.sendall(FRAME.pack(len(body)) + body)  # no notify pipe attached: refused too
         assert ours.recv(FRAME.size) == FRAME.pack(0)
         socket.send_fds(ours, [FRAME.pack(len(body)) + body], [w])
-        (pid,) = FRAME.unpack(ours.recv(FRAME.size))
+        reply, fds, _, _ = socket.recv_fds(ours, FRAME.size, 2)
+        (pid,) = FRAME.unpack(reply)
         assert pid > 0
+        assert len(fds) == 1  # the shim's control socket: ours from now on
         os.close(w)
         os.read(r, 16)
+        with socket.socket(fileno=fds[0]) as ctl:
+            assert ctl.recv(8) == IDLE  # its job is over: it may take the next
     finally:
-        ours.close()  # the server exits; the idle shim with it
+        ours.close()  # the server exits
         proc.wait(10)
+
+
+async def gone(pid: int) -> None:
+    """Until process ``pid`` (not our child) has exited."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    loop = asyncio.get_running_loop()
+    exited: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not exited.done():
+            exited.set_result(None)
+
+    loop.add_reader(fd, readable)
+    try:
+        async with asyncio.timeout(10):
+            await exited
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+
+
+async def test_an_idle_shim_that_died_is_passed_over(server: ForkServer, tmp_path: Path) -> None:
+    first = await server.fork(spec(tmp_path / "d1", ["true"]))
+    await ended(first.notify)
+    server.done(first)
+    assert server.idle_pids() == [first.pid]
+    os.kill(first.pid, signal.SIGKILL)
+    await gone(first.pid)
+    second = await server.fork(spec(tmp_path / "d2", ["true"]))
+    assert second.pid != first.pid  # a new shim, forked: the dead one's socket said EPIPE
+    await ended(second.notify)
+    server.done(second)
+    assert outcome(tmp_path / "d2").state == "succeeded"
+    assert server.idle_pids() == [second.pid]
+
+
+async def test_idle_shims_are_let_go_after_their_time_and_beyond_the_most_kept(
+    server: ForkServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shim_pool, "MAX_IDLE", 1)
+    monkeypatch.setattr(shim_pool, "IDLE_S", 0.3)
+    go = tmp_path / "go"
+    wait = f"while [ ! -e {go} ]; do sleep 0.01; done"
+    a = await server.fork(spec(tmp_path / "a", ["sh", "-c", wait]))
+    b = await server.fork(spec(tmp_path / "b", ["sh", "-c", wait]))
+    go.touch()
+    for lease in (a, b):
+        await ended(lease.notify)
+        server.done(lease)
+    await gone(a.pid)  # one too many: let go at once
+    assert server.idle_pids() == [b.pid]
+    await gone(b.pid)  # idle past IDLE_S
+    assert server.idle_pids() == []
+
+
+async def test_a_lease_given_back_while_its_job_runs_lets_the_shim_go_after_it(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    # The executor stopping leaves running jobs to their shims: each finishes its job (its
+    # exit.json written for the next executor), then exits instead of waiting for another.
+    go = tmp_path / "go"
+    run = tmp_path / "left"
+    lease = await server.fork(spec(run, ["sh", "-c", f"while [ ! -e {go} ]; do sleep 0.01; done"]))
+    server.done(lease)
+    assert server.idle_pids() == []
+    go.touch()
+    await ended(lease.notify)
+    await gone(lease.pid)
+    assert outcome(run).state == "succeeded"
 
 
 class QuietSink:
@@ -335,7 +421,8 @@ async def test_a_stop_asked_while_the_running_report_is_still_out_reaches_the_jo
     # follower awaits it). A cancel meanwhile must still stop the job, not wait for it to end
     # by itself (the suite's fault run saw a cancelled job run its 120 s to the end).
     run = tmp_path / "slow"
-    pid, notify = await server.fork(spec(run, ["sleep", "30"], kill_grace_s=1.0))
+    lease = await server.fork(spec(run, ["sleep", "30"], kill_grace_s=1.0))
+    pid, notify = lease.pid, lease.notify
     stop: asyncio.Future[StopRequest] = asyncio.get_running_loop().create_future()
     reported = asyncio.Event()
 

@@ -32,7 +32,8 @@ from gpulayer_executor.job_runner import JobRunner
 from gpulayer_executor.reconcile import Reconciler
 from gpulayer_executor.reporter import Reporter
 from gpulayer_executor.runner import run_process
-from gpulayer_executor.shim_client import ForkServer, ShimLauncher
+from gpulayer_executor.shim_client import ShimLauncher
+from gpulayer_executor.shim_pool import ForkServer
 from gpulayer_executor.writer import DurableWriter
 from gpulayer_runtime.signing import Verifier, parse_public_keys
 from gpulayer_runtime.telemetry import DISABLED, Telemetry

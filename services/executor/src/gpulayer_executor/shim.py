@@ -18,9 +18,11 @@ While the executor lives, the shim also pokes a pipe the executor reads (``s`` s
 ``o`` output, ``e`` ended) so the executor needs no polling. A stop (cancel) is a
 ``stop.json`` the executor writes and a SIGTERM to the shim.
 
-Shims are forked from a fork server (``shim_server``); a shim runs the job with a small
-synchronous loop (``shim_job``). This module holds what the shim and the executor share: the
-spec, the run folder's files and their formats.
+Shims are forked from a fork server (``shim_server``), which hands the executor each new
+shim's control socket; an idle shim is handed its next job on that socket by the executor
+itself (``shim_pool``). A shim runs the job with a small synchronous loop (``shim_job``). This
+module holds what the shim and the executor share: the spec, the run folder's files and their
+formats, the words on a shim's control socket.
 """
 
 from __future__ import annotations
@@ -39,8 +41,14 @@ from gpulayer_executor.limits import JobLimits
 from gpulayer_executor.lines import Stream
 from gpulayer_executor.runner import StopRequest
 
-# A fork server request's length prefix, and its reply (the shim's pid; 0: refused).
+# A request's length prefix (to the fork server or to an idle shim), and the fork server's
+# reply (the shim's pid, its control socket attached; 0 and no socket: refused).
 FRAME = struct.Struct("!I")
+# What a shim says on its control socket once its job is over and it may take the next one.
+IDLE = b"i"
+# Idle shims the executor keeps for the next jobs, at most; and for how long each.
+MAX_IDLE = 64
+IDLE_S = 30.0
 SHIM_FILE = "shim.json"
 STARTED_FILE = "started.json"
 OUTPUT_FILE = "output"

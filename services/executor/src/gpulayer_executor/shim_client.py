@@ -1,12 +1,11 @@
-"""The executor's side of job shims (``shim``): starting one through the fork server, following
+"""The executor's side of job shims (``shim``): starting one (``shim_pool``), following
 a job's run folder (its output file into the job's log sink, its exit status), and finding the
 shims a previous run of the executor left running, to re-attach to them.
 
 Following is driven by the shim's pokes on a pipe while the executor that started the shim
 lives (``s``: read ``started.json``; ``o``: read the output; ``e``: read ``exit.json``); a
 re-attached job (its pipe went with the previous executor) is looked at every ``POLL_S``
-instead. Requests to the fork server are written from the event loop and their replies read by
-it, in order: no thread per job.
+instead.
 """
 
 from __future__ import annotations
@@ -16,10 +15,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
-import subprocess
-import sys
-from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -35,7 +30,6 @@ from gpulayer_executor.output import LogSink, Stream
 from gpulayer_executor.runner import MARKER, SpawnError, StopRequest
 from gpulayer_executor.shim import (
     EXIT_FILE,
-    FRAME,
     OFFSET_FILE,
     OUTPUT_FILE,
     SHIM_FILE,
@@ -46,6 +40,7 @@ from gpulayer_executor.shim import (
     hierarchy_spec,
     write_atomic,
 )
+from gpulayer_executor.shim_pool import ForkServer
 from gpulayer_executor.state import Outcome, ProcessInfo
 
 log = logging.getLogger(__name__)
@@ -65,125 +60,6 @@ _W = ord("w")
 
 class Detached(Exception):
     """The executor is stopping and leaves the job to its shim (re-attached at the next start)."""
-
-
-class ForkServer:
-    """The process shims are forked from (``python -m gpulayer_executor.shim_server``), started
-    once. Requests are written from the event loop (one at a time: a request may need more than
-    one write) and answered in order, each with the forked shim's pid."""
-
-    def __init__(self) -> None:
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._sock: socket.socket | None = None
-        self._replies: deque[asyncio.Future[int]] = deque()
-        self._reply_buf = bytearray()
-        self._send_lock = asyncio.Lock()
-
-    def start(self) -> None:
-        """Start the server (from the event loop's thread: its replies are read there)."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        with theirs:
-            # Its own session: a Ctrl-C or a signal to the executor's group is not for it.
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "gpulayer_executor.shim_server"],
-                stdin=theirs.fileno(),
-                start_new_session=True,
-                close_fds=True,
-            )
-        ours.setblocking(False)
-        self._sock = ours
-        asyncio.get_running_loop().add_reader(ours.fileno(), self._readable)
-
-    def _readable(self) -> None:
-        assert self._sock is not None
-        try:
-            data = self._sock.recv(1 << 16)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self._gone(OSError("the shim fork server closed its socket"))
-            return
-        self._reply_buf += data
-        while len(self._reply_buf) >= FRAME.size and self._replies:
-            (pid,) = FRAME.unpack_from(self._reply_buf)
-            del self._reply_buf[: FRAME.size]
-            fut = self._replies.popleft()
-            if not fut.done():
-                fut.set_result(int(pid))
-
-    def _gone(self, err: OSError) -> None:
-        """The server died or was closed: every request waiting for its reply fails."""
-        if self._sock is not None:
-            asyncio.get_running_loop().remove_reader(self._sock.fileno())
-            self._sock.close()
-            self._sock = None
-        self._reply_buf.clear()
-        while self._replies:
-            fut = self._replies.popleft()
-            if not fut.done():
-                fut.set_exception(err)
-
-    async def _send(self, data: bytes, fd: int) -> None:
-        assert self._sock is not None
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                sent = socket.send_fds(self._sock, [data], [fd])
-                break
-            except BlockingIOError:
-                writable: asyncio.Future[None] = loop.create_future()
-                loop.add_writer(self._sock.fileno(), writable.set_result, None)
-                try:
-                    await writable
-                finally:
-                    loop.remove_writer(self._sock.fileno())
-        if sent < len(data):
-            await loop.sock_sendall(self._sock, data[sent:])
-
-    async def fork(self, spec: ShimSpec) -> tuple[int, int]:
-        """A shim for ``spec``: its pid and the read end of its notify pipe."""
-        body = msgspec.json.encode(spec)
-        read_end, write_end = os.pipe()
-        try:
-            async with self._send_lock:
-                if self._sock is None or (self._proc is not None and self._proc.poll() is not None):
-                    log.warning("shim fork server is gone; starting another")
-                    self._gone(OSError("the shim fork server is gone"))
-                    self._proc = None  # it exits on its own (its socket is closed)
-                    self.start()
-                reply: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-                self._replies.append(reply)
-                try:
-                    await self._send(FRAME.pack(len(body)) + body, write_end)
-                except OSError as err:
-                    self._gone(err)
-                    raise
-            os.close(write_end)
-            write_end = -1
-            pid = await reply
-        except BaseException:
-            os.close(read_end)
-            raise
-        finally:
-            if write_end >= 0:
-                os.close(write_end)
-        if pid <= 0:
-            os.close(read_end)
-            raise OSError("the shim fork server refused the request")
-        return pid, read_end
-
-    def _reap(self) -> None:
-        if self._proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(5)
-            self._proc = None
-
-    async def close(self) -> None:
-        """Close the socket: the server exits (its shims go on)."""
-        self._gone(OSError("the executor is stopping"))
-        await asyncio.to_thread(self._reap)
 
 
 def _read_struct(path: Path, kind: type[T]) -> T | None:
@@ -462,8 +338,11 @@ class ShimLauncher:
             container=container,
         )
         try:
-            pid, notify = await self.server.fork(spec)
+            lease = await self.server.fork(spec)
         except OSError as err:
             raise SpawnError(f"could not start the job's shim: {err}") from err
-        follower = Follower(run, grant_id, sink, notify, hierarchy)
-        return await follower.follow(stop, on_started, pid)
+        try:
+            follower = Follower(run, grant_id, sink, lease.notify, hierarchy)
+            return await follower.follow(stop, on_started, lease.pid)
+        finally:
+            self.server.done(lease)  # idle again once its job is over, else let go

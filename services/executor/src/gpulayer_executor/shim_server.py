@@ -2,16 +2,18 @@
 
 The executor starts it once and talks to it over a socket pair (on its stdin): a request is a
 length-prefixed ``ShimSpec`` with the write end of the job's notify pipe attached; the reply is
-the pid of the shim that runs the job (0: the spec was bad, or no shim could be had).
+the pid of the shim forked to run the job, with the shim's control socket attached (0 and no
+socket: the spec was bad, or no shim could be had). The fork server keeps nothing of the shims
+it forks: each one's socket goes to the executor, which talks to the shim from then on.
 
 A shim runs one job at a time, in a process of its own that outlives the executor. Once its job
-is over (``exit.json`` written, its notify pipe closed) a shim tells the fork server it is idle
-and may be handed the next job: starting a job then costs a message, where a fresh fork costs
-the copy of every page the shim touches (a few milliseconds of CPU per job, the most expensive
-part of a short job's start). Idle shims are let go (their socket closed: they exit) after
-``IDLE_S``, beyond ``MAX_IDLE``, after ``MAX_JOBS`` jobs each, and all at once when the fork
-server exits. A shim whose job outlives the fork server (the executor restarted) exits when
-that job is over.
+is over (``exit.json`` written) a shim says ``IDLE`` on its control socket, before it pokes the
+executor's notify pipe, and waits for the next job on that socket: starting a job then costs a
+message from the executor to the shim, where a fresh fork costs the copy of every page the shim
+touches (a few milliseconds of CPU per job, the most expensive part of a short job's start) and
+a hop through this server costs two more process wake-ups. A shim exits when its socket is
+closed (the executor let it go: idle past ``IDLE_S``, beyond ``MAX_IDLE``, or the executor gone)
+and after ``MAX_JOBS`` jobs. A shim whose job outlives the executor exits when that job is over.
 
 The fork server imports no NATS client and freezes its heap before serving, so a shim's garbage
 collections never touch (and so never copy) the pages it inherited. It exits when the executor
@@ -20,22 +22,19 @@ closes the socket (or dies).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import gc
 import logging
 import os
-import selectors
 import signal
 import socket
 import sys
-import time
 from pathlib import Path
 from typing import NoReturn
 
 import msgspec
 
-from gpulayer_executor.shim import FRAME, Notifier, ShimSpec
+from gpulayer_executor.shim import FRAME, IDLE, Notifier, ShimSpec
 from gpulayer_executor.shim_job import Signals, run_job
 
 log = logging.getLogger("gpulayer_executor.shim")
@@ -44,13 +43,8 @@ _spec_decoder = msgspec.json.Decoder(ShimSpec)
 
 # A spec is a few KiB (argv and environment are bounded by the grant's own bounds).
 MAX_REQUEST_BYTES = 16 << 20
-# Idle shims kept for the next jobs, at most; and for how long each.
-MAX_IDLE = 64
-IDLE_S = 30.0
 # Jobs one shim runs (one after the other) before it exits: bounds what a leak could grow to.
 MAX_JOBS = 1000
-# What an idle shim says on its socket.
-IDLE = b"i"
 
 # Each shim's log, set up once here (in the fork server) rather than in every shim; pointed at
 # the job's run folder per job, it opens the file at the first record only (most never log).
@@ -146,60 +140,12 @@ def run_shim(spec: ShimSpec, notify_fd: int, ctl: socket.socket) -> NoReturn:
 
 
 class _Server:
-    """The fork server's state: the executor's socket, and a socket to each shim it started."""
+    """The fork server's loop: a request in, a shim forked, its pid and socket out."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.sel = selectors.DefaultSelector()
-        self.sel.register(sock, selectors.EVENT_READ)
-        self.shims: dict[int, tuple[int, socket.socket]] = {}  # fd -> (pid, socket)
-        self.idle: collections.OrderedDict[int, float] = collections.OrderedDict()  # fd -> since
 
-    def _drop(self, fd: int) -> None:
-        _, ctl = self.shims.pop(fd)
-        self.idle.pop(fd, None)
-        self.sel.unregister(ctl)
-        ctl.close()
-
-    def _from_shim(self, fd: int) -> None:
-        if fd not in self.shims:  # let go earlier in this turn
-            return
-        _, ctl = self.shims[fd]
-        try:
-            data = ctl.recv(64)
-        except OSError:
-            data = b""
-        if not data or data != IDLE:  # gone, or saying what no shim says
-            self._drop(fd)
-            return
-        self.idle[fd] = time.monotonic()
-        while len(self.idle) > MAX_IDLE:
-            self._drop(next(iter(self.idle)))
-
-    def _expire(self) -> float | None:
-        """Let idle shims past ``IDLE_S`` go; how long until the next one is due."""
-        now = time.monotonic()
-        while self.idle:
-            fd, since = next(iter(self.idle.items()))
-            if now - since < IDLE_S:
-                return IDLE_S - (now - since)
-            self._drop(fd)
-        return None
-
-    def _hand_over(self, body: bytes, fds: list[int]) -> int:
-        """An idle shim takes the job: its pid, or 0 when none could."""
-        while self.idle:
-            fd, _ = self.idle.popitem(last=True)  # the most recently busy: warmest
-            pid, ctl = self.shims[fd]
-            try:
-                socket.send_fds(ctl, [FRAME.pack(len(body)) + body], fds)
-            except OSError:
-                self._drop(fd)
-                continue
-            return pid
-        return 0
-
-    def _fork(self, spec: ShimSpec, body: bytes, fds: list[int]) -> int:
+    def _fork(self, spec: ShimSpec, fds: list[int]) -> tuple[int, socket.socket]:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             pid = os.fork()
@@ -208,48 +154,37 @@ class _Server:
             theirs.close()
             raise
         if pid == 0:
-            # A shim holds none of the fork server's sockets: only its own end of its own.
+            # A shim holds no socket but its own end of its own: the server keeps none of the
+            # others' (each went to the executor and was closed here before this fork).
             self.sock.close()
-            for _, ctl in self.shims.values():
-                ctl.close()
             ours.close()
             run_shim(spec, fds[0], theirs)
         theirs.close()
-        self.shims[ours.fileno()] = (pid, ours)
-        self.sel.register(ours, selectors.EVENT_READ)
-        return pid
+        return pid, ours
 
-    def _request(self, body: bytes, fds: list[int]) -> int:
+    def _request(self, body: bytes, fds: list[int]) -> tuple[int, socket.socket | None]:
         try:
             if len(fds) != 1:
                 raise ValueError(f"{len(fds)} descriptors attached, expected the notify pipe")
-            spec = _spec_decoder.decode(body)
-            return self._hand_over(body, fds) or self._fork(spec, body, fds)
+            return self._fork(_spec_decoder.decode(body), fds)
         except (ValueError, OSError, msgspec.DecodeError, msgspec.ValidationError) as err:
             print(f"gpulayer shim fork server: request refused: {err}", file=sys.stderr, flush=True)
-            return 0
+            return 0, None
         finally:
             for fd in fds:
                 os.close(fd)
 
     def serve(self) -> None:
         while True:
-            ready = [key.fileobj for key, _ in self.sel.select(self._expire())]
-            # The shims' news first: an idle shim takes the request that came with it.
-            for obj in ready:
-                if obj is not self.sock and isinstance(obj, socket.socket):
-                    self._from_shim(obj.fileno())
-            if self.sock not in ready:
-                continue
             request = _recv_request(self.sock)
             if request is None:
                 return
-            self.sock.sendall(FRAME.pack(self._request(*request)))
-
-    def close(self) -> None:
-        for fd in list(self.shims):
-            self._drop(fd)
-        self.sel.close()
+            pid, ctl = self._request(*request)
+            if ctl is None:
+                self.sock.sendall(FRAME.pack(0))
+                continue
+            with ctl:  # the executor's from now on; a reply it can't take lets the shim go
+                socket.send_fds(self.sock, [FRAME.pack(pid)], [ctl.fileno()])
 
 
 def serve(sock: socket.socket) -> None:
@@ -265,11 +200,7 @@ def serve(sock: socket.socket) -> None:
     # it (without, the first full collection in a shim would copy the whole heap).
     gc.collect()
     gc.freeze()
-    server = _Server(sock)
-    try:
-        server.serve()
-    finally:
-        server.close()
+    _Server(sock).serve()
 
 
 def main() -> None:
