@@ -110,16 +110,11 @@ RETURNING job_id;
 -- job_id) (jobs_pending_priority_idx). SKIP LOCKED lets several replicas split waiting jobs.
 -- Without the request: the scheduler keeps the decoded requests of the jobs it knows (a pass
 -- after a release reads a page of the queue to place a few), and reads the others' by id
--- (job_requests). The request's text was a third of this statement's time.
+-- (job_requests). The request's text was a third of this statement's time. The statement is
+-- a function (migration 0023) so that its plan is the ordered walk of the index whatever the
+-- table's statistics say.
 SELECT job_id, reason, attempt, submitted_at, traceparent, owner, priority
-FROM jobs
-WHERE state = 'pending'
-  AND ((-priority), submitted_at, job_id) > ($2::int, $3::timestamptz, $4::text)
-  -- lifecycle: dependencies not all succeeded, or a restart's backoff not over
-  AND NOT blocked AND (not_before IS NULL OR not_before <= now())
-ORDER BY (-priority), submitted_at, job_id
-LIMIT $1
-FOR UPDATE SKIP LOCKED;
+FROM gpulayer_take_pending($1, $2, $3, $4);
 
 -- name: job_requests
 SELECT job_id, request::text AS request FROM jobs WHERE job_id = ANY($1::text[]);
