@@ -700,6 +700,14 @@ async def web_group(run: Run) -> None:
     await _guard(run, [("web_refresh_through_placement_1k_nodes", "ms")], work)
 
 
+async def shim_group(run: Run) -> None:
+    """The executor's shim path alone: jobs of ``true`` through the shim pool (bench/shim_path.py)."""
+    from bench.shim_path import shim_path
+
+    for f in await shim_path(run.root):
+        run.add(f)
+
+
 async def output_group(run: Run) -> None:
     """A job printing 200 MB through the executor's pipes against the same job with its output
     to /dev/null (bench/figures.py ``output_flood``)."""
@@ -806,6 +814,7 @@ async def amain(args: argparse.Namespace) -> list[Figure]:
             ("loop", lambda: loop_group(run)),
             ("loop_container", lambda: loop_container_group(run)),
             ("peers", lambda: peers_group(run)),
+            ("shim", lambda: shim_group(run)),
             ("output", lambda: output_group(run)),
             ("signing", lambda: signing_group(run)),
             ("requests", lambda: requests_group(run)),
@@ -846,7 +855,7 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         help=(
             "comma-separated groups: probe,limits,placement1k,replicas,latency,placement10k,requests,observations,"
-            "loop,loop_container,peers,output,signing,policy,gang,web,telemetry; peers needs --peers and runs "
+            "loop,loop_container,peers,shim,output,signing,policy,gang,web,telemetry; peers needs --peers and runs "
             "with loop"
         ),
     )
