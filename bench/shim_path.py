@@ -64,7 +64,7 @@ async def _until_ended(notify: int) -> None:
 async def _round(root: Path, jobs: int) -> tuple[float, float, str]:
     """One round: µs of CPU per job, jobs per second, and whether cgroups were on."""
     from gpulayer_executor import cgroups
-    from gpulayer_executor.shim import ShimSpec, hierarchy_spec
+    from gpulayer_executor.shim import ShimSpec, hierarchy_spec, read_status
     from gpulayer_executor.shim_pool import ForkServer
 
     found = cgroups.hierarchy(True)
@@ -94,8 +94,8 @@ async def _round(root: Path, jobs: int) -> tuple[float, float, str]:
                 await _until_ended(lease.notify)
             finally:
                 pool.done(lease)
-            if not (run / "exit.json").exists():
-                raise OSError(f"job {i} ended without its exit.json")
+            if read_status(run).exit is None:
+                raise OSError(f"job {i} ended without its outcome in its status file")
 
     try:
         await asyncio.gather(*(one(-1 - i) for i in range(2 * AT_ONCE)))  # the shims forked

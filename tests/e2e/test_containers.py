@@ -31,6 +31,7 @@ from gpulayer_contracts.subjects import JOB_WILDCARD_EVENTS
 from gpulayer_detection.containers import is_static_elf
 from gpulayer_executor import container as ctr
 from gpulayer_executor.container import LABEL_EXECUTOR, executor_label
+from gpulayer_executor.shim import read_status
 from gpulayer_runtime.nats import ensure_streams
 
 PODMAN = shutil.which("podman")
@@ -369,9 +370,11 @@ async def test_container_jobs_the_whole_way(
     code, _, err = await gpulayer("submit", _job(tmp_path / "shim.json", body), env=env)
     assert code == 0, err
     await events.until(ids["shim"], {"running"} | TERMINAL)
-    runs = [r for r in (tmp_path / "work" / "run").iterdir() if not (r / "exit.json").exists()]
+    runs = [r for r in (tmp_path / "work" / "run").iterdir() if read_status(r).exit is None]
     assert len(runs) == 1, runs
-    os.kill(json.loads((runs[0] / "shim.json").read_text())["pid"], signal.SIGKILL)
+    shim = read_status(runs[0]).shim
+    assert shim is not None
+    os.kill(shim.pid, signal.SIGKILL)
     lost = await events.until(ids["shim"], TERMINAL)
     assert (events.types(ids["shim"])[-1], lost.reason) == ("lost", "the job's shim died")
 

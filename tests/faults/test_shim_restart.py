@@ -30,6 +30,7 @@ from tests.helpers import pid_alive, publish_cancel, reason
 
 from gpulayer_contracts.events import CancelJob, Grant, is_terminal
 from gpulayer_contracts.subjects import job_logs
+from gpulayer_executor.shim import read_status
 from gpulayer_runtime.nats import ensure_streams
 
 pytestmark = pytest.mark.integration
@@ -187,8 +188,9 @@ async def test_a_job_whose_shim_is_killed_is_lost_and_killed(
     await publish_grant(js, grant)
     await wait_for_line(js, grant, "2")
     pid = int(await wait_for_file(job_dir(ex.workdir, grant) / "pid"))
-    shim = msgspec.json.decode((ex.workdir / "run" / grant.grant_id / "shim.json").read_bytes())
-    os.kill(shim["pid"], signal.SIGKILL)
+    shim = read_status(ex.workdir / "run" / grant.grant_id).shim
+    assert shim is not None
+    os.kill(shim.pid, signal.SIGKILL)
     events = await events_of(js, grant.job.job_id, is_terminal)
     assert [e.__struct_config__.tag for e in events] == ["running", "lost"]
     assert reason(events[-1]) == "the job's shim died"

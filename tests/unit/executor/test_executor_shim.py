@@ -26,14 +26,20 @@ from gpulayer_executor.shim import (
     IDLE,
     OUTPUT_FILE,
     SHIM_FILE,
+    STARTED_FILE,
+    STATUS_FILE,
     STOP_FILE,
     FileSink,
     Notifier,
     ShimInfo,
     ShimSpec,
+    StatusLine,
+    has_status,
     hierarchy_spec,
+    read_status,
     read_stop,
     record,
+    status_line,
 )
 from gpulayer_executor.shim_client import Follower
 from gpulayer_executor.shim_pool import ForkServer
@@ -152,6 +158,41 @@ def test_a_stop_without_a_request_is_none_and_a_garbled_one_a_cancel(tmp_path: P
 # --- the fork server and its shims ---------------------------------------------------------------
 
 
+# --- the status file ----------------------------------------------------------------------------
+
+
+def test_status_is_read_line_by_line_and_a_line_not_yet_whole_waits(tmp_path: Path) -> None:
+    shim = ShimInfo(pid=11, start_ticks=5, boot_id="b")
+    started = ProcessInfo(pid=12, pgid=12, start_ticks=6, boot_id="b")
+    ended = Outcome(state="succeeded", exit_code=0)
+    whole = status_line(StatusLine(shim=shim)) + status_line(StatusLine(started=started))
+    last = status_line(StatusLine(exit=ended))
+    assert not has_status(tmp_path)
+    (tmp_path / STATUS_FILE).write_bytes(whole + last[:-1])  # its newline not written yet
+    got = read_status(tmp_path)
+    assert (got.shim, got.started, got.exit) == (shim, started, None)
+    assert has_status(tmp_path)
+    (tmp_path / STATUS_FILE).write_bytes(whole + b'{"exit": {"state": "no-such"}}\n' + last)
+    got = read_status(tmp_path)  # the garbled line passed over (and logged), not the rest
+    assert (got.shim, got.started, got.exit) == (shim, started, ended)
+
+
+def test_the_files_of_a_shim_from_before_the_status_file_are_still_read(tmp_path: Path) -> None:
+    # A shim an older executor started outlives its upgrade: the new executor follows it.
+    shim = ShimInfo(pid=21)
+    started = ProcessInfo(pid=22, pgid=22)
+    (tmp_path / SHIM_FILE).write_bytes(msgspec.json.encode(shim))
+    assert has_status(tmp_path)
+    (tmp_path / STARTED_FILE).write_bytes(msgspec.json.encode(started))
+    got = read_status(tmp_path)
+    assert (got.shim, got.started, got.exit) == (shim, started, None)
+    (tmp_path / EXIT_FILE).write_bytes(b"{half")  # unreadable: no outcome yet, logged
+    assert read_status(tmp_path).exit is None
+    ended = Outcome(state="failed", exit_code=3)
+    (tmp_path / EXIT_FILE).write_bytes(msgspec.json.encode(ended))
+    assert read_status(tmp_path).exit == ended
+
+
 @pytest.fixture
 async def server() -> AsyncIterator[ForkServer]:
     fs = ForkServer()
@@ -202,7 +243,9 @@ async def ended(notify_fd: int) -> bytes:
 
 
 def outcome(run: Path) -> Outcome:
-    return msgspec.json.decode((run / EXIT_FILE).read_bytes(), type=Outcome)
+    got = read_status(run).exit
+    assert got is not None, f"no outcome in {run / STATUS_FILE}"
+    return got
 
 
 def open_fds(pid: int) -> int:
@@ -226,8 +269,13 @@ async def test_a_shim_runs_its_job_and_is_handed_the_next(
     got = outcome(tmp_path / "g1")
     assert (got.state, got.exit_code, got.reason) == ("failed", 3, "exit code 3")
     assert (tmp_path / "g1" / OUTPUT_FILE).read_bytes() in (b"oout\neerr\n", b"eerr\noout\n")
-    info = msgspec.json.decode((tmp_path / "g1" / SHIM_FILE).read_bytes(), type=ShimInfo)
-    assert info.pid == pid
+    status = read_status(tmp_path / "g1")
+    assert status.shim is not None
+    assert status.shim.pid == pid
+    assert status.started is not None
+    assert status.started.pid != pid
+    # One file made for the job's state, no other (a silent job has no output file).
+    assert sorted(p.name for p in (tmp_path / "g1").iterdir()) == [OUTPUT_FILE, STATUS_FILE]
     # In the executor's cgroups where this machine has them (a job's cgroup files and the
     # hierarchy's own are opened in the shim).
     found = cgroups.hierarchy(True)
@@ -268,7 +316,7 @@ async def test_a_sigterm_without_a_stop_request_is_ignored_and_with_one_stops(
     pid, notify = lease.pid, lease.notify
     os.kill(pid, signal.SIGTERM)  # e.g. a late stop of the job this shim ran before
     await asyncio.sleep(0.3)  # nothing to await: the signal must have no effect
-    assert not (run / EXIT_FILE).exists()
+    assert read_status(run).exit is None
     request = StopRequest(state="cancelled", reason="user changed their mind")
     (run / STOP_FILE).write_bytes(msgspec.json.encode(request))
     os.kill(pid, signal.SIGTERM)
@@ -388,7 +436,7 @@ async def test_a_lease_given_back_while_its_job_runs_lets_the_shim_go_after_it(
     server: ForkServer, tmp_path: Path
 ) -> None:
     # The executor stopping leaves running jobs to their shims: each finishes its job (its
-    # exit.json written for the next executor), then exits instead of waiting for another.
+    # outcome written for the next executor), then exits instead of waiting for another.
     go = tmp_path / "go"
     run = tmp_path / "left"
     lease = await server.fork(spec(run, ["sh", "-c", f"while [ ! -e {go} ]; do sleep 0.01; done"]))

@@ -15,7 +15,7 @@ from gpulayer_executor import procs
 from gpulayer_executor import state as st
 from gpulayer_executor.job_runner import JobRunner
 from gpulayer_executor.reporter import Reporter
-from gpulayer_executor.shim import EXIT_FILE
+from gpulayer_executor.shim import read_status
 from gpulayer_executor.shim_client import has_shim, shim_alive
 from gpulayer_runtime.logs import job_context
 
@@ -107,7 +107,7 @@ class Reconciler:
         if self._run_root is None:
             return RESTARTED
         run = self._run_root / st.grant_key(rec.grant_id)
-        if (run / EXIT_FILE).exists() or shim_alive(run):
+        if read_status(run).exit is not None or shim_alive(run):
             log.info("grant %s (job %s): re-attaching to its shim", rec.grant_id, rec.job_id)
             self._runner.adopt(rec, run)
             return None

@@ -6,13 +6,17 @@ own session, own cgroup, limits, timeout, SIGTERM-grace-SIGKILL), reads its pipe
 bounds, and writes what the executor needs into the job's run folder
 ``<workdir>/run/<grant>/`` (the executor's, 0700: the job can't forge its own exit status):
 
-- ``shim.json``: the shim's pid, start time and boot id (to recognise it after a restart);
-- ``started.json``: the job's ``ProcessInfo`` once its process exists;
+- ``status``: one JSON line per step, appended (a line's newline is written with it, so a line
+  without its newline is one being written, not one to read): the shim's pid, start time and
+  boot id (to recognise it after a restart) when it takes the job; the job's ``ProcessInfo``
+  once its process exists; the job's ``Outcome`` once the job is over and its processes are
+  gone. One file made per job, where the shim wrote three before (``shim.json``,
+  ``started.json``, ``exit.json``: still read, for a shim started before an upgrade). Making a
+  file is what a job's start costs most on ext4 without a journal (each one steps over the
+  inodes freed in the last minutes);
 - ``output``: the job's lines, one record each (``o``/``e`` for stdout/stderr, the text, a
   newline), cut, rate-limited and capped as the executor's own log sink does, written once per
-  turn of the shim's loop (not once per line); made at the first line (none for a silent job);
-- ``exit.json``: the job's ``Outcome``, written to a temporary file and renamed, so it is
-  either whole or absent; written once, when the job is over and its processes are gone.
+  turn of the shim's loop (not once per line); made at the first line (none for a silent job).
 
 While the executor lives, the shim also pokes a pipe the executor reads (``s`` started,
 ``o`` output, ``e`` ended) so the executor needs no polling. A stop (cancel) is a
@@ -27,10 +31,13 @@ formats, the words on a shim's control socket.
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 
@@ -40,6 +47,10 @@ from gpulayer_executor.env import RunAs
 from gpulayer_executor.limits import JobLimits
 from gpulayer_executor.lines import Stream
 from gpulayer_executor.runner import StopRequest
+from gpulayer_executor.state import Outcome, ProcessInfo
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # A request's length prefix (to the fork server or to an idle shim), and the fork server's
 # reply (the shim's pid, its control socket attached; 0 and no socket: refused).
@@ -49,9 +60,11 @@ IDLE = b"i"
 # Idle shims the executor keeps for the next jobs, at most; and for how long each.
 MAX_IDLE = 64
 IDLE_S = 30.0
+STATUS_FILE = "status"
+OUTPUT_FILE = "output"
+# What a shim wrote before ``status`` (read for a shim an older executor started).
 SHIM_FILE = "shim.json"
 STARTED_FILE = "started.json"
-OUTPUT_FILE = "output"
 EXIT_FILE = "exit.json"
 STOP_FILE = "stop.json"
 OFFSET_FILE = "offset"
@@ -81,17 +94,26 @@ def hierarchy_spec(h: Hierarchy) -> HierarchySpec:
     )
 
 
+# The executor's hierarchy, rebuilt once per shim (not per job: it keeps files open).
+_hierarchies: list[tuple[HierarchySpec, Hierarchy]] = []
+
+
 def hierarchy_of(spec: HierarchySpec | None) -> Hierarchy | None:
-    """The ``Hierarchy`` a spec describes (in the shim)."""
+    """The ``Hierarchy`` a spec describes (in the shim), made once per shim."""
     if spec is None:
         return None
-    return Hierarchy(
+    for known, hierarchy in _hierarchies:
+        if known == spec:
+            return hierarchy
+    made = Hierarchy(
         spec.version,
         Path(spec.parent),
         {k: Path(v) for k, v in spec.controllers.items()},
         homes={Path(k): Path(v) for k, v in spec.homes.items()},
         enforcement=spec.enforcement,
     )
+    _hierarchies.append((spec, made))
+    return made
 
 
 class ShimSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -116,11 +138,103 @@ class ShimSpec(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ShimInfo(msgspec.Struct, frozen=True, kw_only=True):
-    """``shim.json``: enough to tell, after an executor restart, that this shim still runs."""
+    """Enough to tell, after an executor restart, that the job's shim still runs."""
 
     pid: int
     start_ticks: int | None = None
     boot_id: str | None = None
+
+
+class StatusLine(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One line of ``status``: one of its fields set."""
+
+    shim: ShimInfo | None = None
+    started: ProcessInfo | None = None
+    exit: Outcome | None = None
+
+
+@dataclass
+class RunStatus:
+    """What a run folder's shim has written so far (the last line of each kind)."""
+
+    shim: ShimInfo | None = None
+    started: ProcessInfo | None = None
+    exit: Outcome | None = None
+
+
+_line_decoder = msgspec.json.Decoder(StatusLine)
+
+
+def read_status(run: Path) -> RunStatus:
+    """``status`` as written so far: its whole lines (the last one, without its newline yet, is
+    being written); else the three files of a shim from before it (none: nothing yet). A line
+    that can't be read is logged and passed over."""
+    try:
+        data = (run / STATUS_FILE).read_bytes()
+    except FileNotFoundError:
+        return _read_files(run)
+    except OSError as err:
+        log.warning("%s unreadable: %s", run / STATUS_FILE, err)
+        return RunStatus()
+    out = RunStatus()
+    for line in data.split(b"\n")[:-1]:
+        try:
+            step = _line_decoder.decode(line)
+        except (msgspec.DecodeError, msgspec.ValidationError) as err:
+            log.warning("%s: a line unreadable: %s", run / STATUS_FILE, err)
+            continue
+        out.shim = step.shim or out.shim
+        out.started = step.started or out.started
+        out.exit = step.exit or out.exit
+    return out
+
+
+def _read_files(run: Path) -> RunStatus:
+    return RunStatus(
+        shim=_read_file(run / SHIM_FILE, ShimInfo),
+        started=_read_file(run / STARTED_FILE, ProcessInfo),
+        exit=_read_file(run / EXIT_FILE, Outcome),
+    )
+
+
+def _read_file(path: Path, kind: type[T]) -> T | None:
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=kind)
+    except FileNotFoundError:
+        return None
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as err:
+        log.warning("%s unreadable: %s", path, err)
+        return None
+
+
+def has_status(run: Path) -> bool:
+    """Whether a shim ever took the job of this run folder."""
+    return (run / STATUS_FILE).exists() or (run / SHIM_FILE).exists()
+
+
+class StatusWriter:
+    """The shim's end of ``status``: made when it takes a job, a line appended per step, each
+    in one write (``O_APPEND``: whole lines, in order). Not synced: as the files before it, it
+    is for an executor restart, not for a power loss (the executor's own records are)."""
+
+    def __init__(self, run: Path, shim_line: bytes) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC
+        self._fd = os.open(run / STATUS_FILE, flags, 0o600)
+        try:
+            os.write(self._fd, shim_line)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def add(self, step: StatusLine) -> None:
+        os.write(self._fd, status_line(step))
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def status_line(step: StatusLine) -> bytes:
+    return msgspec.json.encode(step) + b"\n"
 
 
 def write_atomic(path: Path, data: bytes) -> None:

@@ -3,7 +3,7 @@ a job's run folder (its output file into the job's log sink, its exit status), a
 shims a previous run of the executor left running, to re-attach to them.
 
 Following is driven by the shim's pokes on a pipe while the executor that started the shim
-lives (``s``: read ``started.json``; ``o``: read the output; ``e``: read ``exit.json``); a
+lives (``s``: the job's process, ``e``: its outcome, both in ``status``; ``o``: the output); a
 re-attached job (its pipe went with the previous executor) is looked at every ``POLL_S``
 instead.
 """
@@ -17,7 +17,6 @@ import os
 import signal
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
 
 import msgspec
 
@@ -29,15 +28,13 @@ from gpulayer_executor.limits import JobLimits
 from gpulayer_executor.output import LogSink, Stream
 from gpulayer_executor.runner import MARKER, SpawnError, StopRequest
 from gpulayer_executor.shim import (
-    EXIT_FILE,
     OFFSET_FILE,
     OUTPUT_FILE,
-    SHIM_FILE,
-    STARTED_FILE,
     STOP_FILE,
-    ShimInfo,
     ShimSpec,
+    has_status,
     hierarchy_spec,
+    read_status,
     write_atomic,
 )
 from gpulayer_executor.shim_pool import ForkServer
@@ -45,13 +42,12 @@ from gpulayer_executor.state import Outcome, ProcessInfo
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
 # How often a re-attached job's files are looked at (no pipe from its shim any more).
 POLL_S = 0.2
 # Output read per look, at most.
 READ_CHUNK = 1 << 18
-# The shim's pokes: started.json written, output written, exit.json written.
+# The shim's pokes: the job's process in ``status``, output written, its outcome in ``status``.
 _S, _O, _E = b"soe"
 # A wake that came while the follower was not asleep (a stop requested while it awaited the
 # job's "running" report, which retries while NATS can't store it): the next sleep returns.
@@ -62,19 +58,9 @@ class Detached(Exception):
     """The executor is stopping and leaves the job to its shim (re-attached at the next start)."""
 
 
-def _read_struct(path: Path, kind: type[T]) -> T | None:
-    try:
-        return msgspec.json.decode(path.read_bytes(), type=kind)
-    except FileNotFoundError:
-        return None
-    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as err:
-        log.warning("%s unreadable: %s", path, err)
-        return None
-
-
 def shim_alive(run: Path) -> bool:
     """Whether the shim that ``run`` belongs to still runs (same boot, same process)."""
-    info = _read_struct(run / SHIM_FILE, ShimInfo)
+    info = read_status(run).shim
     if info is None:
         return False
     current = procs.boot_id()
@@ -86,13 +72,13 @@ def shim_alive(run: Path) -> bool:
 
 
 def has_shim(run: Path) -> bool:
-    """Whether a shim ever ran the job of this run folder (it wrote ``shim.json``)."""
-    return (run / SHIM_FILE).exists()
+    """Whether a shim ever took the job of this run folder (it wrote its ``status``)."""
+    return has_status(run)
 
 
 class Follower:
-    """One job's run folder, followed until its ``exit.json``: output lines into ``sink`` (with
-    ``Nats-Msg-Id`` = ``<grant>:log:<offset>``, from the offset acked before), ``started.json``
+    """One job's run folder, followed until its outcome: output lines into ``sink`` (with
+    ``Nats-Msg-Id`` = ``<grant>:log:<offset>``, from the offset acked before), the process
     into ``on_started``, a stop into ``stop.json`` and a SIGTERM to the shim."""
 
     def __init__(
@@ -219,7 +205,7 @@ class Follower:
                     self._send_stop(request, shim_pid)
                     stop_sent = True
                 if on_started is not None and _S in pokes:
-                    info = _read_struct(self.run / STARTED_FILE, ProcessInfo)
+                    info = read_status(self.run).started
                     if info is not None:
                         await on_started(info)
                         on_started = None
@@ -227,14 +213,14 @@ class Follower:
                     drained = self._pump()
                     self._record_offset()
                 if _E in pokes:
-                    outcome = _read_struct(self.run / EXIT_FILE, Outcome)
+                    outcome = read_status(self.run).exit
                     if outcome is not None:
                         await self._drain()
                         return outcome
                     if self._eof and not shim_alive(self.run):
                         # Gone without saying how the job ended (killed, or never started);
-                        # exit.json may have come just before it went.
-                        outcome = _read_struct(self.run / EXIT_FILE, Outcome)
+                        # Its outcome may have come just before it went.
+                        outcome = read_status(self.run).exit
                         if outcome is not None:
                             continue
                         await self._kill_orphans()
@@ -249,7 +235,7 @@ class Follower:
     async def _kill_orphans(self) -> None:
         """The shim died without saying how the job ended: what is left of the job must not run
         on unsupervised once it is reported lost (its GPUs go to other jobs)."""
-        info = _read_struct(self.run / STARTED_FILE, ProcessInfo)
+        info = read_status(self.run).started
         if info is not None and procs.owns_group(info.pgid, info.start_ticks, info.boot_id):
             log.warning("grant %s: its shim died; killing group %s", self.grant_id, info.pgid)
             procs.signal_group(info.pgid, signal.SIGKILL)
@@ -260,7 +246,7 @@ class Follower:
         write_atomic(self.run / STOP_FILE, msgspec.json.encode(request))
         pid = shim_pid
         if pid is None:
-            info = _read_struct(self.run / SHIM_FILE, ShimInfo)
+            info = read_status(self.run).shim
             pid = info.pid if info is not None and shim_alive(self.run) else None
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):

@@ -22,10 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-import msgspec
-
 from gpulayer_executor import procs, shim_container, users
-from gpulayer_executor.cgroups import Hierarchy, JobCgroup, LimitError
+from gpulayer_executor.cgroups import JobCgroup, LimitError
 from gpulayer_executor.env import RunAs
 from gpulayer_executor.limits import JobLimits
 from gpulayer_executor.lines import CHUNK, LineSplitter, Stream, consume, offer, widen_pipe
@@ -43,18 +41,16 @@ from gpulayer_executor.runner import (
     _stopped_outcome,
 )
 from gpulayer_executor.shim import (
-    EXIT_FILE,
     OUTPUT_FILE,
-    SHIM_FILE,
-    STARTED_FILE,
     FileSink,
-    HierarchySpec,
     Notifier,
     ShimInfo,
     ShimSpec,
+    StatusLine,
+    StatusWriter,
     hierarchy_of,
     read_stop,
-    write_atomic,
+    status_line,
 )
 from gpulayer_executor.state import Outcome, ProcessInfo
 
@@ -67,26 +63,29 @@ READS_PER_TURN = 8
 def run_job(
     spec: ShimSpec, notify: Notifier, signals: Signals, ended: Callable[[], None] | None = None
 ) -> None:
-    """Run the job of ``spec`` to its end; its outcome in ``exit.json``, then ``ended`` (the
-    shim says it is free), then a poke."""
+    """Run the job of ``spec`` to its end; its outcome in ``status``, then ``ended`` (the shim
+    says it is free), then a poke."""
     run = Path(spec.run_dir)
-    write_atomic(run / SHIM_FILE, _me(os.getpid()))
-    # A SIGTERM may have come before this job (a late stop of the shim's previous job, or
-    # this job's own stop, sent as soon as it was asked): look for a stop request once.
-    signals.look = True
-    sink = FileSink(
-        run / OUTPUT_FILE,
-        spec.job_id,
-        notify,
-        max_bytes_per_s=spec.max_bytes_per_s,
-        max_file_bytes=spec.max_file_bytes,
-    )
+    status = StatusWriter(run, _me(os.getpid()))
     try:
-        outcome = _supervise(spec, run, sink, notify, signals)
-    except SpawnError as err:
-        outcome = Outcome(state="failed", reason=f"spawn: {err}")
-    sink.close()
-    write_atomic(run / EXIT_FILE, msgspec.json.encode(outcome))
+        # A SIGTERM may have come before this job (a late stop of the shim's previous job, or
+        # this job's own stop, sent as soon as it was asked): look for a stop request once.
+        signals.look = True
+        sink = FileSink(
+            run / OUTPUT_FILE,
+            spec.job_id,
+            notify,
+            max_bytes_per_s=spec.max_bytes_per_s,
+            max_file_bytes=spec.max_file_bytes,
+        )
+        try:
+            outcome = _supervise(spec, run, sink, notify, signals, status)
+        except SpawnError as err:
+            outcome = Outcome(state="failed", reason=f"spawn: {err}")
+        sink.close()
+        status.add(StatusLine(exit=outcome))
+    finally:
+        status.close()
     if ended is not None:
         ended()
     notify(b"e")
@@ -94,9 +93,10 @@ def run_job(
 
 @functools.cache
 def _me(pid: int) -> bytes:
-    """``shim.json``: the same for every job of this shim (keyed by pid: a fork is another)."""
+    """``status``' first line: the same for every job of this shim (keyed by pid: a fork is
+    another)."""
     info = ShimInfo(pid=pid, start_ticks=procs.start_ticks(pid), boot_id=procs.boot_id())
-    return msgspec.json.encode(info)
+    return status_line(StatusLine(shim=info))
 
 
 class _Reader:
@@ -314,10 +314,15 @@ class _Group:
 
 
 def _supervise(
-    spec: ShimSpec, run: Path, sink: FileSink, notify: Notifier, signals: Signals
+    spec: ShimSpec,
+    run: Path,
+    sink: FileSink,
+    notify: Notifier,
+    signals: Signals,
+    status: StatusWriter,
 ) -> Outcome:
     def process(s: ShimSpec) -> Outcome:
-        return _supervise_process(s, run, sink, notify, signals)
+        return _supervise_process(s, run, sink, notify, signals, status)
 
     if spec.container is None:
         return process(spec)
@@ -325,11 +330,16 @@ def _supervise(
 
 
 def _supervise_process(
-    spec: ShimSpec, run: Path, sink: FileSink, notify: Notifier, signals: Signals
+    spec: ShimSpec,
+    run: Path,
+    sink: FileSink,
+    notify: Notifier,
+    signals: Signals,
+    status: StatusWriter,
 ) -> Outcome:
     marker = spec.env.get(MARKER)
     limits = spec.limits or JobLimits()
-    hierarchy = _hierarchy(spec.hierarchy)
+    hierarchy = hierarchy_of(spec.hierarchy)
     cgroup = hierarchy.create(marker) if hierarchy is not None and marker else None
     pid, out_fd, err_fd = _spawn(spec, cgroup, limits)
     group = _Group(pid, cgroup, marker)
@@ -346,7 +356,7 @@ def _supervise_process(
             start_ticks=procs.start_ticks(pid),
             boot_id=procs.boot_id(),
         )
-        write_atomic(run / STARTED_FILE, msgspec.json.encode(info))
+        status.add(StatusLine(started=info))
         notify(b"s")
         if refused is not None:
             group.kill(watch)
@@ -367,20 +377,6 @@ def _supervise_process(
         watch.close()
         if cgroup is not None:
             cgroup.remove()
-
-
-# The executor's hierarchy, rebuilt once per shim (not per job: it keeps files open).
-_hierarchies: list[tuple[HierarchySpec, Hierarchy | None]] = []
-
-
-def _hierarchy(spec: HierarchySpec | None) -> Hierarchy | None:
-    if spec is None:
-        return None
-    for known, hierarchy in _hierarchies:
-        if known == spec:
-            return hierarchy
-    _hierarchies.append((spec, hierarchy_of(spec)))
-    return _hierarchies[-1][1]
 
 
 def _spawn(spec: ShimSpec, cgroup: JobCgroup | None, limits: JobLimits) -> tuple[int, int, int]:
