@@ -163,6 +163,37 @@ async def test_a_page_reads_only_the_requests_of_jobs_not_decoded_here() -> None
     assert next(c for c in conn.calls if c[0] == "place_jobs")[1][0] == ["j2"]
 
 
+class _ForgettingConn(FakeConn):
+    """While the page's unknown requests are read, an end applied meanwhile forgets a job of
+    the page (a retried job: ended, and waiting again)."""
+
+    scheduler: Scheduler
+
+    async def fetch(self, sql: str, *args: Any) -> list[dict[str, Any]]:
+        rows = await super().fetch(sql, *args)
+        if self.calls[-1][0] == "job_requests":
+            self.scheduler.forget("j1")
+        return rows
+
+
+async def test_a_job_forgotten_while_its_page_is_read_is_still_matched() -> None:
+    # The suite's repeat run once failed a restarted service: "its stored request is gone".
+    j2 = gpu_row("j2")
+    conn = _ForgettingConn(
+        {
+            "take_pending": [page_row("j1"), page_row("j2")],
+            "job_requests": [{"job_id": "j2", "request": j2["request"]}],
+        }
+    )
+    scheduler, _, _, _ = build(conn)
+    conn.scheduler = scheduler
+    scheduler.remember({"j1": job_request_decoder.decode(gpu_row("j1")["request"])}, {})
+    await scheduler._schedule_all()
+    assert conn.calls[2] == ("job_requests", (["j2"],))
+    assert "fail_pending" not in conn.names()
+    assert next(c for c in conn.calls if c[0] == "place_jobs")[1][0] == ["j1"]
+
+
 class _OnceConn(FakeConn):
     """Answers ``cancel_dependents`` once (one level of dependents), then with nothing."""
 

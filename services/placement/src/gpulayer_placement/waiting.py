@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Container, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 
 from gpulayer_placement.store import Store
+
+T = TypeVar("T")
 
 # (-priority, submitted_at, job_id) of the last job a page held
 Cursor = tuple[int, datetime, str]
@@ -26,6 +28,11 @@ async def take_page(conn: Any, size: int, after: Cursor) -> list[asyncpg.Record]
 async def take_ids(conn: Any, ids: list[str]) -> list[asyncpg.Record]:
     """The waiting jobs among ``ids``, locked, in matching order."""
     return await Store.fetch(conn, "take_jobs", ids)
+
+
+def held(rows: Sequence[asyncpg.Record], known: Mapping[str, T]) -> dict[str, T]:
+    """What ``known`` holds for the jobs of ``rows``."""
+    return {job_id: known[job_id] for r in rows if (job_id := r["job_id"]) in known}
 
 
 async def requests_for(
