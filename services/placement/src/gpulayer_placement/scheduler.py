@@ -177,12 +177,8 @@ class Scheduler:
                 rows = await take(conn)
                 if not rows:
                     return None
-                # The page's jobs decoded here, held over the await below: an end applied
-                # meanwhile forgets its job (a retried or restarted one is waiting again, in
-                # this page), and a page carries no request to decode it again.
-                held = waiting.held(rows, self._jobs)
-                requests = await waiting.requests_for(conn, rows, held)
-                self._jobs.update(held)
+                requests, held = await waiting.requests_for(conn, rows, self._jobs)
+                self._jobs.update(held)  # what an end applied meanwhile forgot
                 self.match_rows(rows, failed, outcome, skim=skim, requests=requests)
                 t0 = time.time_ns()
                 await self.persist(conn, outcome)

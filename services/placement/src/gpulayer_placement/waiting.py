@@ -5,7 +5,7 @@ inline placement) take waiting jobs from here and nowhere else."""
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -30,23 +30,23 @@ async def take_ids(conn: Any, ids: list[str]) -> list[asyncpg.Record]:
     return await Store.fetch(conn, "take_jobs", ids)
 
 
-def held(rows: Sequence[asyncpg.Record], known: Mapping[str, T]) -> dict[str, T]:
-    """What ``known`` holds for the jobs of ``rows``."""
-    return {job_id: known[job_id] for r in rows if (job_id := r["job_id"]) in known}
-
-
 async def requests_for(
-    conn: Any, rows: Sequence[asyncpg.Record], known: Container[str]
-) -> dict[str, str]:
+    conn: Any, rows: Sequence[asyncpg.Record], known: Mapping[str, T]
+) -> tuple[dict[str, str], dict[str, T]]:
     """The stored requests of a page's jobs that ``known`` (the scheduler's decoded ones)
     lacks: a page carries none (``take_pending``). One query, only when needed: after a start,
-    or for jobs another replica took in."""
+    or for jobs another replica took in. With them, what ``known`` held of the page's other
+    jobs before the query: an end applied while it is awaited may forget one of them (a
+    retried or restarted job, ended and already waiting again in this page), which the caller
+    puts back (a job's request never changes; the page's rows are locked pending)."""
     if not rows or rows[0].get("request") is not None:  # take_ids: the rows carry theirs
-        return {}
+        return {}, {}
     unknown = [job_id for r in rows if (job_id := r["job_id"]) not in known]
     if not unknown:
-        return {}
-    return {r["job_id"]: r["request"] for r in await Store.fetch(conn, "job_requests", unknown)}
+        return {}, {}  # nothing awaited: nothing can be forgotten meanwhile
+    held = {job_id: known[job_id] for r in rows if (job_id := r["job_id"]) in known}
+    texts = await Store.fetch(conn, "job_requests", unknown)
+    return {r["job_id"]: r["request"] for r in texts}, held
 
 
 def request_text(row: Any, requests: Mapping[str, str] | None) -> str:
