@@ -221,13 +221,17 @@ class StatusWriter:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC
         self._fd = os.open(run / STATUS_FILE, flags, 0o600)
         try:
-            os.write(self._fd, shim_line)
+            self._write(shim_line)
         except BaseException:
             os.close(self._fd)
             raise
 
     def add(self, step: StatusLine) -> None:
-        os.write(self._fd, status_line(step))
+        self._write(status_line(step))
+
+    def _write(self, line: bytes) -> None:
+        while line:  # a short write (the disk full) goes on where it stopped, or raises
+            line = line[os.write(self._fd, line) :]
 
     def close(self) -> None:
         os.close(self._fd)
