@@ -194,6 +194,52 @@ async def test_a_job_forgotten_while_its_page_is_read_is_still_matched() -> None
     assert next(c for c in conn.calls if c[0] == "place_jobs")[1][0] == ["j1"]
 
 
+class _NodeJoinsConn(FakeConn):
+    """A node joins while intake's inline placement takes its new rows."""
+
+    wake: Wake
+
+    async def fetch(self, sql: str, *args: Any) -> list[dict[str, Any]]:
+        rows = await super().fetch(sql, *args)
+        if self.calls[-1][0] == "take_jobs":
+            self.wake.capacity()
+        return rows
+
+
+async def test_inline_placement_yields_to_the_pass_a_node_joining_wakes_meanwhile() -> None:
+    # A job waiting on an empty fleet was overtaken by the next one submitted as the node joined:
+    # intake found the scheduler idle, then matched the new job on the new node while the pass
+    # the join woke was matching the older one.
+    conn = _NodeJoinsConn({"take_jobs": [gpu_row("new")]})
+    scheduler, _, wake, _ = build(conn)
+    conn.wake = wake
+    assert wake.idle()
+    assert await scheduler.place_inline(conn, ["new"]) is None
+    assert "place_jobs" not in conn.names()
+    assert scheduler.fleet.any_free_device()  # nothing held: the pass places in order
+    # Nothing happened meanwhile: placed here, as before.
+    conn.rows["take_jobs"] = [gpu_row("next")]
+    wake.take()
+    conn.wake = Wake()  # the join now goes elsewhere
+    outcome = await scheduler.place_inline(conn, ["next"])
+    assert outcome is not None
+    assert [pl.job.job_id for pl in outcome.placements] == ["next"]
+
+
+async def test_a_pass_over_new_jobs_yields_to_the_full_pass_a_node_joining_queues() -> None:
+    # The same race one step later: the new job went to a pass over new jobs only, which took
+    # its row while the node joined, and placed it ahead of the older job the join's pass had.
+    conn = _NodeJoinsConn({"take_jobs": [gpu_row("new")]})
+    scheduler, _, wake, _ = build(conn)
+    conn.wake = wake
+    await scheduler._schedule_ids(["new"], wake.epoch)
+    assert "place_jobs" not in conn.names()
+    assert wake.capacity_changed  # the full pass comes next, every waiting job in order
+    conn.wake = Wake()
+    await scheduler._schedule_ids(["new"], wake.epoch)
+    assert next(c for c in conn.calls if c[0] == "place_jobs")[1][0] == ["new"]
+
+
 class _OnceConn(FakeConn):
     """Answers ``cancel_dependents`` once (one level of dependents), then with nothing."""
 

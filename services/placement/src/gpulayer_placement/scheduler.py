@@ -106,13 +106,14 @@ class Scheduler:
             if self.stop.is_set():
                 return
             new, full, thorough = self.wake.take()
+            epoch = self.wake.epoch
             self.wake.begin_pass()
             try:
                 if full or thorough:
                     await self._schedule_all(early_stop=not thorough)
                 elif new:
                     for i in range(0, len(new), self.settings.batch_size):
-                        await self._schedule_ids(new[i : i + self.settings.batch_size])
+                        await self._schedule_ids(new[i : i + self.settings.batch_size], epoch)
             except CONFLICTS as err:
                 # Another replica took a device (or the cores, RAM, slot) this one thought free:
                 # reload and go again.
@@ -162,8 +163,9 @@ class Scheduler:
             ):
                 return
 
-    async def _schedule_ids(self, ids: list[str]) -> None:
-        await self._schedule_batch(functools.partial(waiting.take_ids, ids=ids), {})
+    async def _schedule_ids(self, ids: list[str], epoch: int) -> None:
+        take = functools.partial(waiting.take_new, ids=ids, wake=self.wake, epoch=epoch)
+        await self._schedule_batch(take, {})
 
     async def _schedule_batch(
         self, take: Take, failed: dict[bytes, NoPlacement], *, skim: bool = False
@@ -192,12 +194,16 @@ class Scheduler:
 
     async def place_inline(self, conn: Any, job_ids: list[str]) -> Outcome | None:
         """Match freshly inserted jobs in the ingest transaction: one commit per batch from
-        submit to grant. None when another replica took a device first (the jobs then go to
-        the scheduler as usual)."""
+        submit to grant. None when another replica took a device first, or when the scheduler
+        stopped being idle while the rows were taken (the jobs then go to the scheduler as
+        usual)."""
         outcome = Outcome()
+        epoch, passes = self.wake.epoch, self.wake.passes  # the caller found it idle
         try:
             async with conn.transaction():  # a savepoint: a conflict undoes only this part
                 rows = await waiting.take_ids(conn, job_ids)
+                if not self.wake.idle() or (epoch, passes) != (self.wake.epoch, self.wake.passes):
+                    return None  # a node joined or a pass began: it matches older jobs first
                 self.match_rows(rows, {}, outcome)
                 t0 = time.time_ns()
                 await self.persist(conn, outcome)

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import asyncpg
 
 from gpulayer_placement.store import Store
+from gpulayer_placement.wake import Wake
 
 T = TypeVar("T")
 
@@ -28,6 +29,14 @@ async def take_page(conn: Any, size: int, after: Cursor) -> list[asyncpg.Record]
 async def take_ids(conn: Any, ids: list[str]) -> list[asyncpg.Record]:
     """The waiting jobs among ``ids``, locked, in matching order."""
     return await Store.fetch(conn, "take_jobs", ids)
+
+
+async def take_new(conn: Any, ids: list[str], wake: Wake, epoch: int) -> list[asyncpg.Record]:
+    """``take_ids`` for a pass over new jobs only (begun at capacity ``epoch``): none when
+    capacity changed while they were taken (a node joined). The full pass that change queued
+    matches them in order with the older waiting jobs, which matching them now would overtake."""
+    rows = await take_ids(conn, ids)
+    return rows if wake.epoch == epoch else []
 
 
 async def requests_for(
