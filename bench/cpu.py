@@ -27,7 +27,7 @@ def _reaped(proc: psutil.Process) -> float:
     return float(t.children_user + t.children_system)
 
 
-def _tree(proc: psutil.Process) -> float:
+def tree_cpu(proc: psutil.Process) -> float:
     """The process, its live descendants, and every child any of them reaped."""
     total = 0.0
     for p in [proc, *proc.children(recursive=True)]:
@@ -48,17 +48,17 @@ def loop_cpu(placement: Iterable[int], executor: int, nats: int) -> dict[str, fl
     known = {*placement, executor, nats}
     try:
         for pid in placement:
-            parts["placement"] += _tree(psutil.Process(pid))
+            parts["placement"] += tree_cpu(psutil.Process(pid))
         ex = psutil.Process(executor)
         parts["executor"] = _own(ex)
-        parts["shims_and_jobs"] = _tree(ex) - parts["executor"]
-        parts["nats"] = _tree(psutil.Process(nats))
+        parts["shims_and_jobs"] = tree_cpu(ex) - parts["executor"]
+        parts["nats"] = tree_cpu(psutil.Process(nats))
     except psutil.Error:
         pass  # a part gone: the caller's check_alive says why
     for child in me.children():
         try:
             if child.pid not in known and child.name().startswith("postgres"):
-                parts["postgres"] += _tree(child)
+                parts["postgres"] += tree_cpu(child)
         except psutil.Error:
             continue
     parts["load_generator"] = _own(me)

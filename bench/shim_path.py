@@ -20,24 +20,13 @@ from pathlib import Path
 
 import psutil
 
+from bench.cpu import tree_cpu
 from bench.report import Figure, unavailable
 
 JOBS = 1500
 AT_ONCE = 8
 ROUNDS = 3
 NAMES = [("shim_path_cpu_us_per_job", "us"), ("shim_path_jobs_per_s", "jobs/s")]
-
-
-def _tree_cpu(pid: int) -> float:
-    """Seconds of CPU of ``pid``, its live descendants and the children they reaped."""
-    total = 0.0
-    for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
-        try:
-            t = p.cpu_times()
-        except psutil.Error:
-            continue
-        total += t.user + t.system + t.children_user + t.children_system
-    return total
 
 
 async def _until_ended(notify: int) -> None:
@@ -102,9 +91,17 @@ async def _round(root: Path, jobs: int) -> tuple[float, float, str]:
         assert pool._proc is not None
         server = pool._proc.pid
         me = psutil.Process()
-        own0, tree0, t0 = sum(me.cpu_times()[:2]), _tree_cpu(server), time.perf_counter()
+        own0, tree0, t0 = (
+            sum(me.cpu_times()[:2]),
+            tree_cpu(psutil.Process(server)),
+            time.perf_counter(),
+        )
         await asyncio.gather(*(one(i) for i in range(jobs)))
-        own1, tree1, t1 = sum(me.cpu_times()[:2]), _tree_cpu(server), time.perf_counter()
+        own1, tree1, t1 = (
+            sum(me.cpu_times()[:2]),
+            tree_cpu(psutil.Process(server)),
+            time.perf_counter(),
+        )
     finally:
         await pool.close()
     cpu = (own1 - own0 + tree1 - tree0) * 1e6 / jobs
