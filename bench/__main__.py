@@ -143,7 +143,9 @@ async def placement_group(run: Run, n: int, tag: str) -> None:
     sz = run.sizes
     shape = FleetShape.of(n)
     tp_name = f"placement_{tag}_nodes"
+    cpu_parts = ("placement", "postgres", "nats", "load_generator", "total")
     names = [(tp_name, "jobs/s")]
+    names += [(f"placement_{tag}_cpu_us_per_job_{part}", "us") for part in cpu_parts]
     if tag == "10k":
         names += [
             ("capability_ingest_10k", "events/s"),
@@ -161,6 +163,12 @@ async def placement_group(run: Run, n: int, tag: str) -> None:
             run.add(
                 Figure(tp_name, tp.rate, "jobs/s", note=note),
                 Figure(f"submit_publish_rate_{tag}", tp.publish_rate, "jobs/s"),
+                # CPU per job, all processes first publish to last grant: steadier than the
+                # rate on a shared machine, and it says which part a change moved.
+                *(
+                    Figure(f"placement_{tag}_cpu_us_per_job_{part}", tp.cpu_us_per_job[part], "us")
+                    for part in cpu_parts
+                ),
             )
             if tp.granted < tp.submitted:
                 print(f"# {tp_name}: {note}", flush=True)

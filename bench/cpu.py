@@ -38,20 +38,23 @@ def tree_cpu(proc: psutil.Process) -> float:
     return total
 
 
-def loop_cpu(placement: Iterable[int], executor: int, nats: int) -> dict[str, float]:
+def loop_cpu(placement: Iterable[int], executor: int | None, nats: int) -> dict[str, float]:
     """Seconds of CPU so far per part: placement (its processes), the executor's own process,
     what runs under it (fork server, shims and the jobs themselves, and any child it reaped
     itself), nats-server, PostgreSQL (every child of this process named ``postgres*`` that is
-    none of the above, and its backends) and this process (the load generator)."""
+    none of the above, and its backends) and this process (the load generator). Without an
+    executor (placement alone) its two parts stay 0."""
     me = psutil.Process()
     parts = dict.fromkeys(PARTS, 0.0)
+    placement = list(placement)
     known = {*placement, executor, nats}
     try:
         for pid in placement:
             parts["placement"] += tree_cpu(psutil.Process(pid))
-        ex = psutil.Process(executor)
-        parts["executor"] = _own(ex)
-        parts["shims_and_jobs"] = tree_cpu(ex) - parts["executor"]
+        if executor is not None:
+            ex = psutil.Process(executor)
+            parts["executor"] = _own(ex)
+            parts["shims_and_jobs"] = tree_cpu(ex) - parts["executor"]
         parts["nats"] = tree_cpu(psutil.Process(nats))
     except psutil.Error:
         pass  # a part gone: the caller's check_alive says why

@@ -412,6 +412,9 @@ class Throughput:
     submitted: int
     publish_rate: float
     seconds: float
+    # µs of CPU per granted job, per part (bench.cpu.PARTS, and "total"), first publish to
+    # last grant; empty where not measured.
+    cpu_us_per_job: dict[str, float] = field(default_factory=dict)
 
 
 async def placement_throughput(
@@ -430,7 +433,10 @@ async def placement_throughput(
     watch = GrantWatch()
     watch.reset(m)
     sub = await s.nc.subscribe(NODE_WILDCARD_GRANTS, cb=watch.cb)
+    assert s.nats.proc is not None  # started by the scenario
+    pids = ([s.placement.pid, *(r.pid for r in s.replicas)], None, s.nats.proc.pid)
     try:
+        cpu0 = loop_cpu(*pids)
         t0 = time.perf_counter()
         if owners:
             n = len(owners)
@@ -441,13 +447,19 @@ async def placement_throughput(
             await publish_all(s.js, jobs)
         t_pub = time.perf_counter()
         await watch.wait(max(30.0, m / 250))
+        cpu1 = loop_cpu(*pids)
     finally:
         await sub.unsubscribe()
     s.placement.check_alive()
     if not watch.at:
         raise BenchError(f"no grant within the time limit: {tail(s.placement.log)}")
     elapsed = watch.last - t0
-    return Throughput(len(watch.at) / elapsed, len(watch.at), m, m / (t_pub - t0), elapsed)
+    cpu = per_job_us(cpu0, cpu1, len(watch.at))
+    for part in ("executor", "shims_and_jobs"):
+        del cpu[part]
+    return Throughput(
+        len(watch.at) / elapsed, len(watch.at), m, m / (t_pub - t0), elapsed, cpu_us_per_job=cpu
+    )
 
 
 async def jobs_throughput(s: Scenario, jobs: list[JobRequest], grants: int) -> Throughput:

@@ -53,3 +53,11 @@ def test_a_reaped_child_counts_in_its_parent() -> None:
     # and in the executor's reaped children ("shims and jobs"), not its own time.
     assert after["placement"] - before["placement"] >= child - slack
     assert after["shims_and_jobs"] - before["shims_and_jobs"] >= child - slack
+
+
+def test_without_an_executor_its_parts_stay_zero() -> None:
+    # Placement alone (the placement1k group): no executor to read.
+    me = os.getpid()
+    out = loop_cpu([me], None, me)
+    assert out["executor"] == 0.0 and out["shims_and_jobs"] == 0.0
+    assert out["placement"] > 0.0 and out["nats"] == out["placement"]
