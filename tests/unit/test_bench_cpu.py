@@ -59,5 +59,8 @@ def test_without_an_executor_its_parts_stay_zero() -> None:
     # Placement alone (the placement1k group): no executor to read.
     me = os.getpid()
     out = loop_cpu([me], None, me)
-    assert out["executor"] == 0.0 and out["shims_and_jobs"] == 0.0
-    assert out["placement"] > 0.0 and out["nats"] == out["placement"]
+    assert out["executor"] == 0.0
+    assert out["shims_and_jobs"] == 0.0
+    # This process (read as placement and as nats-server here) has spent CPU by now.
+    assert out["placement"] > 0.0
+    assert out["nats"] > 0.0
