@@ -296,3 +296,90 @@ async def test_a_replica_stopping_hands_back_what_it_kept() -> None:
     await handle_batch(stop, [msg], intake.ingest, None)
     assert msg.nakked  # redelivered at once to a replica still running
     assert not msg.acked
+
+
+class HeldPublish:
+    """The publisher's send_batch: each batch waits until ``release`` (its acks in flight)."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.waiting = asyncio.Event()  # a batch is waiting for its acks
+
+    async def __call__(self, items: Any, timeout: float) -> None:
+        self.waiting.set()
+        await self.release.wait()
+
+
+class NewJobs(FakeConn):
+    """Every job is new and waiting. With ``hold_first``, the first ``insert_jobs`` waits
+    until ``go`` is set. ``until(name, n)``: the n-th call of ``name`` was made."""
+
+    def __init__(self, *, hold_first: bool = False) -> None:
+        super().__init__()
+        self.go = asyncio.Event()
+        if not hold_first:
+            self.go.set()
+        self.called = asyncio.Event()
+
+    async def fetch(self, sql: str, *args: Any) -> list[dict[str, Any]]:
+        name = self._record(sql, args)
+        self.called.set()
+        if name == "insert_jobs":
+            if self.names().count("insert_jobs") == 1:
+                await self.go.wait()
+            return [{"job_id": j} for j in args[0]]
+        return [row(j) for j in args[0]] if name == "take_jobs" else []
+
+    async def execute(self, sql: str, *args: Any) -> str:
+        out = await super().execute(sql, *args)
+        self.called.set()
+        return out
+
+    async def until(self, name: str, n: int) -> None:
+        while self.names().count(name) < n:
+            self.called.clear()
+            await self.called.wait()
+
+
+async def test_stores_take_turns_and_the_next_overlaps_the_last_ones_announcements() -> None:
+    """Two batches in flight (BATCHES_IN_FLIGHT): the second is not stored while the first is
+    (one transaction at a time, in order), but it is stored and placed inline while the
+    first's announcements still wait for their acks."""
+    conn = NewJobs(hold_first=True)
+    intake, _, _ = build(conn)
+    held = HeldPublish()
+    intake.publisher.send_batch = held
+    first = asyncio.create_task(intake.ingest([submit(b'{"job_id": "a", "command": ["true"]}')]))
+    await conn.until("insert_jobs", 1)
+    second = asyncio.create_task(intake.ingest([submit(b'{"job_id": "b", "command": ["true"]}')]))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert conn.names() == ["insert_jobs"]  # "b" waits for "a"'s store
+    conn.go.set()
+    await held.waiting.wait()  # "a" stored and placed; its events wait for their acks
+    await conn.until("place_jobs", 2)
+    assert not first.done()  # "b" was placed inline while "a" still waited for its acks
+    held.release.set()
+    await asyncio.gather(first, second)
+    assert conn.names() == ["insert_jobs", "take_jobs", "place_jobs"] * 2
+
+
+async def test_a_batch_left_to_the_scheduler_keeps_the_next_from_overtaking_it() -> None:
+    """The first batch found a pass due, so its job goes to the scheduler once its
+    announcement is stored. The second, stored meanwhile with the scheduler idle again, must
+    not be placed inline ahead of it: it goes to the scheduler too, after the first."""
+    conn = NewJobs()
+    intake, wake, _ = build(conn)
+    held = HeldPublish()
+    intake.publisher.send_batch = held
+    wake.capacity()
+    first = asyncio.create_task(intake.ingest([submit(b'{"job_id": "a", "command": ["true"]}')]))
+    await held.waiting.wait()  # a's "accepted" waits for its ack
+    wake.take()  # the pass ran: the scheduler is idle again, "a" not yet handed to it
+    assert wake.idle()
+    second = asyncio.create_task(intake.ingest([submit(b'{"job_id": "b", "command": ["true"]}')]))
+    await conn.until("insert_jobs", 2)
+    held.release.set()
+    await asyncio.gather(first, second)
+    assert "take_jobs" not in conn.names()  # "b" was not placed inline ahead of "a"
+    assert wake.new_jobs == ["a", "b"]

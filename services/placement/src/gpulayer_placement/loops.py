@@ -42,24 +42,53 @@ async def consume(
     batch_size: int,
     handle: Callable[[list[Msg]], Awaitable[None]],
     dead: DeadLetters | None = None,
+    *,
+    in_flight: int = 1,
 ) -> None:
     """Fetch batches and hand them to ``handle``, which acks what it handled and dead-letters
     what is poison by content. What it raises is dealt with here, so no message stops the loop:
     a database connection error naks the batch for redelivery; anything else is retried one
     message at a time, so only the message that fails is redelivered, and dead-lettered on its
-    last delivery."""
-    while not stop.is_set():
-        try:
-            msgs = await sub.fetch(batch_size, timeout=1.0)
-        except (FetchTimeoutError, TimeoutError):
-            continue
-        except (nats.errors.Error, OSError) as err:
-            # A NATS cluster moving a stream's leader after a server went away answers "service
-            # unavailable" for a moment, and a connection may be reconnecting: retry.
-            log.warning("fetch failed, retrying: %r", err)
-            await asyncio.sleep(0.5)
-            continue
-        await handle_batch(stop, msgs, handle, dead)
+    last delivery.
+
+    ``in_flight``: how many batches may be handled at once. Above 1, after a full batch (a
+    backlog) the next batch is fetched and begun while the last is still being handled, so
+    ``handle`` must order whatever part of its work must not overlap (the intake stores one
+    batch at a time, and announces the last while the next is stored). A short batch (the
+    queue drained) is handled before the next fetch, as with 1: what arrives meanwhile then
+    makes one larger batch, not several small ones. Every batch begun is handled to its end
+    before this returns."""
+    tasks: set[asyncio.Task[None]] = set()
+    try:
+        while not stop.is_set():
+            if len(tasks) >= in_flight:
+                done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    if not t.cancelled() and t.exception() is not None:
+                        log.error("handling a batch failed: %r", t.exception())
+                continue
+            try:
+                msgs = await sub.fetch(batch_size, timeout=1.0)
+            except (FetchTimeoutError, TimeoutError):
+                continue
+            except (nats.errors.Error, OSError) as err:
+                # A NATS cluster moving a stream's leader after a server went away answers
+                # "service unavailable" for a moment, and a connection may be reconnecting.
+                log.warning("fetch failed, retrying: %r", err)
+                await asyncio.sleep(0.5)
+                continue
+            if in_flight <= 1 or len(msgs) < batch_size:
+                await handle_batch(stop, msgs, handle, dead)
+            else:
+                tasks.add(asyncio.create_task(handle_batch(stop, msgs, handle, dead)))
+    except asyncio.CancelledError:
+        for t in tasks:
+            t.cancel()
+        raise
+    finally:
+        if tasks:
+            # handle_batch raises nothing but cancellation: the batches end as they would have.
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 T = TypeVar("T")
