@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import asyncpg
@@ -228,8 +229,9 @@ class Intake:
                 reasons = ["; ".join(b.rejections[i]) if i in b.rejections else None for i in ids]
                 owners = [b.owners.get(i, ANONYMOUS) for i in ids]
                 inserted = await Store.fetch(
-                    conn, "insert_jobs", ids, bodies, states, reasons, parents, owners
-                )
+                    conn, "insert_jobs", ids, bodies, states, reasons, parents, owners,
+                    *_queue_places(b, ids),
+                )  # fmt: skip
                 stored.new = {r["job_id"] for r in inserted}
                 await dependencies.record(conn, checked, stored.new)
                 stored.fresh = [j for j in b.accepted if j in stored.new]
@@ -290,8 +292,9 @@ class Intake:
                     _reject_for_dependencies(b, checked)
                     state, reason = "rejected", "; ".join(b.rejections[job_id])
             rows = await Store.fetch(
-                conn, "insert_jobs", [job_id], [body], [state], [reason], [parent], [owner]
-            )
+                conn, "insert_jobs", [job_id], [body], [state], [reason], [parent], [owner],
+                *_queue_places(b, [job_id]),
+            )  # fmt: skip
             new = {r["job_id"] for r in rows}
             await dependencies.record(conn, checked, new)
         return new
@@ -381,6 +384,16 @@ class Intake:
         async with self.pool.acquire() as conn:
             rows = await Store.fetch(conn, "job_ages", job_ids)
         return {r["job_id"] for r in rows if r["age_s"] < ANNOUNCE_AGAIN_WITHIN_S}
+
+
+def _queue_places(b: Batch, ids: Sequence[str]) -> tuple[list[int], list[bool]]:
+    """``insert_jobs``' priorities and preemptible flags: a waiting job's own (the scheduler's
+    order reads them); a rejected one's don't matter (stored as 0 and false)."""
+    jobs = [b.accepted.get(i) for i in ids]
+    return (
+        [j.priority if j is not None else 0 for j in jobs],
+        [j.preemptible if j is not None else False for j in jobs],
+    )
 
 
 def _reject_for_dependencies(b: Batch, checked: dependencies.Checked) -> None:
