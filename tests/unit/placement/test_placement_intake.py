@@ -341,27 +341,51 @@ class NewJobs(FakeConn):
             await self.called.wait()
 
 
-async def test_stores_take_turns_and_the_next_overlaps_the_last_ones_announcements() -> None:
-    """Two batches in flight (BATCHES_IN_FLIGHT): the second is not stored while the first is
-    (one transaction at a time, in order), but it is stored and placed inline while the
-    first's announcements still wait for their acks."""
+async def test_batches_match_in_turn_and_the_next_overlaps_the_last_ones_work() -> None:
+    """Two batches in flight (BATCHES_IN_FLIGHT): the second is inserted while the first is
+    still being stored, but matched only once the first has committed; and it is matched and
+    committed while the first's announcements still wait for their acks."""
     conn = NewJobs(hold_first=True)
     intake, _, _ = build(conn)
     held = HeldPublish()
     intake.publisher.send_batch = held
     first = asyncio.create_task(intake.ingest([submit(b'{"job_id": "a", "command": ["true"]}')]))
-    await conn.until("insert_jobs", 1)
+    await conn.until("insert_jobs", 1)  # "a" is being inserted
     second = asyncio.create_task(intake.ingest([submit(b'{"job_id": "b", "command": ["true"]}')]))
+    await conn.until("insert_jobs", 2)  # "b" is inserted meanwhile...
     for _ in range(20):
         await asyncio.sleep(0)
-    assert conn.names() == ["insert_jobs"]  # "b" waits for "a"'s store
+    assert "take_jobs" not in conn.names()  # ...but not matched before "a"
     conn.go.set()
     await held.waiting.wait()  # "a" stored and placed; its events wait for their acks
     await conn.until("place_jobs", 2)
     assert not first.done()  # "b" was placed inline while "a" still waited for its acks
     held.release.set()
     await asyncio.gather(first, second)
-    assert conn.names() == ["insert_jobs", "take_jobs", "place_jobs"] * 2
+    assert conn.names() == ["insert_jobs"] * 2 + ["take_jobs", "place_jobs"] * 2
+    takes = [args[0] for name, args in conn.calls if name == "take_jobs"]
+    assert takes == [["a"], ["b"]]
+
+
+async def test_a_job_waiting_for_the_batch_before_is_checked_after_that_one_commits() -> None:
+    """A job of the second batch names a job of the first in ``after``: its dependencies are
+    read only once the first batch has committed (else the first's job would look unknown)."""
+    conn = NewJobs(hold_first=True)
+    intake, _, _ = build(conn)
+    intake.publisher.send_batch = HeldPublish()
+    first = asyncio.create_task(intake.ingest([submit(b'{"job_id": "a", "command": ["true"]}')]))
+    await conn.until("insert_jobs", 1)
+    body = b'{"job_id": "b", "command": ["true"], "after": ["a"]}'
+    second = asyncio.create_task(intake.ingest([submit(body)]))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert "dependency_states" not in conn.names()  # waits for "a" to be committed
+    conn.go.set()
+    await conn.until("dependency_states", 1)
+    assert conn.names().index("dependency_states") > conn.names().index("place_jobs")
+    first.cancel()
+    second.cancel()
+    await asyncio.gather(first, second, return_exceptions=True)
 
 
 async def test_a_batch_left_to_the_scheduler_keeps_the_next_from_overtaking_it() -> None:

@@ -102,8 +102,10 @@ class Intake:
         # batch one message at a time) and must announce them, not take them for known jobs
         # submitted again (the fault run found such a job with no ``accepted`` event).
         self._unannounced: set[str] = set()
-        # One batch stored (and placed inline) at a time, in the order fetched.
-        self._storing = asyncio.Lock()
+        # Set when the batch fetched last has committed (or failed): the next one may check
+        # dependencies on it and match. Its insert may overlap that batch's matching.
+        self._turn = asyncio.Event()
+        self._turn.set()
         # Batches whose new jobs are stored but not yet handed to the scheduler (that waits
         # for their announcements): a later batch must not place its jobs inline before them.
         self._unwoken = 0
@@ -136,13 +138,20 @@ class Intake:
         )
 
     async def ingest(self, msgs: list[Msg]) -> None:
-        """Store, announce and (when the scheduler is idle) place one batch, then ack it. The
-        store is one batch at a time; the announcements of one overlap the next one's store."""
+        """Store, announce and (when the scheduler is idle) place one batch, then ack it. With
+        two batches in flight, the later one's insert overlaps the earlier one's matching and
+        commit, and its matching and commit the earlier one's announcements; its dependencies
+        are checked and its jobs matched only once the earlier one has committed."""
         batch = self.read(msgs)
-        async with self._storing:
-            stored = await self._store(batch)
+        before, mine = self._turn, asyncio.Event()
+        self._turn = mine
+        unwoken = False
+        try:
+            stored = await self._store(batch, before)
             unwoken = bool(stored.fresh) and stored.outcome is None
             self._unwoken += unwoken
+        finally:
+            mine.set()
         try:
             await self._announce_and_ack(msgs, batch, stored)
         except BaseException:
@@ -203,26 +212,32 @@ class Intake:
         """Decode and validate each message once; the same job id twice is one job."""
         return self._read(msgs, self.settings.profiles, self.max_payload)
 
-    async def _store(self, b: Batch) -> Stored:
+    async def _store(self, b: Batch, before: asyncio.Event) -> Stored:
         """Insert the batch's rows in one statement and, when the scheduler is idle, place the
-        new jobs in the same transaction. Rows PostgreSQL refuses (their data, not its state)
-        are found by inserting one at a time, so only they are rejected."""
+        new jobs in the same transaction, once the batch ``before`` has committed. Rows
+        PostgreSQL refuses (their data, not its state) are found by inserting one at a time, so
+        only they are rejected."""
         if not b.rows:
+            await before.wait()  # nothing to store, but the next batch keeps the order
             return Stored()
         try:
-            return await self._store_batch(b)
+            return await self._store_batch(b, before)
         except DATA_ERRORS as err:
             log.warning("inserting a batch of %d jobs failed (%s): one at a time", len(b.rows), err)
+        await before.wait()
         return await self._store_rows(b)
 
-    async def _store_batch(self, b: Batch) -> Stored:
+    async def _store_batch(self, b: Batch, before: asyncio.Event) -> Stored:
         stored = Stored()
         try:
             async with self.pool.acquire() as conn, conn.transaction():
                 stored.epoch = self.wake.epoch
                 stored.passes, stored.passing = self.wake.passes, self.wake.passing
                 # Dependencies first: unknown, foreign or failed ones and cycles reject the job.
+                # A job may wait for one the batch before submitted: that one must be stored.
                 stored.locked = any(job.after for job in b.accepted.values())
+                if stored.locked:
+                    await before.wait()
                 checked = await dependencies.check(conn, b.accepted, b.owners)
                 _reject_for_dependencies(b, checked)
                 ids, bodies, states, parents = zip(*b.rows.values(), strict=True)
@@ -234,6 +249,8 @@ class Intake:
                 )  # fmt: skip
                 stored.new = {r["job_id"] for r in inserted}
                 await dependencies.record(conn, checked, stored.new)
+                # Matched in the order fetched, against what the batch before placed.
+                await before.wait()
                 stored.fresh = [j for j in b.accepted if j in stored.new]
                 self.scheduler.remember({j: b.accepted[j] for j in stored.fresh}, b.submitted)
                 if stored.fresh and self.wake.idle() and not self._unwoken:
