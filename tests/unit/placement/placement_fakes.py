@@ -22,6 +22,25 @@ from gpulayer_placement.wake import Wake
 _NAMES = {sql: name for name, sql in QUERIES.items()}
 
 
+class FakeTransaction:
+    """asyncpg's ``Transaction``: used as ``async with``, or started and committed by hand."""
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def start(self) -> None:
+        return None
+
+    async def commit(self) -> None:
+        return None
+
+    async def rollback(self) -> None:
+        return None
+
+
 class FakeConn:
     """Records ``(query name, args)``; ``fetch`` answers from ``rows`` by query name."""
 
@@ -41,9 +60,8 @@ class FakeConn:
         self._record(sql, args)
         return "OK"
 
-    @asynccontextmanager
-    async def transaction(self, **options: Any) -> AsyncIterator[None]:
-        yield
+    def transaction(self, **options: Any) -> FakeTransaction:
+        return FakeTransaction()
 
     def names(self) -> list[str]:
         return [n for n, _ in self.calls]

@@ -1,15 +1,20 @@
 """Replica sync alone: another replica's NOTIFY reloads the named nodes' holds and wakes the
-scheduler; this replica's own NOTIFY is skipped."""
+scheduler; this replica's own NOTIFY is skipped; a reload never undoes an end applied while it
+read."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any, cast
 
+from nats.aio.msg import Msg
 from tests.unit.placement.placement_fakes import FakeConn, FakePool, gpu_node
 
+from gpulayer_contracts import JobStatus, encode
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.replica_sync import NOTIFY_CHANNEL, ReplicaSync
+from gpulayer_placement.settings import Settings
+from gpulayer_placement.status import ExecutorStatus
 from gpulayer_placement.wake import Wake
 
 
@@ -69,3 +74,61 @@ async def test_notify_tags_the_change_with_this_replica() -> None:
     sync, _, _ = build(conn)
     await sync.notify(conn, ["a", "b"])
     assert conn.calls == [("SELECT pg_notify($1, $2)", (NOTIFY_CHANNEL, "me|a,b"))]
+
+
+class SlowRead(FakeConn):
+    """``load_holds`` answers what the database held when it was called, once ``go`` is set
+    (a slow read); ``reading`` says it was called."""
+
+    def __init__(self, rows: dict[str, list[dict[str, Any]]]) -> None:
+        super().__init__(rows)
+        self.go = asyncio.Event()
+        self.reading = asyncio.Event()
+
+    async def fetch(self, sql: str, *args: Any) -> list[dict[str, Any]]:
+        out = await super().fetch(sql, *args)
+        if self.calls[-1][0] == "load_holds":
+            self.reading.set()
+            await self.go.wait()
+        return out
+
+
+async def test_an_end_applied_during_a_reload_is_not_undone_by_it() -> None:
+    """A reload reads the node's holds while job j1 still holds device 0; j1's end is
+    committed and released here before the reload replaces the holds with what it read. The
+    device must end up free: the end is applied after the reload (Fleet.reload_lock), not
+    undone by it until some later reload."""
+    held = [
+        {"kind": "device", "job_id": None, "node_id": "a", "resource": "exclusive", "amount": 0}
+    ]
+    read = SlowRead({"load_holds": held})
+    sync, fleet, _ = build(read)
+    fleet.hold("a", [0], "exclusive")
+    ended = [{"job_id": "j1", "state": "succeeded", "node_id": "a", "device_index": 0,
+              "mode": "exclusive"}]  # fmt: skip
+    status = ExecutorStatus(
+        js=cast(Any, None),
+        pool=cast(Any, FakePool(FakeConn({"apply_status": ended}))),
+        fleet=fleet,
+        wake=Wake(),
+        forget=lambda _job: None,
+        settings=Settings(),
+        stop=asyncio.Event(),
+        replica_id="me",
+    )
+    reload = asyncio.create_task(sync.reload(["a"]))
+    await read.reading.wait()  # the reload has read: device 0 held
+    report = JobStatus(job_id="j1", grant_id="j1-1", node_id="a", state="succeeded", exit_code=0)
+    msg = Msg(cast(Any, None), subject="gpulayer.node.a.status", data=encode(report))
+    msg.ack = _acked  # type: ignore[method-assign]
+    end = asyncio.create_task(status.apply([msg]))
+    await settle()
+    read.go.set()
+    await asyncio.gather(reload, end)
+    view = fleet.get("a")
+    assert view is not None
+    assert view.exclusive == frozenset()
+
+
+async def _acked() -> None:
+    return None

@@ -6,6 +6,7 @@ consumers, this replica's own placements and releases, and NOTIFYs from other re
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import overload
@@ -142,6 +143,12 @@ class Fleet:
         # Per node, the GPUs its last observations found not healthy: index -> (health, why).
         self._bad: dict[str, dict[int, tuple[str, str]]] = {}
         self._cursor = 0
+        # Held by a reload of the holds from PostgreSQL (replica sync: from its read to its
+        # replace) and by an executor status batch (from its commit to the release here): a
+        # reload that read before an end committed, and replaced after that end's release
+        # here, would hold the ended job's devices again, and count the job active for its
+        # owner, until the next reload. Neither waits for a row lock while holding it.
+        self.reload_lock = asyncio.Lock()
 
     def __len__(self) -> int:
         return len(self._views)

@@ -80,7 +80,12 @@ class ReplicaSync:
 
     async def load_allocations(self, conn: Any, nodes: list[str] | None = None) -> None:
         """Replace the fleet's holds (devices, reservations, recorded capacities) on ``nodes``
-        (None: every node) with the database's, read in one statement on ``conn``."""
+        (None: every node) with the database's, read in one statement on ``conn``; not between
+        an executor status batch's commit and its release here (``Fleet.reload_lock``)."""
+        async with self.fleet.reload_lock:
+            await self._load_allocations(conn, nodes)
+
+    async def _load_allocations(self, conn: Any, nodes: list[str] | None) -> None:
         rows = await Store.fetch(conn, "load_holds", nodes)
         devices, held, capacities = [], [], []
         for r in rows:

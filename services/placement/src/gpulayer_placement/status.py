@@ -163,24 +163,35 @@ class ExecutorStatus:
         if rows and all(r[3] == "running" for r in rows):
             rows = await self._apply_running(rows)
         if rows:
-            async with self.pool.acquire() as conn, conn.transaction():
-                changed = await Store.fetch(
-                    conn,
-                    "apply_status",
-                    *[list(col) for col in zip(*rows, strict=True)],
-                    self.replica_id,
-                )
-                # One row per job (the LEFT JOIN repeats a job per device it released).
-                per_job = {r["job_id"]: r for r in changed}
-                settled = await self.lifecycle.settle(conn, per_job.values())
-            finished = sorted({r["job_id"] for r in changed if r["state"] != "running"})
+            async with self.pool.acquire() as conn:
+                tr = conn.transaction()
+                await tr.start()
+                try:
+                    changed = await Store.fetch(
+                        conn,
+                        "apply_status",
+                        *[list(col) for col in zip(*rows, strict=True)],
+                        self.replica_id,
+                    )
+                    # One row per job (the LEFT JOIN repeats a job per device it released).
+                    per_job = {r["job_id"]: r for r in changed}
+                    settled = await self.lifecycle.settle(conn, per_job.values())
+                except BaseException:
+                    await tr.rollback()
+                    raise
+                # Committed and released here as one step against a reload of the holds
+                # (Fleet.reload_lock). Only the commit waits in the lock, never a row lock: a
+                # reload reads, and so never waits for this replica's transactions.
+                async with self.fleet.reload_lock:
+                    await tr.commit()
+                    for r in changed:
+                        if r["device_index"] is not None:
+                            self.fleet.release(r["node_id"], [r["device_index"]], r["mode"])
+                    finished = sorted({r["job_id"] for r in changed if r["state"] != "running"})
+                    for job_id in [*finished, *settled.gangs.ended]:
+                        self.fleet.unreserve(job_id)
+                        self.forget(job_id)
             await self._unfence(rows, per_job)
-            for r in changed:
-                if r["device_index"] is not None:
-                    self.fleet.release(r["node_id"], [r["device_index"]], r["mode"])
-            for job_id in [*finished, *settled.gangs.ended]:
-                self.fleet.unreserve(job_id)
-                self.forget(job_id)
             if finished:
                 self.wake.capacity()
             await self.lifecycle.announce(settled)
