@@ -1,10 +1,12 @@
-"""Intake: job requests from the JOBS work queue, a batch at a time.
+"""Intake: job requests from the JOBS work queue, a batch at a time, two while a backlog lasts.
 
 Each batch is decoded once and validated, folded by job id (``submits.read_batch``), and its
 new ids inserted in one statement (a known id is the same job). When the scheduler is idle the
-new jobs are matched in that same transaction; otherwise the scheduler is woken for them. Then ``accepted`` /
-``rejected`` (and any placement) go out pipelined, and the batch is acked after commit, or
-nak'ed when the announcements were not stored.
+new jobs are matched in that same transaction; otherwise the scheduler is woken for them. Then
+``accepted`` / ``rejected`` (and any placement) go out pipelined, and the batch is acked after
+commit, or nak'ed when the announcements were not stored. With two batches in flight, the
+later one's insert overlaps the earlier one's matching and commit, and its matching the earlier
+one's announcements; batches are matched in the order fetched.
 """
 
 from __future__ import annotations
@@ -42,9 +44,10 @@ from gpulayer_runtime.telemetry import DISABLED, Telemetry
 log = logging.getLogger("gpulayer_placement.service")
 
 # Batches handled at once while a backlog lasts (``loops.consume``: after a full batch): the
-# next one is fetched, read and stored (one store at a time, in fetch order) while the last
-# one's announcements wait for their acks. The stages wait on NATS and PostgreSQL in turn; one
-# batch at a time left the 2-core bench machine half idle with 5,000 jobs queued.
+# next one is fetched, decoded and inserted while the last one is matched and committed, and
+# matched (in fetch order) while the last one's announcements wait for their acks. The stages
+# wait on NATS and PostgreSQL in turn; one batch at a time left the 2-core bench machine half
+# idle with 5,000 jobs queued.
 BATCHES_IN_FLIGHT = 2
 
 
