@@ -53,11 +53,11 @@ async def consume(
 
     ``in_flight``: how many batches may be handled at once. Above 1, after a full batch (a
     backlog) the next batch is fetched and begun while the last is still being handled, so
-    ``handle`` must order whatever part of its work must not overlap (the intake stores one
-    batch at a time, and announces the last while the next is stored). A short batch (the
-    queue drained) is handled before the next fetch, as with 1: what arrives meanwhile then
-    makes one larger batch, not several small ones. Every batch begun is handled to its end
-    before this returns."""
+    ``handle`` must order whatever part of its work must not overlap (the intake matches one
+    batch at a time, in fetch order, and announces the last while the next is stored). A short
+    batch (the queue drained) is handled before the next fetch, as with 1: what arrives
+    meanwhile then makes one larger batch, not several small ones. Every batch begun is handled
+    to its end before this returns."""
     tasks: set[asyncio.Task[None]] = set()
     try:
         while not stop.is_set():
