@@ -139,16 +139,19 @@ def page_row(job_id: str) -> dict[str, Any]:
     return row
 
 
-async def test_a_page_reads_only_the_requests_of_jobs_not_decoded_here() -> None:
-    j2 = gpu_row("j2")
-    conn = FakeConn(
-        {
-            "take_pending": [page_row("j1"), page_row("j2")],
-            "job_requests": [{"job_id": "j2", "request": j2["request"]}],
-        }
-    )
+def page_of_two(conn: FakeConn) -> Scheduler:
+    """A scheduler on ``conn`` whose page holds j1 and j2: j1's request decoded here already,
+    j2's read from the database."""
+    conn.rows["take_pending"] = [page_row("j1"), page_row("j2")]
+    conn.rows["job_requests"] = [{"job_id": "j2", "request": gpu_row("j2")["request"]}]
     scheduler, _, _, _ = build(conn)
     scheduler.remember({"j1": job_request_decoder.decode(gpu_row("j1")["request"])}, {})
+    return scheduler
+
+
+async def test_a_page_reads_only_the_requests_of_jobs_not_decoded_here() -> None:
+    conn = FakeConn()
+    scheduler = page_of_two(conn)
     await scheduler._schedule_all()
     assert conn.names()[:3] == ["load_policy", "take_pending", "job_requests"]
     assert conn.calls[2][1] == (["j2"],)
@@ -178,16 +181,8 @@ class _ForgettingConn(FakeConn):
 
 async def test_a_job_forgotten_while_its_page_is_read_is_still_matched() -> None:
     # The suite's repeat run once failed a restarted service: "its stored request is gone".
-    j2 = gpu_row("j2")
-    conn = _ForgettingConn(
-        {
-            "take_pending": [page_row("j1"), page_row("j2")],
-            "job_requests": [{"job_id": "j2", "request": j2["request"]}],
-        }
-    )
-    scheduler, _, _, _ = build(conn)
-    conn.scheduler = scheduler
-    scheduler.remember({"j1": job_request_decoder.decode(gpu_row("j1")["request"])}, {})
+    conn = _ForgettingConn()
+    conn.scheduler = scheduler = page_of_two(conn)
     await scheduler._schedule_all()
     assert conn.calls[2] == ("job_requests", (["j2"],))
     assert "fail_pending" not in conn.names()
