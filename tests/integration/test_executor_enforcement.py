@@ -189,6 +189,69 @@ async def test_a_job_opens_only_its_granted_device(
     assert await output(nats_url, cpu.job.job_id) == ["nvidia0 EPERM", "nvidia1 EPERM"]
 
 
+# Prints the inode of the job's own cgroup folder in the memory hierarchy: the same for two
+# jobs when the second got the first one's cgroup, renamed (``cgroup_spare``).
+CGROUP_INODE = """
+import os
+for line in open("/proc/self/cgroup"):
+    _, names, path = line.rstrip("\\n").split(":", 2)
+    if "memory" in names.split(","):
+        print("cgroup inode", os.stat("/sys/fs/cgroup/memory" + path).st_ino, flush=True)
+"""
+
+
+async def test_the_next_job_gets_the_cgroup_back_with_its_own_devices(
+    nats_url: str, js: JetStreamContext, start_executor: StartExecutor, fake_gpus: Path
+) -> None:
+    """A shim keeps its last job's cgroup for its next (cgroup v1): the CPU job's denial of
+    every GPU is lifted for the GPU job after it, which is refused the other GPU only."""
+    found = _enforcing("devices")
+    if found.version != "v1" or "memory" not in found.controllers:
+        pytest.skip(f"cgroups are kept for the next job in v1 only ({found.kind} here)")
+    probe = OPEN_BOTH + CGROUP_INODE
+    cpu = make_grant([sys.executable, "-c", probe, str(fake_gpus)])
+    gpu = make_grant(
+        [sys.executable, "-c", probe, str(fake_gpus)],
+        accelerator="cuda",
+        devices=[1],
+        sandbox=Sandbox(devices=SandboxDevices(gpu="compute")),
+    )
+    async with start_executor(device_dir=fake_gpus):
+        assert tags(await run_job(js, cpu)) == ["running", "succeeded"]
+        assert tags(await run_job(js, gpu)) == ["running", "succeeded"]
+    *cpu_opens, cpu_inode = await output(nats_url, cpu.job.job_id)
+    *gpu_opens, gpu_inode = await output(nats_url, gpu.job.job_id)
+    assert cpu_opens == ["nvidia0 EPERM", "nvidia1 EPERM"]
+    assert gpu_opens == ["nvidia0 EPERM", "nvidia1 ENXIO"]
+    assert gpu_inode == cpu_inode  # the same cgroup, renamed to the GPU job's grant
+    assert not [p for p in found.parents if (p / cpu.grant_id).exists()]
+
+
+async def test_a_job_after_one_that_ran_out_of_memory_is_not_out_of_memory(
+    nats_url: str, js: JetStreamContext, start_executor: StartExecutor
+) -> None:
+    """The OOM kill of a job is not counted against the next job in the same cgroup."""
+    found = _enforcing("memory")
+    if found.version != "v1":
+        pytest.skip(f"cgroups are kept for the next job in v1 only ({found.kind} here)")
+    first = with_requirements(python_job("b = bytearray(10**9)" + CGROUP_INODE), memory_gb=0.2)
+    # Killed as the OOM killer would (SIGKILL), its memory well under the limit.
+    second = with_requirements(
+        python_job(CGROUP_INODE + "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"),
+        memory_gb=0.2,
+    )
+    third = with_requirements(python_job(CGROUP_INODE), memory_gb=0.2)
+    async with start_executor():
+        first_done = await run_job(js, first)
+        second_done = await run_job(js, second)
+        assert tags(await run_job(js, third)) == ["running", "succeeded"]
+    assert reason(first_done[-1]).startswith("out of memory")
+    assert reason(second_done[-1]) == "killed by SIGKILL"
+    # The second and third jobs ran in the first one's cgroup (the first never printed).
+    (second_inode,) = await output(nats_url, second.job.job_id)
+    assert await output(nats_url, third.job.job_id) == [second_inode]
+
+
 FORK_BOMB = """
 import errno, os, time
 children = []

@@ -28,8 +28,9 @@ from typing import Any, Literal
 import msgspec
 
 from gpulayer_executor import procs
-from gpulayer_executor.cgroups import Hierarchy, JobCgroup, LimitError
+from gpulayer_executor.cgroups import Hierarchy
 from gpulayer_executor.env import RunAs
+from gpulayer_executor.job_cgroup import JobCgroup, LimitError
 from gpulayer_executor.limits import JobLimits, oom_reason
 from gpulayer_executor.lines import LineSink, PipeReader
 from gpulayer_executor.state import Outcome, ProcessInfo

@@ -23,7 +23,7 @@ from nats.js import JetStreamContext
 from gpulayer_contracts import Heartbeat, __version__
 from gpulayer_contracts.codec import encode
 from gpulayer_contracts.subjects import node_heartbeat
-from gpulayer_executor import cgroups, container
+from gpulayer_executor import cgroup_spare, cgroups, container
 from gpulayer_executor import state as st
 from gpulayer_executor.config import ExecutorConfig
 from gpulayer_executor.folders import empty_trash
@@ -146,6 +146,8 @@ class Executor:
         self._trash_removal = empty_trash(self.store.trash_dir)
         await self.intake.subscribe()
         await self.reconciler.reconcile()
+        if swept := cgroup_spare.sweep(self.hierarchy):
+            log.info("removed %d spare cgroups of shims that are gone", swept)
         if self.config.podman is not None:
             # Once, beside serving: it ends, where a side task ending stops the executor.
             self._sweep = asyncio.create_task(self._sweep_containers(), name="containers")

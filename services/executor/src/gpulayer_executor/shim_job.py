@@ -23,8 +23,9 @@ from pathlib import Path
 from types import FrameType
 
 from gpulayer_executor import procs, shim_container, users
-from gpulayer_executor.cgroups import JobCgroup, LimitError
+from gpulayer_executor.cgroup_spare import Spare
 from gpulayer_executor.env import RunAs
+from gpulayer_executor.job_cgroup import JobCgroup, LimitError
 from gpulayer_executor.limits import JobLimits
 from gpulayer_executor.lines import CHUNK, LineSplitter, Stream, consume, offer, widen_pipe
 from gpulayer_executor.runner import (
@@ -58,6 +59,8 @@ log = logging.getLogger(__name__)
 
 # Reads of one pipe per turn, at most (the other pipe and a stop get their turn in between).
 READS_PER_TURN = 8
+# This shim's last job cgroup, kept for its next job (closed as the shim ends).
+SPARE = Spare()
 
 
 def run_job(
@@ -340,7 +343,7 @@ def _supervise_process(
     marker = spec.env.get(MARKER)
     limits = spec.limits or JobLimits()
     hierarchy = hierarchy_of(spec.hierarchy)
-    cgroup = hierarchy.create(marker) if hierarchy is not None and marker else None
+    cgroup = SPARE.take(hierarchy, marker, limits) if hierarchy is not None and marker else None
     pid, out_fd, err_fd = _spawn(spec, cgroup, limits)
     group = _Group(pid, cgroup, marker)
     readers = [
@@ -376,7 +379,7 @@ def _supervise_process(
         watch.drain(PIPE_DRAIN_S)
         watch.close()
         if cgroup is not None:
-            cgroup.remove()
+            SPARE.park(cgroup)
 
 
 def _spawn(spec: ShimSpec, cgroup: JobCgroup | None, limits: JobLimits) -> tuple[int, int, int]:

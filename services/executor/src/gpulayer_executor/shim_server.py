@@ -34,6 +34,7 @@ from typing import NoReturn
 
 import msgspec
 
+from gpulayer_executor import shim_job
 from gpulayer_executor.shim import FRAME, IDLE, Notifier, ShimSpec
 from gpulayer_executor.shim_job import Signals, run_job
 
@@ -134,6 +135,8 @@ def run_shim(spec: ShimSpec, notify_fd: int, ctl: socket.socket) -> NoReturn:
         with contextlib.suppress(BaseException):
             log.exception("shim of grant %s failed", spec.grant_id)
     finally:
+        with contextlib.suppress(BaseException):
+            shim_job.SPARE.close()
         with contextlib.suppress(BaseException):
             logging.shutdown()
         os._exit(code)
