@@ -118,3 +118,34 @@ def test_sweep_removes_the_spares_of_shims_that_are_gone(v1: cgroups.Hierarchy) 
             for name in (gone, alive):
                 if (parent / name).is_dir():
                     (parent / name).rmdir()
+
+
+def test_a_kept_cgroup_that_cannot_be_readied_gives_way_to_a_fresh_one(
+    v1: cgroups.Hierarchy,
+) -> None:
+    """Lifting the last job's device denials can fail (v1 refuses ``devices.allow a`` in a
+    cgroup with a child, and in one whose parent is limited): the next job gets a fresh
+    cgroup, never a failed start."""
+    if "devices" not in v1.controllers:
+        pytest.skip("no writable v1 devices controller here")
+    spare, first, second = Spare(), _name(), _name()
+    cgroup = spare.take(v1, first, LIMITS)
+    assert cgroup is not None
+    assert _run(cgroup, LIMITS, ["true"]).wait(timeout=30) == 0
+    spare.park(cgroup)
+    child = cgroup.file("devices", "child")
+    child.mkdir()
+    fresh = None
+    try:
+        other = JobLimits(pids_max=LIMITS.pids_max, deny=((1, 5),))  # /dev/zero, not /dev/full
+        fresh = spare.take(v1, second, other)
+        assert fresh is not None
+        assert fresh is not cgroup
+        assert _run(fresh, other, ["sh", "-c", "exec 3</dev/full"]).wait(timeout=30) == 0
+        assert _run(fresh, other, ["sh", "-c", "exec 3</dev/zero"]).wait(timeout=30) != 0
+    finally:
+        child.rmdir()
+        cgroup.remove()  # its devices folder stayed while it had a child
+        if fresh is not None:
+            fresh.remove()
+    assert not [p for p in (*cgroup.paths, *(fresh.paths if fresh else [])) if p.exists()]

@@ -56,6 +56,7 @@ class Spare:
         if kept is not None:
             if kept.hierarchy is hierarchy and same_resources(kept.applied, limits):
                 try:
+                    kept.reuse_for(limits)
                     kept.rename(name)
                     return kept
                 except OSError as err:

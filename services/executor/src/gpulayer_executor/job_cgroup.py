@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
+import msgspec
+
 from gpulayer_executor.limits import JobLimits, counter, device_writes, resource_writes
 from gpulayer_executor.procs import own_tasks
 
@@ -107,11 +109,7 @@ class JobCgroup:
         if "devices" in self.hierarchy.controllers and (
             before is None or before.deny != limits.deny
         ):
-            if before is not None and before.deny:  # a reused cgroup: its last job's denials go
-                writes.append(("devices", "devices.allow", "a"))
             writes += device_writes(limits)
-        if before is not None and limits.memory_bytes is not None:
-            self._reset_memory_counters()
         if limits.pids_max is not None and "pids" in self.hierarchy.controllers:
             writes.append(("pids", "pids.max", str(limits.pids_max + own_tasks())))
             self._pids_max = limits.pids_max
@@ -129,15 +127,20 @@ class JobCgroup:
         self._apply(writes)
         self.applied = limits
 
-    def _reset_memory_counters(self) -> None:
-        """A reused cgroup's peak back to its use (v1), its OOM counters as they stand now."""
-        v1 = self.hierarchy.version == "v1"
-        if "memory" not in self.hierarchy.controllers:
-            return
-        if v1:
-            self._apply([("memory", "memory.max_usage_in_bytes", "0")])
-        text = self.file("memory", "memory.oom_control" if v1 else "memory.events").read_text()
-        self._oom_base = {k: counter(text, k) or 0 for k in ("oom", "oom_kill")}
+    def reuse_for(self, limits: JobLimits) -> None:
+        """Ready a kept cgroup (``applied`` set) for a job of ``limits``: its last job's device
+        denials lifted where this one's differ, its peak memory back to its use (v1), its OOM
+        counters read as they stand. Raises OSError (the caller makes a fresh one instead)."""
+        assert self.applied is not None
+        h, v1 = self.hierarchy, self.hierarchy.version == "v1"
+        if "devices" in h.controllers and self.applied.deny not in ((), limits.deny):
+            _write(self.file("devices", "devices.allow"), "a")
+            self.applied = msgspec.structs.replace(self.applied, deny=())
+        if "memory" in h.controllers and limits.memory_bytes is not None:
+            if v1:
+                _write(self.file("memory", "memory.max_usage_in_bytes"), "0")
+            text = self.file("memory", "memory.oom_control" if v1 else "memory.events").read_text()
+            self._oom_base = {k: counter(text, k) or 0 for k in ("oom", "oom_kill")}
 
     def rename(self, name: str) -> None:
         """Its folders renamed to ``name`` (v1; v2 refuses), its open files still its own.
