@@ -245,7 +245,9 @@ async def test_a_job_after_one_that_ran_out_of_memory_is_not_out_of_memory(
         first_done = await run_job(js, first)
         second_done = await run_job(js, second)
         assert tags(await run_job(js, third)) == ["running", "succeeded"]
-    assert reason(first_done[-1]).startswith("out of memory")
+    assert reason(first_done[-1]) == (
+        "out of memory: the job passed its memory_gb = 0.2 (200000000 bytes)"
+    )
     assert reason(second_done[-1]) == "killed by SIGKILL"
     # The second and third jobs ran in the first one's cgroup (the first never printed).
     (second_inode,) = await output(nats_url, second.job.job_id)
