@@ -3,9 +3,10 @@
 A spawn of ``true`` cost the machine 800-950 µs of CPU here without a cgroup, 2,000-2,100 in a
 cgroup made in the four v1 hierarchies, limited and removed (most of the difference the kernel's
 set-up and tear-down of a memory cgroup), 1,600-1,800 in a kept one renamed (200 µs of it the
-renames) and its limits left as they were (docs/performance.md). A shim runs one job at a time, so it keeps its last job's cgroup, empty, as ``spare-<its pid>``
-in each hierarchy and renames it to the next job's grant id: a job's cgroup has its grant's name
-while the job runs, as before (``Hierarchy.clear_leftover`` finds it after a crash).
+renames) and its limits left as they were (docs/performance.md). A shim runs one job at a
+time, so it keeps its last job's cgroup, empty, as ``spare-<its pid>`` in each hierarchy and
+renames it to the next job's grant id: a job's cgroup has its grant's name while the job runs,
+as before (``Hierarchy.clear_leftover`` finds it after a crash).
 
 Handed on only when nothing of the last job can reach the next one: nothing left inside, every
 limit written (``JobCgroup.applied``), less than ``KEEP_MAX_BYTES`` of memory still charged
