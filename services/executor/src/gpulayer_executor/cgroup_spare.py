@@ -22,8 +22,8 @@ import contextlib
 import logging
 import os
 import re
-from pathlib import Path
 
+from gpulayer_executor import procs
 from gpulayer_executor.cgroups import Hierarchy
 from gpulayer_executor.job_cgroup import JobCgroup
 from gpulayer_executor.limits import JobLimits
@@ -32,7 +32,7 @@ log = logging.getLogger("gpulayer_executor.cgroups")
 
 SPARE = "spare-"
 KEEP_MAX_BYTES = 16 << 20
-_SPARE_NAME = re.compile(r"spare-([0-9]+)")
+_SPARE_NAME = re.compile(re.escape(SPARE) + r"([0-9]+)")
 
 
 def same_resources(a: JobLimits | None, b: JobLimits) -> bool:
@@ -115,7 +115,7 @@ def sweep(hierarchy: Hierarchy | None) -> int:
             continue
         for name in names:
             found = _SPARE_NAME.fullmatch(name)
-            if found is None or Path(f"/proc/{found.group(1)}").exists():
+            if found is None or procs.pid_alive(int(found.group(1))):
                 continue
             with contextlib.suppress(OSError):  # still in use: a process inside, or gone already
                 (parent / name).rmdir()
