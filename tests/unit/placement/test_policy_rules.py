@@ -245,6 +245,30 @@ def test_fair_share_orders_owners_by_recent_usage_then_alternates() -> None:
     assert picked == ["a0", "b0", "a1", "b1", "a2"]
 
 
+def test_a_reload_counts_the_gpu_seconds_of_jobs_that_ended_elsewhere() -> None:
+    """Another replica applied the end of a job (its NOTIFY makes this one reload the node's
+    active jobs): the job's GPU time moves from running to ended in this replica's fair share
+    at once, as PostgreSQL's trigger adds it there, instead of vanishing until the next read
+    of the shares. A job still active keeps counting as running, not twice."""
+    policy = Policy()
+    started = time.time() - 100.0
+    policy.add(active("gone", "n", (0, 1), owner="alice", started=started))
+    policy.add(active("stays", "n", (2,), owner="alice", started=started))
+    policy.add(active("elsewhere", "m", (0,), owner="bob", started=started))
+    before = policy.usage("alice")
+    assert 299.0 < before < 310.0  # three GPUs for 100 s
+    # The reload of node n finds only "stays" active: "gone" ended on another replica.
+    policy.replace([active("stays", "n", (2,), owner="alice", started=started)], ["n"])
+    assert "gone" not in policy.active
+    assert policy.gpus_held("alice") == 1
+    after = policy.usage("alice")
+    assert before <= after < before + 10.0
+    assert policy.shares["alice"] >= 199.0  # the ended job's two GPUs for 100 s
+    # Bob's node was not reloaded: nothing of his changed.
+    assert "elsewhere" in policy.active
+    assert "bob" not in policy.shares
+
+
 def test_backfill_only_for_jobs_that_end_before_the_reservation() -> None:
     policy = Policy()
     view = NodeView(node_id="n", capabilities=gpu_node("n", 2), exclusive=frozenset({0, 1}))

@@ -127,12 +127,18 @@ class Policy:
             self.shares[a.owner] = self.shares.get(a.owner, 0.0) + spent
 
     def replace(self, rows: Iterable[Active], nodes: Iterable[str] | None) -> None:
-        """The active jobs on ``nodes`` (None: all) as PostgreSQL has them."""
+        """The active jobs on ``nodes`` (None: all) as PostgreSQL has them. A job held here that
+        PostgreSQL no longer has active ended, was requeued or lost elsewhere (another
+        replica applied it): its GPU time counts as ended at once, as the holds trigger has
+        counted it there, rather than vanishing from its owner's usage until the next
+        ``load_policy``."""
+        fresh = list(rows)
+        still = {a.job_id for a in fresh}
         targets = set(self.by_node) if nodes is None else set(nodes)
         for node in targets:
             for job_id in list(self.by_node.get(node, {})):
-                self.remove(job_id, ended=False)
-        for a in rows:
+                self.remove(job_id, ended=job_id not in still)
+        for a in fresh:
             self.add(a)
         self._recount_preemptible()
 
