@@ -4,6 +4,9 @@ devices held at once, what a batch persists, and which waiting jobs a wake-up ta
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, cast
 
@@ -299,3 +302,72 @@ def test_a_skimming_pass_never_passes_over_a_job_it_has_not_decoded_or_a_shared_
     outcome = Outcome()
     scheduler.match_rows(cast(Any, rows), {}, outcome, skim=True)
     assert [j for j, _ in outcome.waiting] == ["j2", "s1", "new"]
+
+
+class _PagedConn(FakeConn):
+    """A queue of 2-GPU jobs in pages: ``take_pending`` answers by its cursor (the job id the
+    page starts after). ``on_take`` runs at each page taken (a release applied meanwhile)."""
+
+    def __init__(self, job_ids: list[str], on_take: Callable[[str], None]) -> None:
+        super().__init__()
+        self.job_ids = job_ids
+        self.on_take = on_take
+
+    async def fetch(self, sql: str, *args: Any) -> list[dict[str, Any]]:
+        rows = await super().fetch(sql, *args)
+        if self.calls[-1][0] != "take_pending":
+            return rows
+        size, after = args[0], args[3]
+        self.on_take(after)
+        rest = [j for j in self.job_ids if j > after]
+        return [page_row(j) for j in rest[:size]]
+
+    def cursors(self) -> list[str]:
+        return [args[3] for name, args in self.calls if name == "take_pending"]
+
+
+def _paged(conn: _PagedConn) -> Scheduler:
+    """Two GPUs, one held by a running job; pages of two 2-GPU jobs, decoded here: after a
+    page a device is free (so a pass after a release goes on), but no job fits."""
+    scheduler, _ = fake_scheduler(gpu_node("g", 2), conn)
+    scheduler.settings = dataclasses.replace(scheduler.settings, page_size=2)
+    scheduler.fleet.hold("g", [0], "exclusive")
+    for j in conn.job_ids:
+        request = json.loads(gpu_row(j)["request"])
+        request["requirements"]["gpu_count"] = 2
+        scheduler.remember({j: job_request_decoder.decode(json.dumps(request))}, {})
+    return scheduler
+
+
+async def test_a_pass_starts_again_from_the_head_when_a_device_frees_between_its_pages() -> None:
+    """The held GPU frees while the second page is read: the pass went on to the queue's end
+    skipping every job equal to the one that found too few GPUs (its memo of failures), while
+    the freed GPUs waited. Now it starts again from the head, and the oldest job gets them."""
+    scheduler: Scheduler
+
+    def release_at_page_two(after: str) -> None:
+        if after == "a2":
+            scheduler.fleet.release("g", [0], "exclusive")
+            scheduler.wake.capacity()
+
+    conn = _PagedConn(["a1", "a2", "a3", "a4", "a5"], release_at_page_two)
+    scheduler = _paged(conn)
+    await scheduler._schedule_all()
+    assert conn.cursors() == ["", "a2", ""]  # head, second page, head again: not a4's page
+    assert [c[1][0] for c in conn.calls if c[0] == "place_jobs"] == [["a1"]]
+    assert not scheduler.fleet.any_free_device()
+
+
+async def test_a_pass_starts_again_only_once_so_steady_releases_never_starve_the_rest() -> None:
+    """Capacity changes at every page (releases elsewhere) while no job fits: the pass restarts
+    once, then walks to the queue's end, which a pass restarting at every change never would."""
+    scheduler: Scheduler
+
+    def change_every_page(after: str) -> None:
+        scheduler.wake.capacity()
+
+    conn = _PagedConn(["a1", "a2", "a3", "a4", "a5"], change_every_page)
+    scheduler = _paged(conn)
+    await scheduler._schedule_all()
+    assert conn.cursors() == ["", "", "a2", "a4"]
+    assert "place_jobs" not in conn.names()

@@ -146,9 +146,17 @@ class Scheduler:
             self._may_reserve = False
 
     async def _pages(self, *, early_stop: bool) -> None:
+        """Pages of waiting jobs, oldest first. ``failed`` holds while capacity only shrinks:
+        when it grew between pages (a release applied while a page was read or committed),
+        what it says of jobs equal to one that failed is stale, and skipping them to the
+        queue's end would read every page for nothing while the freed devices wait. Such a
+        pass starts again from the head, once (the oldest jobs get what was freed, then the
+        walk goes on: a pass that restarted at every change could never reach the jobs behind
+        the first page under a steady stream of releases)."""
         after = waiting.START
         failed: dict[bytes, NoPlacement] = {}
         size = self.settings.page_size
+        epoch, restarted = self.wake.epoch, False
         while not self.stop.is_set():
             take = functools.partial(waiting.take_page, size=size, after=after)
             page = await self._schedule_batch(take, failed, skim=early_stop)
@@ -162,6 +170,8 @@ class Scheduler:
                 or (not self._deviceless_waiting and not self.fleet.any_free_device())
             ):
                 return
+            if early_stop and not restarted and self.wake.epoch != epoch:
+                after, failed, restarted = waiting.START, {}, True
 
     async def _schedule_ids(self, ids: list[str], epoch: int) -> None:
         take = functools.partial(waiting.take_new, ids=ids, wake=self.wake, epoch=epoch)
