@@ -146,13 +146,10 @@ class Scheduler:
             self._may_reserve = False
 
     async def _pages(self, *, early_stop: bool) -> None:
-        """Pages of waiting jobs, oldest first. ``failed`` holds while capacity only shrinks:
-        when it grew between pages (a release applied while a page was read or committed),
-        what it says of jobs equal to one that failed is stale, and skipping them to the
-        queue's end would read every page for nothing while the freed devices wait. Such a
-        pass starts again from the head, once (the oldest jobs get what was freed, then the
-        walk goes on: a pass that restarted at every change could never reach the jobs behind
-        the first page under a steady stream of releases)."""
+        """Pages of waiting jobs, oldest first. When capacity grew between pages (a release),
+        ``failed`` is stale, and skipping equal jobs to the queue's end reads it for nothing:
+        an early-stop pass starts again from the head, once (at every change, it could never
+        get past the first page under steady releases)."""
         after = waiting.START
         failed: dict[bytes, NoPlacement] = {}
         size = self.settings.page_size
@@ -422,7 +419,7 @@ class Scheduler:
         taken out of the fleet and the job is matched again; a job that still makes it raise is
         failed (None). Either way the pass goes on with the other jobs."""
         try:
-            return match(job, self._nodes_for(job_id))
+            return match(job, _nodes_for(self.fleet, self.prefer, job_id))
         except Exception as err:
             first = err
         bad: list[tuple[str, Exception]] = []
@@ -444,13 +441,6 @@ class Scheduler:
         self._isolate_job(job_id, first, outcome)
         return None
 
-    def _nodes_for(self, job_id: str) -> Sequence[NodeView]:
-        """The fleet in matching order; a restarting service's last node first."""
-        nodes = self.fleet.rotated()
-        node_id = self.prefer.pop(job_id, None) if self.prefer else None
-        view = self.fleet.get(node_id) if node_id is not None else None
-        return nodes if view is None else [view, *nodes]
-
     def _isolate_job(self, job_id: str, err: BaseException, outcome: Outcome) -> None:
         log.error("job %s can't be matched: %r; failed", job_id, err, exc_info=err)
         self.forget(job_id)
@@ -461,6 +451,14 @@ class Scheduler:
         await persist(
             conn, outcome, gangs=self.gangs, fleet=self.fleet, replica_id=self.sync.replica_id
         )
+
+
+def _nodes_for(fleet: Fleet, prefer: dict[str, str], job_id: str) -> Sequence[NodeView]:
+    """The fleet in matching order; a restarting service's last node (``prefer``) first."""
+    nodes = fleet.rotated()
+    node_id = prefer.pop(job_id, None) if prefer else None
+    view = fleet.get(node_id) if node_id is not None else None
+    return nodes if view is None else [view, *nodes]
 
 
 def _requirement_key(job: JobRequest) -> bytes:
