@@ -18,6 +18,7 @@ from nats.js.errors import FetchTimeoutError
 from gpulayer_contracts.codec import best_effort_job_id
 from gpulayer_placement.dead_letters import DeadLetters, last_delivery
 from gpulayer_placement.store import DATA_ERRORS, DB_ERRORS
+from gpulayer_runtime.pull import Fetcher, Puller
 
 # The name every placement part logs under since before the split: log queries filter on it.
 log = logging.getLogger("gpulayer_placement.service")
@@ -38,7 +39,7 @@ async def every(stop: asyncio.Event, period: float, fn: Callable[[], Awaitable[N
 
 async def consume(
     stop: asyncio.Event,
-    sub: JetStreamContext.PullSubscription,
+    sub: JetStreamContext.PullSubscription | Fetcher,
     batch_size: int,
     handle: Callable[[list[Msg]], Awaitable[None]],
     dead: DeadLetters | None = None,
@@ -57,7 +58,9 @@ async def consume(
     batch at a time, in fetch order, and announces the last while the next is stored). A short
     batch (the queue drained) is handled before the next fetch, as with 1: what arrives
     meanwhile then makes one larger batch, not several small ones. Every batch begun is handled
-    to its end before this returns."""
+    to its end before this returns. A ``PullSubscription`` is read through a ``Puller`` (its
+    pull request kept open; what it holds undelivered is given back when the loop ends)."""
+    source = Puller(sub) if isinstance(sub, JetStreamContext.PullSubscription) else sub
     tasks: set[asyncio.Task[None]] = set()
     try:
         while not stop.is_set():
@@ -68,7 +71,7 @@ async def consume(
                         log.error("handling a batch failed: %r", t.exception())
                 continue
             try:
-                msgs = await sub.fetch(batch_size, timeout=1.0)
+                msgs = await source.fetch(batch_size, timeout=1.0)
             except (FetchTimeoutError, TimeoutError):
                 continue
             except (nats.errors.Error, OSError) as err:
@@ -89,6 +92,8 @@ async def consume(
         if tasks:
             # handle_batch raises nothing but cancellation: the batches end as they would have.
             await asyncio.gather(*tasks, return_exceptions=True)
+        if isinstance(source, Puller):
+            await source.close()
 
 
 T = TypeVar("T")

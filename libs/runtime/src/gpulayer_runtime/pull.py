@@ -1,0 +1,157 @@
+"""A JetStream pull consumer with its pull request kept open: no request per batch.
+
+nats-py's ``PullSubscription.fetch`` asks the server for every batch: a ``no_wait`` request
+first (answered ``404 No Messages`` when the consumer is empty), then a lingering one that
+returns with the first message to arrive. A consumer fed a message at a time (placement's job
+and status consumers, an executor's grants) pays two requests, a status message and the
+wake-ups of three processes for each batch of one, and the fetch's own tasks and timers: in the
+loop, about nine fetches per job between placement and the executor.
+
+``Puller`` keeps a pull request outstanding instead, as the newer NATS clients' ``Consume``
+does: one request for ``batch`` messages that the server fills as messages are stored, and a
+new one when what is left of the requests falls to half a batch. ``fetch`` takes what has
+arrived (at least one message, at most ``batch``) from the subscription's queue and tops the
+requests up; between batches nothing is sent but the acks. Each request expires after
+``expires_s`` (answered ``408`` with how many of it were left); after a reconnect (the server
+forgets a connection's requests) the next ``fetch`` asks again, and any request the server no
+longer holds counts as expired after ``expires_s``: a consumer never waits longer than that
+for a request it will not get.
+
+Messages delivered but not taken when the consumer stops (at most a batch and a half) are
+``nak``-ed by ``close``: redelivered at once to whoever consumes next, not after ``ack_wait``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Protocol
+
+import msgspec
+import nats.errors
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+log = logging.getLogger(__name__)
+
+_STATUS = "Status"
+_PENDING = "Nats-Pending-Messages"
+_HEARTBEAT = "100"
+_NO_MESSAGES = "404"
+_EXPIRED = "408"
+
+
+class Fetcher(Protocol):
+    """What a consume loop takes batches from: ``PullSubscription`` or a ``Puller``.
+    ``fetch`` returns 1 to ``batch`` messages, or raises ``TimeoutError`` after ``timeout``."""
+
+    async def fetch(self, batch: int, timeout: float) -> list[Msg]: ...
+
+
+class _Request(msgspec.Struct):
+    batch: int
+    expires: int
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+class Puller:
+    """Batches from a bound pull subscription with its requests kept open (module doc)."""
+
+    def __init__(self, sub: JetStreamContext.PullSubscription, *, expires_s: float = 5.0) -> None:
+        self._sub = sub
+        self._queue: asyncio.Queue[Msg] = sub._sub._pending_queue
+        self._expires_s = expires_s
+        # Messages asked for and neither delivered nor expired, across open requests.
+        self._pending = 0
+        # When the last request sent expires: after it, none is open, whatever the server said.
+        self._open_until = 0.0
+        # After a refusal (409, 503): no new request before this.
+        self._quiet_until = 0.0
+        # The connection's reconnects when the last request was sent: a reconnect drops them.
+        self._reconnects = -1
+
+    async def fetch(self, batch: int, timeout: float) -> list[Msg]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        msgs: list[Msg] = []
+        while not msgs:
+            await self._top_up(batch, loop.time())
+            left = deadline - loop.time()
+            if self._queue.empty():
+                if left <= 0:
+                    raise nats.errors.TimeoutError
+                # Wake for the next request too, when it falls due first.
+                wait = min(left, max(self._next_due(loop.time()), 0.001))
+                try:
+                    async with asyncio.timeout(wait):
+                        first = await self._queue.get()
+                except TimeoutError:
+                    continue
+                self._take(first, msgs)
+            while len(msgs) < batch and not self._queue.empty():
+                self._take(self._queue.get_nowait(), msgs)
+        await self._top_up(batch, loop.time())
+        return msgs
+
+    def _next_due(self, now: float) -> float:
+        """Seconds until a new request may be needed: open requests expire, or a pause ends."""
+        if self._pending > 0:
+            return self._open_until - now
+        return self._quiet_until - now
+
+    def _take(self, msg: Msg, into: list[Msg]) -> None:
+        self._read(msg)
+        headers = msg.headers
+        status = headers.get(_STATUS) if headers else None
+        if not headers or not status:
+            self._pending = max(self._pending - 1, 0)
+            into.append(msg)
+            return
+        if status in (_HEARTBEAT, _NO_MESSAGES):
+            return
+        left = headers.get(_PENDING, "")
+        if status == _EXPIRED and left.isdigit():
+            self._pending = max(self._pending - int(left), 0)
+            return
+        # A request ended without saying what was left of it (409: the consumer deleted, a
+        # leader changed, too many requests waiting; 503: no JetStream answered): count every
+        # request as ended and wait a moment before asking again.
+        description = headers.get("Description", "")
+        log.warning("pull request on %s ended: %s %s", self._sub._nms, status, description)
+        self._pending = 0
+        self._quiet_until = asyncio.get_running_loop().time() + 0.5
+
+    def _read(self, msg: Msg) -> None:
+        """Account a message taken from the queue as ``Subscription.next_msg`` does: its bytes
+        no longer pending, and done (a drain of the connection waits for every one)."""
+        self._sub._sub._pending_size -= len(msg.data)
+        self._queue.task_done()
+
+    async def _top_up(self, batch: int, now: float) -> None:
+        reconnects = self._sub._nc.stats["reconnects"]
+        if now >= self._open_until or reconnects != self._reconnects:
+            # Every request sent has expired by now, or went with the last connection.
+            self._pending = 0
+            self._reconnects = reconnects
+        if self._pending > batch // 2 or now < self._quiet_until:
+            return
+        request = _encode(_Request(batch=batch, expires=int(self._expires_s * 1e9)))
+        await self._sub._nc.publish(self._sub._nms, request, self._sub._deliver)
+        self._pending += batch
+        # A little past the server's expiry, so its 408 is read before the count is dropped.
+        self._open_until = now + self._expires_s + 0.5
+
+    async def close(self) -> None:
+        """Give back what was delivered and not taken: ``nak``, redelivered at once."""
+        while not self._queue.empty():
+            msg = self._queue.get_nowait()
+            self._read(msg)
+            if msg.headers and msg.headers.get(_STATUS):
+                continue
+            try:
+                await msg.nak()
+            except (nats.errors.Error, OSError) as err:
+                log.warning("could not give back %s: %r", msg.subject, err)
+                return

@@ -1,0 +1,157 @@
+"""runtime.pull's Puller against a real nats-server: every message once and in order, one pull
+request per half batch instead of one or two per fetch, requests renewed when they expire or
+the server drops them, and what was delivered but not taken given back at close."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from gpulayer_runtime.pull import Puller
+
+pytestmark = pytest.mark.integration
+
+_names = itertools.count()
+
+
+async def _consumer(nc: Client) -> tuple[str, str]:
+    """A new stream and durable pull consumer; (stream, subject prefix)."""
+    n = next(_names)
+    stream, prefix = f"PULL{n}", f"pull{n}"
+    js = nc.jetstream()
+    await js.add_stream(name=stream, subjects=[f"{prefix}.>"])
+    await js.add_consumer(
+        stream,
+        ConsumerConfig(durable_name="c", ack_policy=AckPolicy.EXPLICIT, ack_wait=30),
+    )
+    return stream, prefix
+
+
+async def _requests(nc: Client, stream: str) -> list[Msg]:
+    """Every pull request sent to the stream's consumer ``c`` from now on, as it is seen."""
+    seen: list[Msg] = []
+
+    async def note(msg: Msg) -> None:
+        seen.append(msg)
+
+    await nc.subscribe(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.c", cb=note)
+    await nc.flush()
+    return seen
+
+
+async def test_messages_arrive_once_in_order_with_a_request_per_half_batch(nc: Client) -> None:
+    stream, prefix = await _consumer(nc)
+    requests = await _requests(nc, stream)
+    js = nc.jetstream()
+    sub = await js.pull_subscribe_bind("c", stream=stream)
+    puller = Puller(sub)
+    got: list[bytes] = []
+    batches: list[int] = []
+    for i in range(200):  # published one at a time, each taken before the next is stored
+        await js.publish(f"{prefix}.x", b"%d" % i)
+        msgs = await puller.fetch(16, timeout=5)
+        batches.append(len(msgs))
+        for msg in msgs:
+            got.append(msg.data)
+            await msg.ack()
+    await nc.flush()
+    assert got == [b"%d" % i for i in range(200)]
+    assert max(batches) <= 16
+    # A request of 16 whenever no more than 8 are left to come: one per 16 messages, about 13.
+    # A fetch per message would have sent at least 200 (nats-py's: a no-wait one, then another).
+    assert 12 <= len(requests) <= 16, len(requests)
+    assert sub.pending_bytes == 0
+    # Every message taken counts as done: a drain of the connection waits for that.
+    await asyncio.wait_for(sub._sub._pending_queue.join(), 5)
+
+
+async def test_a_backlog_comes_in_full_batches(nc: Client) -> None:
+    stream, prefix = await _consumer(nc)
+    js = nc.jetstream()
+    for i in range(100):
+        await js.publish(f"{prefix}.x", b"%d" % i)
+    puller = Puller(await js.pull_subscribe_bind("c", stream=stream))
+    got: list[bytes] = []
+    while len(got) < 100:
+        msgs = await puller.fetch(32, timeout=5)
+        assert len(msgs) <= 32
+        got += [m.data for m in msgs]
+        await asyncio.gather(*(m.ack() for m in msgs))
+    assert got == [b"%d" % i for i in range(100)]
+
+
+async def test_an_empty_consumer_times_out_and_keeps_its_request_open(nc: Client) -> None:
+    stream, prefix = await _consumer(nc)
+    requests = await _requests(nc, stream)
+    js = nc.jetstream()
+    puller = Puller(await js.pull_subscribe_bind("c", stream=stream))
+    with pytest.raises(TimeoutError):
+        await puller.fetch(8, timeout=0.2)
+    with pytest.raises(TimeoutError):
+        await puller.fetch(8, timeout=0.2)
+    await js.publish(f"{prefix}.x", b"late")
+    msgs = await puller.fetch(8, timeout=5)
+    assert [m.data for m in msgs] == [b"late"]
+    await nc.flush()
+    assert len(requests) == 1  # the first request, still open, took the late message
+
+
+async def test_an_expired_request_is_renewed(nc: Client) -> None:
+    stream, prefix = await _consumer(nc)
+    requests = await _requests(nc, stream)
+    js = nc.jetstream()
+    puller = Puller(await js.pull_subscribe_bind("c", stream=stream), expires_s=0.3)
+    with pytest.raises(TimeoutError):
+        await puller.fetch(8, timeout=1.5)  # the server's 408 read, a new request sent
+    await nc.flush()
+    assert len(requests) >= 2
+    await js.publish(f"{prefix}.x", b"after")
+    msgs = await puller.fetch(8, timeout=5)
+    assert [m.data for m in msgs] == [b"after"]
+
+
+async def test_a_consumer_deleted_and_made_again_is_read_again(nc: Client) -> None:
+    """The server ends the open request (409 Consumer Deleted); the puller asks again."""
+    stream, prefix = await _consumer(nc)
+    js = nc.jetstream()
+    puller = Puller(await js.pull_subscribe_bind("c", stream=stream))
+    with pytest.raises(TimeoutError):
+        await puller.fetch(8, timeout=0.2)
+    await js.delete_consumer(stream, "c")
+    await js.add_consumer(
+        stream, ConsumerConfig(durable_name="c", ack_policy=AckPolicy.EXPLICIT, ack_wait=30)
+    )
+    await js.publish(f"{prefix}.x", b"again")
+    msgs = await puller.fetch(8, timeout=10)
+    assert [m.data for m in msgs] == [b"again"]
+
+
+async def test_close_gives_back_what_was_delivered_and_not_taken(nc: Client) -> None:
+    stream, prefix = await _consumer(nc)
+    js = nc.jetstream()
+    for i in range(10):
+        await js.publish(f"{prefix}.x", b"%d" % i)
+    sub = await js.pull_subscribe_bind("c", stream=stream)
+    puller = Puller(sub)
+    first = await puller.fetch(3, timeout=5)
+    await asyncio.gather(*(m.ack() for m in first))
+    # The puller asked for more than it gave: wait for the next one the server delivers (put
+    # back where it was read from; the order of what close gives back doesn't matter).
+    queue = sub._sub._pending_queue
+    queue.put_nowait(await asyncio.wait_for(queue.get(), 5))
+    held = sub.pending_msgs
+    await puller.close()
+    await sub.unsubscribe()
+    # Another reader has them at once (ack_wait is 30 s): given back, not waiting to expire.
+    other = await js.pull_subscribe_bind("c", stream=stream)
+    rest: list[Msg] = []
+    while len(rest) < 10 - len(first):
+        rest += await other.fetch(10, timeout=5)
+    assert sorted(m.data for m in first + rest) == sorted(b"%d" % i for i in range(10))
+    # The ones the puller held come a second time; fetching them took well under ack_wait.
+    assert sum(1 for m in rest if m.metadata.num_delivered == 2) == held >= 1
