@@ -124,6 +124,25 @@ async def connect(
     return nc
 
 
+async def let_go(nc: Client) -> None:
+    """A service's last word to NATS: drain the connection (what it buffered is sent, what its
+    subscriptions hold is handled) when it is connected, else close it. nats-py's ``drain``
+    raises while the connection is reconnecting (the server stopped first, or restarting as the
+    service stops): the service then exits cleanly, with a line saying what was not sent."""
+    if nc.is_closed:
+        return
+    if nc.is_connected:
+        try:
+            await nc.drain()
+            return
+        except nats.errors.Error as err:
+            log.warning("nats: could not drain the connection (%s); closing it", err)
+    else:
+        log.warning("nats: not connected as the service stops; anything unsent is dropped")
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(nc.close(), 5.0)
+
+
 async def ensure_streams(
     js: JetStreamContext, *, replicas: int = 1, specs: Iterable[StreamSpec] = STREAMS
 ) -> None:

@@ -39,6 +39,7 @@ _PENDING = "Nats-Pending-Messages"
 _HEARTBEAT = "100"
 _NO_MESSAGES = "404"
 _EXPIRED = "408"
+_EXPECTED = ("Server Shutdown", "Leadership Change")
 
 
 class Fetcher(Protocol):
@@ -119,7 +120,10 @@ class Puller:
         # leader changed, too many requests waiting; 503: no JetStream answered): count every
         # request as ended and wait a moment before asking again.
         description = headers.get("Description", "")
-        log.warning("pull request on %s ended: %s %s", self._sub._nms, status, description)
+        # A server stopping or a stream's leader moving is expected in a restart: said once,
+        # quietly. Anything else (the consumer deleted, too many requests) is worth a look.
+        level = logging.INFO if description in _EXPECTED else logging.WARNING
+        log.log(level, "pull request on %s ended: %s %s", self._sub._nms, status, description)
         self._pending = 0
         self._quiet_until = asyncio.get_running_loop().time() + 0.5
 

@@ -25,7 +25,7 @@ from gpulayer_executor import users
 from gpulayer_executor.env import RunAs
 from gpulayer_executor.limits import MAX_PIDS
 from gpulayer_executor.service import ExecutorConfig
-from gpulayer_runtime.nats import connect, wait_for_streams
+from gpulayer_runtime.nats import connect, let_go, wait_for_streams
 from gpulayer_runtime.settings import (
     ConfigError,
     env_float,
@@ -410,7 +410,7 @@ async def _amain() -> None:
         await wait_for_streams(nc.jetstream(), ["GRANTS", "CONTROL"])
         await Executor(nc, config, telemetry).run(stop)
     finally:
-        await nc.drain()
+        await let_go(nc)
         telemetry.shutdown()
 
 

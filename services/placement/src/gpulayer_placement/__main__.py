@@ -19,7 +19,7 @@ from gpulayer_contracts.subjects import (
     streams_with_audit_retention,
 )
 from gpulayer_placement.settings import Settings
-from gpulayer_runtime.nats import connect, ensure_streams
+from gpulayer_runtime.nats import connect, ensure_streams, let_go
 from gpulayer_runtime.settings import (
     ConfigError,
     database_url,
@@ -77,7 +77,7 @@ async def _amain() -> None:
     async with AsyncExitStack() as stack:
         stack.callback(telemetry.shutdown)
         nc = await connect(nats.url, "gpulayer-placement", **nats.connect_args())
-        stack.push_async_callback(nc.drain)
+        stack.push_async_callback(let_go, nc)
         await ensure_streams(nc.jetstream(), replicas=replicas, specs=streams)
         pool = await create_pool(db)
         stack.push_async_callback(pool.close)

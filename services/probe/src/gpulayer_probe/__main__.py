@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from gpulayer_contracts.bounds import address_error
 from gpulayer_detection.containers import ContainerSettings, settings_from_env
 from gpulayer_probe.service import ProbeService, ProbeSettings
-from gpulayer_runtime.nats import connect, wait_for_streams
+from gpulayer_runtime.nats import connect, let_go, wait_for_streams
 from gpulayer_runtime.settings import (
     ConfigError,
     NatsSettings,
@@ -94,7 +94,7 @@ async def _amain() -> None:
         await wait_for_streams(nc.jetstream(), ["NODES"])
         await ProbeService(nc, node, settings, telemetry=telemetry).run(stop)
     finally:
-        await nc.drain()
+        await let_go(nc)
         telemetry.shutdown()
     log.info("stopped")
 

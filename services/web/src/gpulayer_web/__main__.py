@@ -25,7 +25,7 @@ from nats.aio.client import Client
 
 from gpulayer_contracts.subjects import ANONYMOUS
 from gpulayer_runtime.auth import identity_of
-from gpulayer_runtime.nats import connect, wait_for_streams
+from gpulayer_runtime.nats import connect, let_go, wait_for_streams
 from gpulayer_runtime.settings import (
     ConfigError,
     NatsSettings,
@@ -150,7 +150,7 @@ async def _amain() -> None:
         await asyncio.gather(cached, http, stopped, fed, return_exceptions=True)
     finally:
         await reader.close()
-        await nc.drain()
+        await let_go(nc)
     log.info("stopped")
 
 
