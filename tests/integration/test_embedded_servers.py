@@ -72,6 +72,19 @@ def test_nats_picks_another_port_when_its_first_was_taken(
         assert _listening_pid(server.port) == {server.proc.pid}
 
 
+def test_a_running_nats_is_started_once(tmp_path: Path) -> None:
+    """``with EmbeddedNats(...).start()`` (``__enter__`` starts too): one server, not a second
+    one beside a first left running."""
+    with EmbeddedNats(tmp_path / "nats").start() as server:
+        assert server.proc is not None
+        first = server.proc.pid
+        again = server.start().proc
+        assert again is not None
+        assert again.pid == first
+        assert _listening_pid(server.port) == {first}
+    assert server.proc.poll() is not None  # and stopped with the block
+
+
 def test_nats_on_a_port_the_caller_chose_and_another_holds_fails_naming_it(
     tmp_path: Path, taken_port: int
 ) -> None:

@@ -112,9 +112,10 @@ class Puller:
             return
         if status in (_HEARTBEAT, _NO_MESSAGES):
             return
-        left = headers.get(_PENDING, "")
-        if status == _EXPIRED and left.isdigit():
-            self._pending = max(self._pending - int(left), 0)
+        if status == _EXPIRED:
+            # A request expired: the server says how much of it was left (else: count all).
+            left = headers.get(_PENDING, "")
+            self._pending = max(self._pending - int(left), 0) if left.isdigit() else 0
             return
         # A request ended without saying what was left of it (409: the consumer deleted, a
         # leader changed, too many requests waiting; 503: no JetStream answered): count every

@@ -188,6 +188,8 @@ class EmbeddedNats:
         return conf
 
     def start(self, timeout: float = 15.0) -> EmbeddedNats:
+        if self.proc is not None and self.proc.poll() is None:
+            return self  # running already (``with EmbeddedNats(...).start()`` starts it once)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         for attempt in range(5):
             try:
@@ -398,6 +400,8 @@ class EmbeddedPostgres:
         return {"user": self._user[0], "group": self._user[1]}
 
     def start(self, timeout: float = 30.0) -> EmbeddedPostgres:
+        if self.proc is not None and self.proc.poll() is None:
+            return self  # running already, as ``EmbeddedNats.start``
         bin_dir = postgres_bin_dir()
         pgdata = self.data_dir / "pgdata"
         self.data_dir.mkdir(parents=True, exist_ok=True)
