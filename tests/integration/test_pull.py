@@ -110,6 +110,17 @@ async def test_an_empty_consumer_times_out_and_keeps_its_request_open(nc: Client
     assert len(requests) == 1  # the first request, still open, took the late message
 
 
+async def test_a_batch_of_none_asks_for_one(nc: Client) -> None:
+    """The first request of a puller asked for 0 (or less) still asks for one message."""
+    stream, prefix = await _consumer(nc)
+    js = nc.jetstream()
+    for batch in (0, -3):
+        sub = await js.pull_subscribe_bind("c", stream=stream)
+        await js.publish(f"{prefix}.x", b"%d" % batch)
+        assert [m.data for m in await Puller(sub).fetch(batch, timeout=3)] == [b"%d" % batch]
+        await sub.unsubscribe()
+
+
 async def test_an_expired_request_is_renewed(nc: Client) -> None:
     stream, prefix = await _consumer(nc)
     requests = await _requests(nc, stream)

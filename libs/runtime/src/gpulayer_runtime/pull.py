@@ -74,6 +74,7 @@ class Puller:
         self._reconnects = -1
 
     async def fetch(self, batch: int, timeout: float) -> list[Msg]:
+        batch = max(batch, 1)  # a request for none would be refused by the server
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         msgs: list[Msg] = []
