@@ -37,14 +37,14 @@ async def test_a_connection_is_drained_while_its_server_serves(tmp_path: Path) -
 async def test_a_connection_whose_server_stopped_first_is_closed_without_an_error(
     tmp_path: Path,
 ) -> None:
-    server = EmbeddedNats(tmp_path / "nats").start()
     disconnected = asyncio.Event()
 
     async def on_disconnect() -> None:
         disconnected.set()
 
-    nc = await connect(server.url, "let-go", disconnected_cb=on_disconnect)
-    server.stop()
+    with EmbeddedNats(tmp_path / "nats") as server:
+        nc = await connect(server.url, "let-go", disconnected_cb=on_disconnect)
+    # Stopped with the block: the connection is left reconnecting to nothing.
     await asyncio.wait_for(disconnected.wait(), 10)
     with pytest.raises(nats.errors.ConnectionReconnectingError):
         await nc.drain()  # what a service's exit met before
