@@ -17,6 +17,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 from tests.helpers import TEST_PUBLIC_KEYS, connect_args, pid_alive, publish_cancel, reason
 from tests.helpers import publish_grant as signed_grant
 from tests.workload import Workload
@@ -179,11 +180,19 @@ async def pid_gone(pid: int) -> None:
 
 
 async def grants_settled(js: JetStreamContext, stream: str, durable: str) -> None:
-    """Every message of the stream's consumer delivered and acked."""
+    """Every message of the stream's consumer delivered and acked, the last one stored on its
+    subject by now included: the consumer's info can lag a message just stored (no message
+    pending and none waiting for an ack, before the consumer has counted it)."""
+    subject = (await js.consumer_info(stream, durable)).config.filter_subject
+    try:
+        last = (await js.get_last_msg(stream, subject)).seq if subject else 0
+    except NotFoundError:
+        last = 0  # nothing stored on it
 
     async def settled() -> bool:
         info = await js.consumer_info(stream, durable)
-        return not info.num_pending and not info.num_ack_pending
+        acked = info.ack_floor.stream_seq if info.ack_floor else 0
+        return not info.num_pending and not info.num_ack_pending and (acked or 0) >= (last or 0)
 
     await eventually(settled)
 
