@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
@@ -33,16 +35,23 @@ async def _consumer(nc: Client) -> tuple[str, str]:
     return stream, prefix
 
 
-async def _requests(nc: Client, stream: str) -> list[Msg]:
-    """Every pull request sent to the stream's consumer ``c`` from now on, as it is seen."""
-    seen: list[Msg] = []
+@pytest.fixture
+async def requests_of(nc: Client) -> AsyncIterator[Callable[[str], Awaitable[Subscription]]]:
+    """Subscriptions seeing every pull request sent to a stream's consumer ``c`` from then on.
+    Without a callback: after a ``flush`` one's ``pending_msgs`` counts every request sent
+    before it (the connection reads them into its queue before the flush's answer). Let go
+    before the connection is drained (a drain waits for a queue nobody reads)."""
+    subs: list[Subscription] = []
 
-    async def note(msg: Msg) -> None:
-        seen.append(msg)
+    async def watch(stream: str) -> Subscription:
+        sub = await nc.subscribe(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.c")
+        await nc.flush()
+        subs.append(sub)
+        return sub
 
-    await nc.subscribe(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.c", cb=note)
-    await nc.flush()
-    return seen
+    yield watch
+    for sub in subs:
+        await sub.unsubscribe()
 
 
 async def _one_through(
@@ -53,9 +62,11 @@ async def _one_through(
     return [m.data for m in await puller.fetch(8, timeout=timeout)]
 
 
-async def test_messages_arrive_once_in_order_with_a_request_per_half_batch(nc: Client) -> None:
+async def test_messages_arrive_once_in_order_with_a_request_per_half_batch(
+    nc: Client, requests_of: Callable[[str], Awaitable[Subscription]]
+) -> None:
     stream, prefix = await _consumer(nc)
-    requests = await _requests(nc, stream)
+    requests = await requests_of(stream)
     js = nc.jetstream()
     sub = await js.pull_subscribe_bind("c", stream=stream)
     puller = Puller(sub)
@@ -73,7 +84,7 @@ async def test_messages_arrive_once_in_order_with_a_request_per_half_batch(nc: C
     assert max(batches) <= 16
     # A request of 16 whenever no more than 8 are left to come: one per 16 messages, about 13.
     # A fetch per message would have sent at least 200 (nats-py's: a no-wait one, then another).
-    assert 12 <= len(requests) <= 16, len(requests)
+    assert 12 <= requests.pending_msgs <= 16, requests.pending_msgs
     assert sub.pending_bytes == 0
     # Every message taken counts as done: a drain of the connection waits for that.
     await asyncio.wait_for(sub._sub._pending_queue.join(), 5)
@@ -94,9 +105,11 @@ async def test_a_backlog_comes_in_full_batches(nc: Client) -> None:
     assert got == [b"%d" % i for i in range(100)]
 
 
-async def test_an_empty_consumer_times_out_and_keeps_its_request_open(nc: Client) -> None:
+async def test_an_empty_consumer_times_out_and_keeps_its_request_open(
+    nc: Client, requests_of: Callable[[str], Awaitable[Subscription]]
+) -> None:
     stream, prefix = await _consumer(nc)
-    requests = await _requests(nc, stream)
+    requests = await requests_of(stream)
     js = nc.jetstream()
     puller = Puller(await js.pull_subscribe_bind("c", stream=stream))
     with pytest.raises(TimeoutError):
@@ -107,7 +120,7 @@ async def test_an_empty_consumer_times_out_and_keeps_its_request_open(nc: Client
     msgs = await puller.fetch(8, timeout=5)
     assert [m.data for m in msgs] == [b"late"]
     await nc.flush()
-    assert len(requests) == 1  # the first request, still open, took the late message
+    assert requests.pending_msgs == 1  # the first request, still open, took the late message
 
 
 async def test_a_batch_of_none_asks_for_one(nc: Client) -> None:
@@ -121,15 +134,17 @@ async def test_a_batch_of_none_asks_for_one(nc: Client) -> None:
         await sub.unsubscribe()
 
 
-async def test_an_expired_request_is_renewed(nc: Client) -> None:
+async def test_an_expired_request_is_renewed(
+    nc: Client, requests_of: Callable[[str], Awaitable[Subscription]]
+) -> None:
     stream, prefix = await _consumer(nc)
-    requests = await _requests(nc, stream)
+    requests = await requests_of(stream)
     js = nc.jetstream()
     puller = Puller(await js.pull_subscribe_bind("c", stream=stream), expires_s=0.3)
     with pytest.raises(TimeoutError):
         await puller.fetch(8, timeout=1.5)  # the server's 408 read, a new request sent
     await nc.flush()
-    assert len(requests) >= 2
+    assert requests.pending_msgs >= 2
     assert await _one_through(js, puller, prefix, b"after", timeout=5) == [b"after"]
 
 
