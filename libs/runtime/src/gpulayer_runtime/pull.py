@@ -24,7 +24,9 @@ Messages delivered but not taken when the consumer stops (at most a batch and a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Protocol
 
 import msgspec
@@ -161,3 +163,17 @@ class Puller:
             except (nats.errors.Error, OSError) as err:
                 log.warning("could not give back %s: %r", msg.subject, err)
                 return
+
+
+@contextlib.asynccontextmanager
+async def pulling(sub: JetStreamContext.PullSubscription | Fetcher) -> AsyncIterator[Fetcher]:
+    """What a consume loop reads: a ``PullSubscription`` through a ``Puller``, given back
+    (``close``) when the loop ends; anything else with a ``fetch`` (a test's) as it is."""
+    if not isinstance(sub, JetStreamContext.PullSubscription):
+        yield sub
+        return
+    puller = Puller(sub)
+    try:
+        yield puller
+    finally:
+        await puller.close()

@@ -35,7 +35,7 @@ from gpulayer_executor.job_runner import JobRunner
 from gpulayer_executor.reporter import Reporter
 from gpulayer_executor.writer import DurableWriter
 from gpulayer_runtime.logs import job_context
-from gpulayer_runtime.pull import Fetcher, Puller
+from gpulayer_runtime.pull import Fetcher, pulling
 from gpulayer_runtime.signing import Kind, Refusal, Verifier
 from gpulayer_runtime.telemetry import DISABLED, Telemetry
 
@@ -117,12 +117,8 @@ class GrantIntake:
     ) -> None:
         """Batches of ``sub`` through a ``Puller`` (its pull request kept open), handled until
         ``stopping``; what it holds undelivered is then given back for the next start."""
-        source: Fetcher = Puller(sub) if isinstance(sub, JetStreamContext.PullSubscription) else sub
-        try:
+        async with pulling(sub) as source:
             await self._consume_from(source, handle)
-        finally:
-            if isinstance(source, Puller):
-                await source.close()
 
     async def _consume_from(
         self, source: Fetcher, handle: Callable[[Msg], Awaitable[None]]

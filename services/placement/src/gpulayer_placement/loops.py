@@ -18,7 +18,7 @@ from nats.js.errors import FetchTimeoutError
 from gpulayer_contracts.codec import best_effort_job_id
 from gpulayer_placement.dead_letters import DeadLetters, last_delivery
 from gpulayer_placement.store import DATA_ERRORS, DB_ERRORS
-from gpulayer_runtime.pull import Fetcher, Puller
+from gpulayer_runtime.pull import Fetcher, pulling
 
 # The name every placement part logs under since before the split: log queries filter on it.
 log = logging.getLogger("gpulayer_placement.service")
@@ -60,7 +60,18 @@ async def consume(
     meanwhile then makes one larger batch, not several small ones. Every batch begun is handled
     to its end before this returns. A ``PullSubscription`` is read through a ``Puller`` (its
     pull request kept open; what it holds undelivered is given back when the loop ends)."""
-    source = Puller(sub) if isinstance(sub, JetStreamContext.PullSubscription) else sub
+    async with pulling(sub) as source:
+        await _consume_from(stop, source, batch_size, handle, dead, in_flight)
+
+
+async def _consume_from(
+    stop: asyncio.Event,
+    source: Fetcher,
+    batch_size: int,
+    handle: Callable[[list[Msg]], Awaitable[None]],
+    dead: DeadLetters | None,
+    in_flight: int,
+) -> None:
     tasks: set[asyncio.Task[None]] = set()
     try:
         while not stop.is_set():
@@ -92,8 +103,6 @@ async def consume(
         if tasks:
             # handle_batch raises nothing but cancellation: the batches end as they would have.
             await asyncio.gather(*tasks, return_exceptions=True)
-        if isinstance(source, Puller):
-            await source.close()
 
 
 T = TypeVar("T")
