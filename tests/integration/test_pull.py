@@ -8,6 +8,7 @@ import asyncio
 import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import nats.errors
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -178,7 +179,8 @@ async def test_close_gives_back_what_was_delivered_and_not_taken(nc: Client) -> 
     queue.put_nowait(await asyncio.wait_for(queue.get(), 5))
     held = sub.pending_msgs
     await puller.close()
-    await sub.unsubscribe()
+    with pytest.raises(nats.errors.BadSubscriptionError):  # closing it ended the subscription
+        await sub.unsubscribe()
     # Another reader has them at once (ack_wait is 30 s): given back, not waiting to expire.
     other = await js.pull_subscribe_bind("c", stream=stream)
     rest: list[Msg] = []
@@ -187,3 +189,26 @@ async def test_close_gives_back_what_was_delivered_and_not_taken(nc: Client) -> 
     assert sorted(m.data for m in first + rest) == sorted(b"%d" % i for i in range(10))
     # The ones the puller held come a second time; fetching them took well under ack_wait.
     assert sum(1 for m in rest if m.metadata.num_delivered == 2) == held >= 1
+
+
+async def test_what_close_gives_back_goes_to_the_next_reader_while_a_request_was_open(
+    nc: Client,
+) -> None:
+    """The puller's request asked for 16 and got one: 15 are still open when it closes. Its
+    subscription's interest goes before the nak, so the message is not redelivered to that
+    request (into a queue nobody reads, until the ack wait) but to the next reader."""
+    stream, prefix = await _consumer(nc)
+    js = nc.jetstream()
+    await js.publish(f"{prefix}.x", b"taken")
+    puller = Puller(await js.pull_subscribe_bind("c", stream=stream))
+    taken = await puller.fetch(16, timeout=5)
+    puller.give_back(taken)
+    await puller.close()
+    other = Puller(await js.pull_subscribe_bind("c", stream=stream))
+    try:
+        again = await other.fetch(16, timeout=10)  # ack_wait is 30 s
+        assert [m.data for m in again] == [b"taken"]
+        assert again[0].metadata.num_delivered == 2
+        await again[0].ack()
+    finally:
+        await other.close()

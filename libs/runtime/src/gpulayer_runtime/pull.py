@@ -17,8 +17,10 @@ forgets a connection's requests) the next ``fetch`` asks again, and any request 
 longer holds counts as expired after ``expires_s``: a consumer never waits longer than that
 for a request it will not get.
 
-Messages delivered but not taken when the consumer stops (at most a batch and a half) are
-``nak``-ed by ``close``: redelivered at once to whoever consumes next, not after ``ack_wait``.
+Messages delivered but not taken when the consumer stops (at most a batch and a half), and
+those the consumer took and hands back unhandled (``give_back``), are ``nak``-ed by ``close``
+once the subscription's interest is gone: redelivered at once to whoever consumes next, not
+after ``ack_wait``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Protocol
 
 import msgspec
@@ -74,6 +76,8 @@ class Puller:
         self._quiet_until = 0.0
         # The connection's reconnects when the last request was sent: a reconnect drops them.
         self._reconnects = -1
+        # Taken and handed back unhandled (``give_back``): nak-ed at ``close``.
+        self._returned: list[Msg] = []
 
     async def fetch(self, batch: int, timeout: float) -> list[Msg]:
         batch = max(batch, 1)  # a request for none would be refused by the server
@@ -151,24 +155,50 @@ class Puller:
         # A little past the server's expiry, so its 408 is read before the count is dropped.
         self._open_until = now + self._expires_s + 0.5
 
+    def give_back(self, msgs: Iterable[Msg]) -> None:
+        """Messages taken from this puller that the consumer will not handle: ``nak``-ed by
+        ``close``, with what it holds."""
+        self._returned.extend(msgs)
+
     async def close(self) -> None:
-        """Give back what was delivered and not taken: ``nak``, redelivered at once."""
+        """End the subscription, then give back what was delivered and not taken and what
+        ``give_back`` returned: ``nak``, redelivered at once to whoever asks next. The interest
+        goes first: a message nak-ed while a request of this subscription is still open is
+        redelivered to that request, into a queue nobody reads, and waits out ``ack_wait``."""
+        await self._end_interest()
+        msgs, self._returned = self._returned, []
         while not self._queue.empty():
             msg = self._queue.get_nowait()
             self._read(msg)
-            if msg.headers and msg.headers.get(_STATUS):
-                continue
+            if not (msg.headers and msg.headers.get(_STATUS)):
+                msgs.append(msg)
+        for msg in msgs:
             try:
                 await msg.nak()
             except (nats.errors.Error, OSError) as err:
                 log.warning("could not give back %s: %r", msg.subject, err)
                 return
 
+    async def _end_interest(self) -> None:
+        """Unsubscribe at the server, then flush: what it sent before that is in the queue
+        when the flush returns (nats-py's ``unsubscribe`` drops the queue's subscription at
+        once, and with it whatever was still on the way). Then the subscription is closed."""
+        inner, nc = self._sub._sub, self._sub._nc
+        try:
+            if nc.is_connected and nc._subs.get(inner._id) is inner:
+                await nc._send_unsubscribe(inner._id)
+                await nc.flush(2)
+        except (nats.errors.Error, OSError, TimeoutError) as err:
+            log.info("pull subscription on %s: no clean unsubscribe: %r", self._sub._nms, err)
+        with contextlib.suppress(nats.errors.Error, ValueError):
+            await self._sub.unsubscribe()
+
 
 @contextlib.asynccontextmanager
 async def pulling(sub: JetStreamContext.PullSubscription | Fetcher) -> AsyncIterator[Fetcher]:
-    """What a consume loop reads: a ``PullSubscription`` through a ``Puller``, given back
-    (``close``) when the loop ends; anything else with a ``fetch`` (a test's) as it is."""
+    """What a consume loop reads: a ``PullSubscription`` through a ``Puller``, closed when the
+    loop ends (the subscription ends with it, what it holds is given back); anything else with
+    a ``fetch`` (a test's) as it is."""
     if not isinstance(sub, JetStreamContext.PullSubscription):
         yield sub
         return
