@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpulayer_placement.__main__ import admin_names, rendezvous_ports
+from gpulayer_placement.__main__ import admin_names, read_settings, rendezvous_ports, status_hold
 from gpulayer_runtime.settings import ConfigError
 
 
@@ -69,3 +69,28 @@ def test_admin_names_refuse_what_a_subject_token_cannot_hold(name: str) -> None:
     with pytest.raises(ConfigError) as err:
         admin_names(f"admin,{name}")
     assert str(err.value) == f"GPULAYER_ADMINS: {name!r} is not a valid identity name"
+
+
+def test_status_hold_defaults_to_50_ms_and_0_turns_it_off() -> None:
+    assert read_settings({}).status_hold_s == 0.05
+    assert read_settings({"GPULAYER_STATUS_HOLD_S": "0"}).status_hold_s == 0.0
+    assert status_hold(" 0.2 ") == 0.2
+    assert status_hold("1") == 1.0
+
+
+@pytest.mark.parametrize(
+    ("raw", "why"),
+    [
+        ("soon", "expected a number"),
+        ("", "expected a number"),
+        ("-0.1", "expected 0 to 1 seconds"),
+        ("1.5", "expected 0 to 1 seconds"),
+        ("nan", "expected 0 to 1 seconds"),
+        ("inf", "expected 0 to 1 seconds"),
+        ("1e308", "expected 0 to 1 seconds"),
+    ],
+)
+def test_a_bad_status_hold_names_the_variable(raw: str, why: str) -> None:
+    with pytest.raises(ConfigError, match=why) as err:
+        status_hold(raw)
+    assert "GPULAYER_STATUS_HOLD_S" in str(err.value)

@@ -110,7 +110,25 @@ def read_settings(env: Mapping[str, str]) -> Settings:
         submit_burst=env_int(env, "GPULAYER_SUBMIT_BURST", 100),
         api_rate=env_float(env, "GPULAYER_API_RATE", 20.0),
         api_burst=env_int(env, "GPULAYER_API_BURST", 100),
+        status_hold_s=status_hold(env_str(env, "GPULAYER_STATUS_HOLD_S", "0.05")),
     )
+
+
+# Longer would leave a started job ``placed`` in the database for longer than a person notices.
+MAX_STATUS_HOLD_S = 1.0
+
+
+def status_hold(raw: str) -> float:
+    """``GPULAYER_STATUS_HOLD_S``: seconds, 0 (no hold) to ``MAX_STATUS_HOLD_S``."""
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"GPULAYER_STATUS_HOLD_S={raw[:40]!r}: expected a number") from None
+    if not 0 <= value <= MAX_STATUS_HOLD_S:  # NaN fails this too
+        raise ConfigError(
+            f"GPULAYER_STATUS_HOLD_S={raw[:40]!r}: expected 0 to {MAX_STATUS_HOLD_S:g} seconds"
+        )
+    return value
 
 
 def admin_names(raw: str) -> frozenset[str]:

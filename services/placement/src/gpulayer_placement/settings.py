@@ -15,6 +15,9 @@ class Settings:
     page_size: int = 1000
     publish_timeout_s: float = 10.0
     thorough_pass_s: float = 30.0
+    # How long a batch of ``running`` reports alone waits for the reports behind it before it
+    # is applied on its own (``GPULAYER_STATUS_HOLD_S``, 0 to 1 s; 0: at once). status.Hold.
+    status_hold_s: float = 0.05
     # Identities whose API requests may cancel any job and read any job's env
     # (``GPULAYER_ADMINS``). Their caller token is trustworthy: only the credential of that
     # name may publish on gpulayer.api.<verb>.<name>.

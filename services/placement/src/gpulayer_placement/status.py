@@ -3,14 +3,16 @@
 Reports are folded per grant (a final state is never replaced by ``running`` from the same
 batch), applied in one statement that also releases the devices of finished jobs, and acked.
 A job that finished is forgotten and the scheduler is told capacity came back. A batch of
-``running`` reports only is applied outside a transaction first (``apply_running``).
+``running`` reports only is applied outside a transaction first (``apply_running``), after it
+waited a moment for what comes behind it (``Hold``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import asyncpg
 import msgspec
@@ -34,6 +36,7 @@ from gpulayer_placement.loops import consume
 from gpulayer_placement.settings import Settings
 from gpulayer_placement.store import Store
 from gpulayer_placement.wake import Wake
+from gpulayer_runtime.pull import Fetcher, Puller, pulling
 from gpulayer_runtime.telemetry import DISABLED, Telemetry
 
 # The name every placement part logs under since before the split: log queries filter on it.
@@ -89,17 +92,40 @@ class ExecutorStatus:
             ),
         )
 
-    async def run(self, sub: JetStreamContext.PullSubscription) -> None:
-        """Apply batches from ``sub`` until the service stops."""
-        await consume(self.stop, sub, self.settings.batch_size, self.apply, self.dead)
+    async def run(self, sub: JetStreamContext.PullSubscription | Fetcher) -> None:
+        """Apply batches from ``sub`` until the service stops, a batch of ``running`` reports
+        alone held back for ``settings.status_hold_s`` first (``Hold``)."""
+        hold_s = self.settings.status_hold_s
+        if hold_s <= 0:
+            await consume(self.stop, sub, self.settings.batch_size, self.apply, self.dead)
+            return
+        async with pulling(sub) as source, Hold.over(source, hold_s) as hold:
 
-    def read(self, msgs: list[Msg], poison: list[Poison] | None = None) -> list[Report]:
+            async def apply_or_hold(msgs: list[Msg]) -> None:
+                if hold.may_keep() and self._running_only(msgs):
+                    hold.keep(msgs)
+                    return
+                await self.apply(msgs)
+
+            await consume(self.stop, hold, self.settings.batch_size, apply_or_hold, self.dead)
+
+    def _running_only(self, msgs: list[Msg]) -> bool:
+        """Every message of ``msgs`` is a well-formed ``running`` report (nothing to
+        dead-letter, no end to apply)."""
+        poison: list[Poison] = []
+        rows = self.read(msgs, poison, counted=False)
+        return not poison and bool(rows) and all(r[3] == "running" for r in rows)
+
+    def read(
+        self, msgs: list[Msg], poison: list[Poison] | None = None, *, counted: bool = True
+    ) -> list[Report]:
         """The latest report per (job, grant) in ``msgs``. Malformed or out-of-range ones are
         logged, counted and added to ``poison`` (to be dead-lettered). The node is the one the
-        subject names: a node can only report its own jobs."""
+        subject names: a node can only report its own jobs. ``counted=False``: a look that
+        counts no redelivery (the batch is read again when it is applied)."""
         latest: dict[tuple[str, str], Report] = {}
         for msg in msgs:
-            if self.tel.enabled and (msg.metadata.num_delivered or 0) > 1:
+            if counted and self.tel.enabled and (msg.metadata.num_delivered or 0) > 1:
                 self.tel.count(
                     "gpulayer.consumer.redeliveries", 1, {"consumer": "placement-status"}
                 )
@@ -254,6 +280,79 @@ class ExecutorStatus:
         if requeued and self.events is not None:
             log.info("requeued after preemption: %s", ", ".join(e.job_id for e in requeued))
             await self.events(list(requeued))
+
+
+class Hold:
+    """Between the status consumer and its handler: a batch of ``running`` reports alone
+    (``keep``) is kept back, unacked, and handed out again at the front of the next batch,
+    kept again while that is still ``running`` reports alone, for up to ``hold_s`` from the
+    first keep. A short job's end comes right behind its ``running``: both are then read in one
+    batch, where the end replaces the ``running`` (``ExecutorStatus.read``), one
+    ``apply_status`` where each was a statement and a round trip of its own. A job's
+    ``running`` reaches the database at most ``hold_s`` later; its user's ``running`` event is
+    the executor's and is not held.
+
+    What is kept when the loop ends is given back (``nak``): redelivered at once, to this
+    replica's successor or another replica, rather than after the consumer's ack wait."""
+
+    def __init__(self, source: Fetcher, hold_s: float) -> None:
+        self.source = source
+        self.hold_s = hold_s
+        self.kept: list[Msg] = []
+        # When the hold of the oldest message kept (or handed out again in the last batch) is
+        # up; None while nothing is.
+        self.until: float | None = None
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def over(cls, source: Fetcher, hold_s: float) -> AsyncIterator[Hold]:
+        hold = cls(source, hold_s)
+        try:
+            yield hold
+        finally:
+            await hold.close()
+
+    def may_keep(self) -> bool:
+        """Whether the last batch may be kept: nothing in it was kept before, or the hold of
+        what was is not up yet."""
+        return self.until is None or asyncio.get_running_loop().time() < self.until
+
+    def keep(self, msgs: list[Msg]) -> None:
+        """Keep ``msgs`` (the last batch) until the next fetch."""
+        if self.until is None:
+            self.until = asyncio.get_running_loop().time() + self.hold_s
+        self.kept.extend(msgs)
+
+    async def fetch(self, batch: int, timeout: float) -> list[Msg]:
+        """What ``source`` has (1 to ``batch`` messages) after what was kept, if anything was:
+        then waiting for more only until the hold is up."""
+        if not self.kept:
+            self.until = None
+            return await self.source.fetch(batch, timeout)
+        assert self.until is not None
+        kept, self.kept = self.kept, []
+        more: list[Msg] = []
+        wait = min(self.until - asyncio.get_running_loop().time(), timeout)
+        try:
+            if wait > 0:
+                more = await self.source.fetch(max(batch - len(kept), 1), wait)
+        except TimeoutError:  # nothing more came in time (nats' timeouts are TimeoutErrors)
+            pass
+        except BaseException:
+            self.kept = kept + self.kept  # still ours: handed out at the next fetch, or given back
+            raise
+        return kept + more
+
+    async def close(self) -> None:
+        """Give back what is kept: through a ``Puller`` when that is the source (it naks them
+        once its subscription's interest is gone), else nak-ed here."""
+        kept, self.kept = self.kept, []
+        if isinstance(self.source, Puller):
+            self.source.give_back(kept)
+            return
+        for msg in kept:
+            with contextlib.suppress(Exception):
+                await msg.nak()
 
 
 class _OutOfBounds(InvalidInput):
