@@ -180,8 +180,8 @@ async def _run(
     applied = asyncio.Event()
     apply = status.apply
 
-    async def applying(msgs: list[Msg]) -> None:
-        await apply(msgs)
+    async def applying(msgs: list[Msg], **kwargs: Any) -> None:
+        await apply(msgs, **kwargs)
         applied.set()
 
     monkeypatch.setattr(status, "apply", applying)

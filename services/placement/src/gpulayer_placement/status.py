@@ -102,33 +102,23 @@ class ExecutorStatus:
         async with pulling(sub) as source, Hold.over(source, hold_s) as hold:
 
             async def apply_or_hold(msgs: list[Msg]) -> None:
-                if hold.may_keep() and self._running_only(msgs):
+                poison: list[Poison] = []
+                rows = self.read(msgs, poison)
+                # Only well-formed ``running`` reports wait: nothing to dead-letter, no end.
+                running = bool(rows) and not poison and all(r[3] == "running" for r in rows)
+                if running and hold.may_keep():
                     hold.keep(msgs)
                     return
-                await self.apply(msgs)
+                await self.apply(msgs, read=(rows, poison))
 
             await consume(self.stop, hold, self.settings.batch_size, apply_or_hold, self.dead)
 
-    def _running_only(self, msgs: list[Msg]) -> bool:
-        """Every message of ``msgs`` is a well-formed ``running`` report (nothing to
-        dead-letter, no end to apply)."""
-        poison: list[Poison] = []
-        rows = self.read(msgs, poison, counted=False)
-        return not poison and bool(rows) and all(r[3] == "running" for r in rows)
-
-    def read(
-        self, msgs: list[Msg], poison: list[Poison] | None = None, *, counted: bool = True
-    ) -> list[Report]:
+    def read(self, msgs: list[Msg], poison: list[Poison] | None = None) -> list[Report]:
         """The latest report per (job, grant) in ``msgs``. Malformed or out-of-range ones are
         logged, counted and added to ``poison`` (to be dead-lettered). The node is the one the
-        subject names: a node can only report its own jobs. ``counted=False``: a look that
-        counts no redelivery (the batch is read again when it is applied)."""
+        subject names: a node can only report its own jobs."""
         latest: dict[tuple[str, str], Report] = {}
         for msg in msgs:
-            if counted and self.tel.enabled and (msg.metadata.num_delivered or 0) > 1:
-                self.tel.count(
-                    "gpulayer.consumer.redeliveries", 1, {"consumer": "placement-status"}
-                )
             try:
                 status = self._decode(msg)
             except InvalidInput as err:
@@ -182,10 +172,22 @@ class ExecutorStatus:
             raise _OutOfBounds("; ".join(errors))
         return status
 
-    async def apply(self, msgs: list[Msg]) -> None:
-        """Apply one batch of reports in one statement, release devices, then ack it."""
-        poison: list[Poison] = []
-        rows = self.read(msgs, poison)
+    async def apply(
+        self, msgs: list[Msg], *, read: tuple[list[Report], list[Poison]] | None = None
+    ) -> None:
+        """Apply one batch of reports in one statement, release devices, then ack it.
+        ``read``: what ``read`` made of ``msgs`` already (its reports and its poison)."""
+        if read is None:
+            poison: list[Poison] = []
+            rows = self.read(msgs, poison)
+        else:
+            rows, poison = read
+        if self.tel.enabled:  # here, not in ``read``: a batch held back is read twice
+            redelivered = sum(1 for m in msgs if (m.metadata.num_delivered or 0) > 1)
+            if redelivered:
+                self.tel.count(
+                    "gpulayer.consumer.redeliveries", redelivered, {"consumer": "placement-status"}
+                )
         if rows and all(r[3] == "running" for r in rows):
             rows = await self._apply_running(rows)
         if rows:
