@@ -465,7 +465,9 @@ async def test_a_grant_delivered_twice_runs_once(
     await grants_settled(js, "GRANTS", f"executor-{NODE}")
     await reported(executor, grant)
     assert starts.read_text() == "start\n"
-    assert [s.state for s in await statuses(js)] == ["running", "succeeded"]
+    # One end; a "running" only if the job still ran when the executor first looked (placement
+    # takes an end of a job it has as placed).
+    assert [s.state for s in await statuses(js)] in (["running", "succeeded"], ["succeeded"])
 
 
 async def test_grants_fetched_together_each_run_once_copies_included(

@@ -4,7 +4,7 @@ NATS server)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -21,7 +21,7 @@ from gpulayer_executor.cgroups import Hierarchy
 from gpulayer_executor.env import RunAs
 from gpulayer_executor.limits import JobLimits
 from gpulayer_executor.output import LogSink
-from gpulayer_executor.runner import StopRequest
+from gpulayer_executor.runner import OnStarted, StopRequest
 
 NODE = "node-u"
 
@@ -98,6 +98,9 @@ class FakeLaunch:
         self.running = 0
         self.peak = 0
         self.outcome = st.Outcome(state="succeeded", exit_code=0)
+        # What ``on_started`` is told: the job's end already known at its start (a short job
+        # whose start and end the follower saw in one look).
+        self.ended_at_start = False
         self.error: Exception | None = None
 
     async def __call__(
@@ -112,7 +115,7 @@ class FakeLaunch:
         stop: asyncio.Future[StopRequest],
         sink: LogSink,
         max_line_bytes: int,
-        on_started: Callable[[st.ProcessInfo], Awaitable[None]],
+        on_started: OnStarted,
         hierarchy: Hierarchy | None = None,
         limits: JobLimits | None = None,
     ) -> st.Outcome:
@@ -125,7 +128,7 @@ class FakeLaunch:
         self.running += 1
         self.peak = max(self.peak, self.running)
         try:
-            await on_started(st.ProcessInfo(pid=4242, pgid=4242))
+            await on_started(st.ProcessInfo(pid=4242, pgid=4242), self.ended_at_start)
             finish = asyncio.ensure_future(self.finish.wait())
             either: set[asyncio.Future[Any]] = {finish, stop}
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)

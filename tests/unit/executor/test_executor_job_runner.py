@@ -7,8 +7,10 @@ import asyncio
 import os
 from pathlib import Path
 
+import msgspec
 from tests.unit.executor.fakes import NODE, FakeJetStream, FakeLaunch, grant, until
 
+from gpulayer_contracts.events import GangRank
 from gpulayer_contracts.subjects import job_events, node_status
 from gpulayer_executor import state as st
 from gpulayer_executor.config import ExecutorConfig
@@ -254,3 +256,33 @@ async def test_shutdown_lets_running_jobs_finish_within_the_drain_time(tmp_path:
     outcome = p.record("g1").outcome
     assert outcome is not None
     assert outcome.state == "succeeded"
+
+
+async def test_a_job_ended_at_its_first_look_tells_its_user_it_ran_and_placement_its_end(
+    tmp_path: Path,
+) -> None:
+    """Placement takes the end of a job still placed: its ``running`` is one message fewer.
+    The job's user still hears it ran; a rank's ``running`` still goes to placement (its gang's
+    state is decided from its ranks')."""
+    p = Parts(tmp_path, max_jobs=2)
+    p.launch.ended_at_start = True
+    p.launch.finish.set()
+    p.start("short")
+    rank = st.received(
+        msgspec.structs.replace(
+            grant("rank"),
+            gang=GangRank(
+                job_id="dist", rank=1, nnodes=2, nproc_per_node=1, master_addr="a", master_port=1
+            ),
+        )
+    )
+    assert p.store.create(rank)
+    p.runner.launch(rank)
+    await p.all_done()
+    assert sorted(p.fake.msg_ids(node_status(NODE))) == [
+        "rank:running",
+        "rank:succeeded",
+        "short:succeeded",
+    ]
+    assert p.fake.msg_ids(job_events("job-short")) == ["short:running", "short:end"]
+    assert p.record("short").reported

@@ -16,6 +16,7 @@ from typing import Any, cast
 
 import msgspec
 import pytest
+from tests.unit.executor.fakes import until
 
 from gpulayer_executor import cgroups, shim_pool
 from gpulayer_executor.lines import LineSplitter, consume
@@ -474,7 +475,7 @@ async def test_a_stop_asked_while_the_running_report_is_still_out_reaches_the_jo
     stop: asyncio.Future[StopRequest] = asyncio.get_running_loop().create_future()
     reported = asyncio.Event()
 
-    async def on_started(info: ProcessInfo) -> None:
+    async def on_started(info: ProcessInfo, ended: bool) -> None:
         stop.set_result(StopRequest(state="cancelled", reason="user asked"))  # while reporting
         await asyncio.sleep(0.2)  # the report still out: the loop turns, the stop's wake runs
         reported.set()
@@ -484,3 +485,32 @@ async def test_a_stop_asked_while_the_running_report_is_still_out_reaches_the_jo
         got = await follower.follow(stop, on_started, pid)
     assert reported.is_set()
     assert (got.state, got.reason) == ("cancelled", "user asked")
+
+
+async def test_the_follower_says_whether_the_job_had_ended_when_it_saw_it_start(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    """A job over before the follower's first look (its pokes waiting in the pipe): started and
+    ended are read in one look, and ``on_started`` is told the job has ended. A job still running
+    at that look: told it has not (the job waits for the report to end)."""
+    told: list[bool] = []
+
+    async def on_started(info: ProcessInfo, ended: bool) -> None:
+        told.append(ended)
+        (tmp_path / "go").touch()
+
+    async def follow(run: Path, lease: shim_pool.Lease) -> Outcome:
+        stop: asyncio.Future[StopRequest] = asyncio.get_running_loop().create_future()
+        follower = Follower(run, run.name, cast(Any, QuietSink()), lease.notify, None)
+        async with asyncio.timeout(20):
+            got = await follower.follow(stop, on_started, lease.pid)
+        server.done(lease)
+        return got
+
+    short = await server.fork(spec(tmp_path / "short", ["true"]))
+    await until(lambda: read_status(tmp_path / "short").exit is not None)
+    assert (await follow(tmp_path / "short", short)).state == "succeeded"
+    wait = f"while [ ! -e {tmp_path / 'go'} ]; do sleep 0.01; done"
+    waiting = await server.fork(spec(tmp_path / "waiting", ["sh", "-c", wait]))
+    assert (await follow(tmp_path / "waiting", waiting)).state == "succeeded"
+    assert told == [True, False]

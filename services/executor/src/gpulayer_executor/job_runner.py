@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -33,7 +33,7 @@ from gpulayer_executor.gang import LaunchRefused
 from gpulayer_executor.limits import JobLimits, NvidiaNodes, job_limits
 from gpulayer_executor.output import LogSink
 from gpulayer_executor.reporter import Reporter
-from gpulayer_executor.runner import SpawnError, StopRequest, run_process
+from gpulayer_executor.runner import OnStarted, SpawnError, StopRequest, run_process
 from gpulayer_executor.shim_client import Detached, Follower
 from gpulayer_executor.torchrun import RootCause
 from gpulayer_executor.users import run_as_for
@@ -63,7 +63,7 @@ class Launch(Protocol):
         stop: asyncio.Future[StopRequest],
         sink: LogSink,
         max_line_bytes: int,
-        on_started: Callable[[st.ProcessInfo], Awaitable[None]],
+        on_started: OnStarted,
         hierarchy: Hierarchy | None,
         limits: JobLimits | None,
     ) -> Awaitable[st.Outcome]: ...
@@ -347,14 +347,18 @@ class JobRunner:
                 extra=self._ctx(job.rec),
             )
 
-    def _on_started(self, job: Job) -> Callable[[st.ProcessInfo], Awaitable[None]]:
-        async def on_started(info: st.ProcessInfo) -> None:
+    def _on_started(self, job: Job) -> OnStarted:
+        async def on_started(info: st.ProcessInfo, ended: bool) -> None:
             job.started_ns = time.time_ns()
             await self._save(job, st.running(job.rec, info), durable=False)
             log.debug("job %s running as pid %s", job.rec.job_id, info.pid)
             # Whether "running" got out is not recorded: the report of a job's end supersedes
-            # it, and a repeat is dropped by its Nats-Msg-Id.
-            await self._reporter.report(job.rec)
+            # it, and a repeat is dropped by its Nats-Msg-Id. A job that has ended already
+            # (most short ones, at the first look) tells its user it ran; placement hears of
+            # it with the end, reported next (it takes an end of a job still placed), one
+            # message fewer. A rank's "running" always goes: its gang is decided from them.
+            tell_placement = not ended or job.rec.grant.gang is not None
+            await self._reporter.report(job.rec, to_placement=tell_placement)
 
         return on_started
 

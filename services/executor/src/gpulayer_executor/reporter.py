@@ -127,20 +127,24 @@ class Reporter:
         self._stopping = stopping
         self._publish_timeout_s = publish_timeout_s
 
-    async def report(self, rec: st.GrantRecord) -> bool:
+    async def report(self, rec: st.GrantRecord, *, to_placement: bool = True) -> bool:
         """Publish the record's state to placement and to the job's events. True when both
         were stored; False leaves the record unreported for the next start to retry.
 
         A grant's end event is named ``<grant>:end``, as placement names the ``lost`` of a job
         it gave up with its node: whichever is stored first is the job's one outcome (within
         the stream's duplicate window). An end placement was told of first (``told``) goes
-        to placement alone."""
+        to placement alone. ``to_placement=False``: to the job's events alone (a ``running``
+        placement learns from the end that follows)."""
         status, event = status_for(rec, self._node_id)
         msg_id = f"{rec.grant_id}:{status.state}"
+        event_id = msg_id if rec.outcome is None else end_msg_id(rec.grant_id)
+        if not to_placement:
+            subject = job_events(rec.job_id, event.owner)
+            return await self._publish(subject, encode(event), event_id)
         to_status = self._publish(node_status(self._node_id), encode(status), msg_id)
         if rec.outcome is not None and rec.outcome.told:
             return await to_status
-        event_id = msg_id if rec.outcome is None else end_msg_id(rec.grant_id)
         # Independent streams: both in flight at once, one round trip instead of two.
         to_placement, to_user = await asyncio.gather(
             to_status,

@@ -52,6 +52,11 @@ class StopRequest(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
 
 
+# Told the job's process once it runs, and whether the job has already ended by then (a short
+# job whose end was known at the first look: its "running" need not go to placement).
+OnStarted = Callable[[ProcessInfo, bool], Awaitable[None]]
+
+
 class SpawnError(RuntimeError):
     """The process could not be started (missing program, permission, bad argument)."""
 
@@ -314,7 +319,7 @@ async def run_process(
     stop: asyncio.Future[StopRequest],
     sink: LineSink,
     max_line_bytes: int,
-    on_started: Callable[[ProcessInfo], Awaitable[None]],
+    on_started: OnStarted,
     hierarchy: Hierarchy | None = None,
     limits: JobLimits | None = None,
 ) -> Outcome:
@@ -343,7 +348,7 @@ async def run_process(
             start_ticks=procs.start_ticks(proc.pid),
             boot_id=procs.boot_id(),
         )
-        await on_started(info)
+        await on_started(info, False)
         if refused is not None:
             outcome = await _end_refused(job, waiter, refused)
         else:

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import msgspec
@@ -26,7 +26,7 @@ from gpulayer_executor.container import ContainerRun
 from gpulayer_executor.env import RunAs
 from gpulayer_executor.limits import JobLimits
 from gpulayer_executor.output import LogSink, Stream
-from gpulayer_executor.runner import MARKER, SpawnError, StopRequest
+from gpulayer_executor.runner import MARKER, OnStarted, SpawnError, StopRequest
 from gpulayer_executor.shim import (
     OFFSET_FILE,
     OUTPUT_FILE,
@@ -38,7 +38,7 @@ from gpulayer_executor.shim import (
     write_atomic,
 )
 from gpulayer_executor.shim_pool import ForkServer
-from gpulayer_executor.state import Outcome, ProcessInfo
+from gpulayer_executor.state import Outcome
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ POLL_S = 0.2
 READ_CHUNK = 1 << 18
 # The shim's pokes: the job's process in ``status``, output written, its outcome in ``status``.
 _S, _O, _E = b"soe"
+_SE = frozenset(b"se")
 # A wake that came while the follower was not asleep (a stop requested while it awaited the
 # job's "running" report, which retries while NATS can't store it): the next sleep returns.
 _W = ord("w")
@@ -181,7 +182,7 @@ class Follower:
     async def follow(
         self,
         stop: asyncio.Future[StopRequest],
-        on_started: Callable[[ProcessInfo], Awaitable[None]] | None,
+        on_started: OnStarted | None,
         shim_pid: int | None,
     ) -> Outcome:
         """Until the job's end: its outcome. Raises Detached when ``stop`` asks for ``lost``
@@ -204,16 +205,17 @@ class Follower:
                         await self._detach()
                     self._send_stop(request, shim_pid)
                     stop_sent = True
-                if on_started is not None and _S in pokes:
-                    info = read_status(self.run).started
-                    if info is not None:
-                        await on_started(info)
-                        on_started = None
+                # Read once a turn: a short job's start and end are often both in it.
+                status = read_status(self.run) if pokes & _SE else None
+                if on_started is not None and status is not None and status.started:
+                    await on_started(status.started, status.exit is not None)
+                    on_started = None
                 if _O in pokes or not drained:
                     drained = self._pump()
                     self._record_offset()
                 if _E in pokes:
-                    outcome = read_status(self.run).exit
+                    assert status is not None
+                    outcome = status.exit
                     if outcome is not None:
                         await self._drain()
                         return outcome
@@ -299,7 +301,7 @@ class ShimLauncher:
         stop: asyncio.Future[StopRequest],
         sink: LogSink,
         max_line_bytes: int,
-        on_started: Callable[[ProcessInfo], Awaitable[None]],
+        on_started: OnStarted,
         hierarchy: Hierarchy | None,
         limits: JobLimits | None,
         container: ContainerRun | None = None,
