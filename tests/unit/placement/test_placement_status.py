@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 from typing import Any, cast
 
+import nats.errors
+import pytest
 from nats.aio.msg import Msg
 from tests.unit.placement.placement_fakes import FakeConn, FakePool, gpu_node
 
 from gpulayer_contracts import JobStatus, encode
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.settings import Settings
-from gpulayer_placement.status import ExecutorStatus
+from gpulayer_placement.status import ExecutorStatus, Hold
 from gpulayer_placement.wake import Wake
 
 
@@ -132,3 +134,29 @@ async def test_a_batch_with_an_end_in_it_is_applied_whole_in_one_transaction() -
     assert conn.names()[0] == "apply_status"
     assert "apply_running" not in conn.names()
     assert conn.calls[0][1][3] == ["running", "succeeded"]
+
+
+class _FailsOnce:
+    """A consume loop's source whose first fetch fails (a connection reconnecting), then finds
+    nothing."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def fetch(self, batch: int, timeout: float) -> list[Msg]:
+        self.calls += 1
+        if self.calls == 1:
+            raise nats.errors.ConnectionReconnectingError
+        raise TimeoutError
+
+
+async def test_what_a_hold_kept_stays_kept_when_a_fetch_fails() -> None:
+    """Nothing kept is lost with a failed fetch: the next fetch hands it out (the consume loop
+    logs the failure and fetches again)."""
+    hold = Hold(_FailsOnce(), hold_s=5.0)
+    kept = [report("n1", "running")]
+    hold.keep(cast(list[Msg], kept))
+    with pytest.raises(nats.errors.ConnectionReconnectingError):
+        await hold.fetch(8, timeout=1.0)
+    assert await hold.fetch(8, timeout=0.1) == kept
+    assert hold.may_keep()  # its hold (5 s) is not up: kept again if nothing else came
