@@ -49,7 +49,7 @@ POLL_S = 0.2
 READ_CHUNK = 1 << 18
 # The shim's pokes: the job's process in ``status``, output written, its outcome in ``status``.
 _S, _O, _E = b"soe"
-_SE = frozenset(b"se")
+_SE = frozenset((_S, _E))  # pokes after which ``status`` is read
 # A wake that came while the follower was not asleep (a stop requested while it awaited the
 # job's "running" report, which retries while NATS can't store it): the next sleep returns.
 _W = ord("w")
