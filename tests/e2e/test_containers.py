@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -30,7 +31,7 @@ from gpulayer_contracts.codec import event_decoder
 from gpulayer_contracts.subjects import JOB_WILDCARD_EVENTS
 from gpulayer_detection.containers import is_static_elf
 from gpulayer_executor import container as ctr
-from gpulayer_executor.container import LABEL_EXECUTOR, executor_label
+from gpulayer_executor.container import LABEL_EXECUTOR, container_name, executor_label
 from gpulayer_executor.shim import read_status
 from gpulayer_runtime.nats import ensure_streams
 
@@ -166,6 +167,15 @@ def _leftovers(label: str) -> list[str]:
     )
     assert done.returncode == 0, done.stderr
     return done.stdout.decode().split()
+
+
+def _monitors(name: str) -> list[psutil.Process]:
+    """The conmon processes still running container ``name``."""
+    return [
+        p
+        for p in psutil.process_iter(["name", "cmdline"])
+        if p.info["name"] == "conmon" and name in (p.info["cmdline"] or [])
+    ]
 
 
 @pytest.fixture
@@ -374,11 +384,20 @@ async def test_container_jobs_the_whole_way(
     assert len(runs) == 1, runs
     shim = read_status(runs[0]).shim
     assert shim is not None
+    label = executor_label((tmp_path / "work").resolve())
+    # The job's container (its run folder is named by its grant): killed once its monitor runs,
+    # so that there is a monitor whose end this step can check.
+    name = container_name((tmp_path / "work").resolve(), runs[0].name)
+    deadline = asyncio.get_running_loop().time() + 60
+    while not _monitors(name):  # a process's start: nothing to await
+        assert asyncio.get_running_loop().time() < deadline, f"no conmon for {name}"
+        await asyncio.sleep(0.05)
     os.kill(shim.pid, signal.SIGKILL)
     lost = await events.until(ids["shim"], TERMINAL)
     assert (events.types(ids["shim"])[-1], lost.reason) == ("lost", "the job's shim died")
 
     await sub.unsubscribe()
-    # Nothing of an ended job is left: no container of this executor's.
-    label = executor_label((tmp_path / "work").resolve())
+    # Nothing of an ended job is left: no container of this executor's, and no container
+    # monitor (with what runs under it) podman may have lost track of.
     assert _leftovers(label) == []
+    assert _monitors(name) == []

@@ -261,3 +261,18 @@ def test_a_container_job_without_podman_or_without_a_shim_fails_naming_why(
         tmp_path,
         {},
     ) == (["x"], {})
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["/usr/bin/conmon", "-c", "abc", "-n", "gpulayer-aa", "--exit-dir", "/x"], True),
+        (["/usr/bin/conmon", "--name=gpulayer-aa"], True),
+        (["/usr/bin/conmon", "-n", "gpulayer-aab"], False),  # another container
+        (["/usr/bin/conmon", "-c", "gpulayer-aa"], False),  # not its name
+        (["/usr/bin/conmon", "-n"], False),
+        ([], False),
+    ],
+)
+def test_a_monitor_is_found_by_the_containers_name_alone(argv: list[str], named: bool) -> None:
+    assert ctr._named(argv, "gpulayer-aa") is named

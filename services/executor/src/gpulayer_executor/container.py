@@ -11,7 +11,9 @@ name where the node's CDI spec names it, else the device nodes themselves.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
 import os
 import platform
 import resource
@@ -310,12 +312,49 @@ def never_pulled(image: str) -> ContainerError:
 
 def remove(podman: str, name: str, run: Runner = _run) -> str | None:
     """Remove the container (killed first if it still runs) and what podman mounted for it;
-    None once it is gone, else podman's error."""
+    None once it is gone, else podman's error. Then whatever still runs under that name outside
+    podman's records is killed (``kill_strays``)."""
     try:
         done = run([podman, "rm", "--force", "--ignore", "--time", "0", name], 60.0)
     except subprocess.TimeoutExpired:
         return "podman rm took over 60 s"
+    kill_strays(name)
     return None if done.returncode == 0 else _last_line(done.stderr) or str(done.returncode)
+
+
+def kill_strays(name: str) -> int:
+    """Kill the container monitor (``conmon``) that runs container ``name``, and every process
+    under it, whatever podman's records say; returns how many processes were killed. A
+    ``podman run`` killed after the runtime made the container but before podman recorded it
+    as made leaves its ``conmon`` and ``runc init`` running: ``podman rm`` then removes a
+    record of a container it believes never ran, and they wait on their start forever, outside
+    the job's cgroup. conmon is told the container's name (``-n``), unique per executor and
+    grant (``container_name``)."""
+    import psutil  # here: the shim imports this module, and most shims never remove
+
+    found: list[psutil.Process] = []
+    for proc in psutil.process_iter(["name"]):
+        if proc.info["name"] != "conmon":
+            continue
+        try:
+            argv = proc.cmdline()
+            if _named(argv, name):
+                found += [*proc.children(recursive=True), proc]
+        except psutil.Error:  # gone meanwhile, or not ours to read
+            continue
+    for proc in found:  # children first: reparented ones would be out of reach
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(found, timeout=5)
+    return len(found)
+
+
+def _named(argv: Sequence[str], name: str) -> bool:
+    """Whether conmon's ``argv`` names container ``name`` (``-n NAME`` or ``-n=NAME``). Pure."""
+    for flag, value in itertools.pairwise(argv):
+        if flag in ("-n", "--name") and value == name:
+            return True
+    return any(arg in (f"-n={name}", f"--name={name}") for arg in argv)
 
 
 def oom_killed(podman: str, name: str, run: Runner = _run) -> bool:

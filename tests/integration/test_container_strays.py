@@ -1,0 +1,100 @@
+"""What ``podman rm`` can't see is killed too: a container's ``conmon`` and ``runc init`` left by a
+``podman run`` killed after the runtime made the container and before podman recorded it (seen
+after the e2e step that SIGKILLs a container job's shim). Here the record-less state is stood
+in for by a removal that leaves the real processes alone: a container made and initialised by
+real podman (``podman create`` + ``podman init``: its conmon and a ``runc init`` waiting to
+start), removed through ``container.remove`` with a runner that does nothing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tarfile
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gpulayer_detection.containers import is_static_elf
+from gpulayer_executor import container as ctr
+
+PODMAN = shutil.which("podman")
+BUSYBOX = next(
+    (p for p in ("/bin/busybox", "/usr/bin/busybox") if os.path.exists(p) and is_static_elf(p)),
+    None,
+)
+
+pytestmark = pytest.mark.skipif(
+    PODMAN is None or shutil.which("runc") is None or BUSYBOX is None or os.geteuid() != 0,
+    reason="container jobs need root, podman, runc and a static busybox: "
+    "apt-get install podman runc busybox-static",
+)
+
+
+def _podman(*args: str) -> subprocess.CompletedProcess[str]:
+    assert PODMAN is not None
+    return subprocess.run(
+        [PODMAN, "--runtime", "runc", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.fixture
+def initialised(tmp_path: Path) -> Iterator[str]:
+    """A container made and initialised, never started: its name."""
+    assert BUSYBOX is not None
+    root = tmp_path / "rootfs"
+    (root / "bin").mkdir(parents=True)
+    shutil.copy(BUSYBOX, root / "bin" / "busybox")
+    tar = tmp_path / "rootfs.tar"
+    with tarfile.open(tar, "w") as t:
+        t.add(root, arcname=".")
+    image = f"localhost/gpulayer-test-{uuid.uuid4().hex[:12]}:1"
+    name = f"{ctr.NAME_PREFIX}{uuid.uuid4().hex}"
+    done = _podman("import", str(tar), image)
+    assert done.returncode == 0, done.stderr
+    try:
+        made = _podman(
+            "create", *ctr.machine_ulimits(), "--name", name, image, "/bin/busybox", "sleep", "600"
+        )
+        assert made.returncode == 0, made.stderr
+        done = _podman("init", name)
+        assert done.returncode == 0, done.stderr
+        yield name
+    finally:
+        _podman("rm", "--force", "--time", "0", name)
+        _podman("rmi", "--force", image)
+
+
+def _monitor(name: str) -> tuple[psutil.Process, list[psutil.Process]]:
+    """The conmon of container ``name`` and what runs under it."""
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        if proc.info["name"] == "conmon" and name in (proc.info["cmdline"] or []):
+            return proc, proc.children(recursive=True)
+    raise AssertionError(f"no conmon for {name}")
+
+
+def _forgotten(argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """podman's removal of a container it has no record of: it succeeds and kills nothing."""
+    return subprocess.CompletedProcess(list(argv), 0, "", "")
+
+
+def test_removal_kills_the_monitor_and_init_podman_forgot(initialised: str) -> None:
+    conmon, under = _monitor(initialised)
+    assert [p.cmdline()[1:] for p in under] == [["init"]], under  # runc init: waits to start
+    assert ctr.remove("podman", initialised, run=_forgotten) is None
+    gone, alive = psutil.wait_procs([conmon, *under], timeout=10)
+    assert alive == [], alive
+    assert len(gone) == 1 + len(under)
+
+
+def test_another_containers_monitor_is_left_alone(initialised: str) -> None:
+    conmon, under = _monitor(initialised)
+    other = f"{ctr.NAME_PREFIX}{uuid.uuid4().hex}"
+    assert ctr.kill_strays(other) == 0
+    assert conmon.is_running()
+    assert all(p.is_running() for p in under)
+    assert ctr.kill_strays(initialised) == 1 + len(under)
+    assert not conmon.is_running()
