@@ -44,6 +44,7 @@ from bench.figures import capability_ingest as ingest_figure
 from bench.fleet import FleetShape, cuda_job, encoded, fleet, gpu_jobs_for, job_mix
 from bench.harness import BenchError, Scenario, load_fleet, scenario
 from bench.peers import ray_figures
+from bench.quiet import SETTLED_ENV, settle
 from bench.report import Figure, Report, dump, judge, print_summary, unavailable
 from bench.strip_telemetry import stripped_placement
 from gpulayer_contracts import JobRequest, WorkerCapabilities
@@ -805,6 +806,8 @@ def machine() -> str:
 
 async def amain(args: argparse.Namespace) -> list[Figure]:
     sizes = Sizes.big() if args.full else Sizes.quick()
+    if not os.environ.get(SETTLED_ENV):  # make bench-ab settles before each run itself
+        settle()  # what was removed just before written back (bench/quiet.py)
     root = Path(tempfile.mkdtemp(prefix="gpulayer-bench-"))
     started = time.perf_counter()
     pg = EmbeddedPostgres(root / "pg", fast=args.fast_pg)

@@ -33,6 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.figures import REPO
+from bench.quiet import SETTLED_ENV, settle
 from bench.report import fmt, load
 
 Side = Literal["base", "head"]
@@ -267,6 +268,7 @@ def _clean_env() -> dict[str, str]:
     each side runs its own code from its own venv."""
     env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "VIRTUAL_ENV"}}
     env["PYTHONUNBUFFERED"] = "1"
+    env[SETTLED_ENV] = "1"  # settled before each run here (main)
     env.setdefault("UV_PYTHON_DOWNLOADS", "never")
     return env
 
@@ -434,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         if not pl.groups:
             continue
         label = f"{side} {i + 1}/{args.pairs}"
+        settle()  # the run before's removal of its folders written back (bench/quiet.py)
         print(f"# {label}: {' '.join(pl.groups)} ({time.monotonic() - started:.0f}s)", flush=True)
         readings, rc = run_once(pl, label, logs / f"{side}-{i + 1}.log")
         runs[side].append(readings)
