@@ -7,31 +7,20 @@ start), removed through ``container.remove`` with a runner that does nothing."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import tarfile
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import psutil
 import pytest
+from bench.containers import BUSYBOX, bench_image, missing
 
-from gpulayer_detection.containers import is_static_elf
 from gpulayer_executor import container as ctr
 
 PODMAN = shutil.which("podman")
-BUSYBOX = next(
-    (p for p in ("/bin/busybox", "/usr/bin/busybox") if os.path.exists(p) and is_static_elf(p)),
-    None,
-)
-
-pytestmark = pytest.mark.skipif(
-    PODMAN is None or shutil.which("runc") is None or BUSYBOX is None or os.geteuid() != 0,
-    reason="container jobs need root, podman, runc and a static busybox: "
-    "apt-get install podman runc busybox-static",
-)
+pytestmark = pytest.mark.skipif(missing() is not None, reason=str(missing()))
 
 
 def _podman(*args: str) -> subprocess.CompletedProcess[str]:
@@ -44,28 +33,18 @@ def _podman(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture
 def initialised(tmp_path: Path) -> Iterator[str]:
     """A container made and initialised, never started: its name."""
-    assert BUSYBOX is not None
-    root = tmp_path / "rootfs"
-    (root / "bin").mkdir(parents=True)
-    shutil.copy(BUSYBOX, root / "bin" / "busybox")
-    tar = tmp_path / "rootfs.tar"
-    with tarfile.open(tar, "w") as t:
-        t.add(root, arcname=".")
-    image = f"localhost/gpulayer-test-{uuid.uuid4().hex[:12]}:1"
     name = f"{ctr.NAME_PREFIX}{uuid.uuid4().hex}"
-    done = _podman("import", str(tar), image)
-    assert done.returncode == 0, done.stderr
-    try:
-        made = _podman(
-            "create", *ctr.machine_ulimits(), "--name", name, image, "/bin/busybox", "sleep", "600"
-        )
-        assert made.returncode == 0, made.stderr
-        done = _podman("init", name)
-        assert done.returncode == 0, done.stderr
-        yield name
-    finally:
-        _podman("rm", "--force", "--time", "0", name)
-        _podman("rmi", "--force", image)
+    with bench_image(tmp_path) as image:
+        try:
+            made = _podman(
+                "create", *ctr.machine_ulimits(), "--name", name, image, BUSYBOX, "sleep", "600"
+            )
+            assert made.returncode == 0, made.stderr
+            done = _podman("init", name)
+            assert done.returncode == 0, done.stderr
+            yield name
+        finally:
+            _podman("rm", "--force", "--time", "0", name)
 
 
 def _monitor(name: str) -> tuple[psutil.Process, list[psutil.Process]]:
