@@ -69,6 +69,18 @@ def test_removal_kills_the_monitor_and_init_podman_forgot(initialised: str) -> N
     assert len(gone) == 1 + len(under)
 
 
+def _hung(argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """A podman that doesn't return (``run`` gave up on it after its timeout)."""
+    raise subprocess.TimeoutExpired(list(argv), timeout)
+
+
+def test_a_hung_podman_rm_still_leaves_nothing_running(initialised: str) -> None:
+    conmon, under = _monitor(initialised)
+    assert ctr.remove("podman", initialised, run=_hung) == "podman rm took over 60 s"
+    _, alive = psutil.wait_procs([conmon, *under], timeout=10)
+    assert alive == [], alive
+
+
 def test_another_containers_monitor_is_left_alone(initialised: str) -> None:
     conmon, under = _monitor(initialised)
     other = f"{ctr.NAME_PREFIX}{uuid.uuid4().hex}"

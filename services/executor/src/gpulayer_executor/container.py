@@ -313,13 +313,15 @@ def never_pulled(image: str) -> ContainerError:
 def remove(podman: str, name: str, run: Runner = _run) -> str | None:
     """Remove the container (killed first if it still runs) and what podman mounted for it;
     None once it is gone, else podman's error. Then whatever still runs under that name outside
-    podman's records is killed (``kill_strays``)."""
+    podman's records is killed (``kill_strays``), also when podman failed or hung."""
     try:
         done = run([podman, "rm", "--force", "--ignore", "--time", "0", name], 60.0)
     except subprocess.TimeoutExpired:
-        return "podman rm took over 60 s"
+        error: str | None = "podman rm took over 60 s"
+    else:
+        error = None if done.returncode == 0 else _last_line(done.stderr) or str(done.returncode)
     kill_strays(name)
-    return None if done.returncode == 0 else _last_line(done.stderr) or str(done.returncode)
+    return error
 
 
 def kill_strays(name: str) -> int:
@@ -350,7 +352,8 @@ def kill_strays(name: str) -> int:
 
 
 def _named(argv: Sequence[str], name: str) -> bool:
-    """Whether conmon's ``argv`` names container ``name`` (``-n NAME`` or ``-n=NAME``). Pure."""
+    """Whether conmon's ``argv`` names container ``name`` (``-n``/``--name``, the value apart or
+    after ``=``). Pure."""
     for flag, value in itertools.pairwise(argv):
         if flag in ("-n", "--name") and value == name:
             return True
