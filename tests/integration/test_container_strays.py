@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import tempfile
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -79,6 +81,35 @@ def test_a_hung_podman_rm_still_leaves_nothing_running(initialised: str) -> None
     assert ctr.remove("podman", initialised, run=_hung) == "podman rm took over 60 s"
     _, alive = psutil.wait_procs([conmon, *under], timeout=10)
     assert alive == [], alive
+
+
+def test_a_conmon_of_another_user_is_never_killed() -> None:
+    # Any user can name a process conmon and give it a container's name: it is not ours. A
+    # script's process is named after the script.
+    name = f"{ctr.NAME_PREFIX}{uuid.uuid4().hex}"
+    folder = Path(tempfile.mkdtemp(prefix="gpulayer-strays-"))
+    try:
+        folder.chmod(0o755)
+        fake = folder / "conmon"
+        fake.write_text("#!/bin/sh\nsleep 600\n")
+        fake.chmod(0o755)
+        proc = subprocess.Popen([str(fake), "-n", name], user=65534)  # nobody
+        try:
+            p = psutil.Process(proc.pid)
+            deadline = time.monotonic() + 10
+            while p.name() != "conmon":  # until the exec: nothing to await
+                assert time.monotonic() < deadline, p.name()
+                time.sleep(0.01)
+            assert ctr._named(p.cmdline(), name)
+            assert ctr.kill_strays(name) == 0
+            assert proc.poll() is None
+        finally:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+            proc.wait()
+    finally:
+        shutil.rmtree(folder)
 
 
 def test_another_containers_monitor_is_left_alone(initialised: str) -> None:

@@ -331,12 +331,15 @@ def kill_strays(name: str) -> int:
     as made leaves its ``conmon`` and ``runc init`` running: ``podman rm`` then removes a
     record of a container it believes never ran, and they wait on their start forever, outside
     the job's cgroup. conmon is told the container's name (``-n``), unique per executor and
-    grant (``container_name``)."""
+    grant (``container_name``). Only a ``conmon`` of this process's own user counts (podman
+    runs as it): any user can name a process ``conmon`` and give it that argv."""
     import psutil  # here: the shim imports this module, and most shims never remove
 
     found: list[psutil.Process] = []
-    for proc in psutil.process_iter(["name"]):
-        if proc.info["name"] != "conmon":
+    me = os.getuid()
+    for proc in psutil.process_iter(["name", "uids"]):
+        uids = proc.info["uids"]
+        if proc.info["name"] != "conmon" or uids is None or uids.real != me:
             continue
         try:
             argv = proc.cmdline()
