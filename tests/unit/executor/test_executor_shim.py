@@ -510,6 +510,7 @@ async def test_the_follower_says_whether_the_job_had_ended_when_it_saw_it_start(
     short = await server.fork(spec(tmp_path / "short", ["true"]))
     await until(lambda: read_status(tmp_path / "short").exit is not None)
     assert (await follow(tmp_path / "short", short)).state == "succeeded"
+    (tmp_path / "go").unlink()  # the short job's look made it: the next job must wait for its own
     wait = f"while [ ! -e {tmp_path / 'go'} ]; do sleep 0.01; done"
     waiting = await server.fork(spec(tmp_path / "waiting", ["sh", "-c", wait]))
     assert (await follow(tmp_path / "waiting", waiting)).state == "succeeded"
