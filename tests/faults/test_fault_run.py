@@ -21,7 +21,9 @@ faults`` shows them) and written to ``fault-run.txt`` in the test's folder. No n
 for good, so no job may be ``lost``, but those placed on the cut node: placement gives them up
 at the node timeout (``lost``, counted apart), and what they held there stays fenced until the
 node's executor, back, has stopped them and said so (docs/operations.md, "A node cut off"):
-no device used twice, even by a job that ran on unseen. At the end no fence is left.
+no device used twice, even by a job that ran on unseen. At the end no fence is left, and what
+nodes and owners were counted as using always summed what their jobs held
+(``tests/faults/holds.py``, looked at each second and at the end).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from tests.faults import netns
 from tests.faults.fault_checker import check, read_markers
+from tests.faults.holds import HoldsWatch
 from tests.helpers import Services, service_env
 
 from gpulayer_cli.client import ApiFailed, api
@@ -245,7 +248,7 @@ async def test_fault_run(
     try:
         js = nc.jetstream()
         await declare_streams(js)
-        async with Services() as services:
+        async with Services() as services, HoldsWatch(db) as holds:
             stack = Stack(services, nats_cluster.url, db, tmp_path, cut_off)
             for key in stack.envs:
                 await stack.start(key)
@@ -255,6 +258,11 @@ async def test_fault_run(
             for key, proc in services.procs.items():
                 assert proc.returncode is None, f"{key} exited with {proc.returncode}"
             fences = await until_no_fence(db)
+            conn = await asyncpg.connect(db)
+            try:
+                await holds.look(conn)  # every job ended: nothing may be held or counted
+            finally:
+                await conn.close()
         node_of = {str(tmp_path / node): node for node in stack.nodes}
         cut = frozenset({CUT_NODE} if cut_off is not None else ())
         counts = check(
@@ -274,6 +282,14 @@ async def test_fault_run(
         assert counts.wrong_outcome == 0, (line, counts.problems[:20])
         # Every fence was lifted: the cut node's executor reported each grant it was given.
         assert fences == [], fences
+        # What nodes and owners were counted as using was what their jobs held, in each look
+        # during the faults and after them (tests/faults/holds.py).
+        print(
+            f"fault run: {holds.looks} looks at the holds, at most {holds.most_held} devices held"
+        )
+        assert holds.looks > 10, holds.looks
+        assert holds.most_held > 0, holds.most_held  # it looked while jobs held devices
+        assert holds.problems == [], holds.problems[:20]
     finally:
         await nc.close()
         pg.stop()
