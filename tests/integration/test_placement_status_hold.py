@@ -49,7 +49,9 @@ async def test_a_kept_batch_comes_back_first_with_what_arrived_and_no_later_than
     stream, prefix = await _consumer(nc)
     js = nc.jetstream()
     puller = Puller(await js.pull_subscribe_bind("c", stream=stream))
-    hold = Hold(puller, hold_s=0.5)
+    # Long enough that the second publish lands within it on a loaded machine; the last step
+    # waits it out once.
+    hold = Hold(puller, hold_s=2.0)
     try:
         await js.publish(prefix, b"first")
         first = await hold.fetch(16, timeout=5)
@@ -207,7 +209,8 @@ async def test_a_running_report_and_the_end_behind_it_are_applied_as_one(
     nc: Client, pool: asyncpg.Pool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     running, end = await _reports(nc, "running", "succeeded")
-    ran = await _run(pool, [[running], [end]], 0.5, "succeeded", monkeypatch)
+    # The end is handed out at once: the hold only bounds it (a stalled loop can't outlast it).
+    ran = await _run(pool, [[running], [end]], 10.0, "succeeded", monkeypatch)
     assert "apply_running" not in ran
     assert ran.count("apply_status") == 1
     assert await _state(pool) == "succeeded"
