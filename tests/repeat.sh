@@ -2,14 +2,31 @@
 # The flake hunt (`make test-repeat N=5`): `make test` N times, one after the other, on a fresh
 # clone of this checkout's HEAD (what is committed: a clean clone, as CI has). Prints each run's
 # exit status, time and pytest summary, and every failing test by name; exits 1 unless all N
-# were green. The logs stay in the folder it names.
+# were green. The logs stay in the folder it names. BUSY=K (`make test-repeat N=3 BUSY=1`)
+# keeps K cores busy with a spinning shell for the runs: a loaded CI machine's timing, where a
+# test that leans on a short wait fails.
 set -uo pipefail
 n=${1:-5}
+busy=${BUSY:-0}
 case $n in '' | *[!0-9]* | 0) echo "N must be a whole number of runs, 1 or more (got '$n')" >&2; exit 2 ;; esac
+case $busy in '' | *[!0-9]*) echo "BUSY must be a whole number of cores, 0 or more (got '$busy')" >&2; exit 2 ;; esac
 root=$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)
 work=$(mktemp -d "${TMPDIR:-/tmp}/gpulayer-repeat.XXXXXX")
 git clone -q "$root" "$work/clone" || exit 2
-echo "test-repeat: $n runs of make test on a clone of $(git -C "$root" rev-parse --short HEAD) in $work"
+busy_note=""
+[ "$busy" -gt 0 ] && busy_note=", $busy core(s) kept busy"
+echo "test-repeat: $n runs of make test on a clone of $(git -C "$root" rev-parse --short HEAD) in $work$busy_note"
+spinners=()
+stop_spinners() {
+    [ ${#spinners[@]} -eq 0 ] && return
+    kill "${spinners[@]}" 2>/dev/null
+    wait "${spinners[@]}" 2>/dev/null # gone when the script is
+}
+trap stop_spinners EXIT
+for _ in $(seq 1 "$busy"); do
+    sh -c 'while :; do :; done' &
+    spinners+=($!)
+done
 green=0
 for i in $(seq 1 "$n"); do
     start=$(date +%s)

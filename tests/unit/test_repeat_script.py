@@ -1,0 +1,83 @@
+"""tests/repeat.sh (`make test-repeat`), with a stand-in `make` first on PATH that reports what
+it saw instead of running the suite: each run counted, a failing test named, and with
+``BUSY=1`` a spinning core while the runs go and none left after."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+SPINNER = ["sh", "-c", "while :; do :; done"]
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "repeat.sh"
+
+# What pytest prints at the end of a run; and, in LOG, how many spinners the repeat.sh that ran
+# it has while it runs (its children: found up the chain of parents, not the whole machine's).
+FAKE_MAKE = f"""#!{sys.executable}
+import os, sys, psutil
+me = psutil.Process()
+script = next(p for p in me.parents() if any(a.endswith("tests/repeat.sh") for a in p.cmdline()))
+spinning = [c for c in script.children() if c.cmdline() == {SPINNER!r}]
+with open(os.environ["LOG"], "a") as log:
+    log.write(f"spinners: {{len(spinning)}}\\n")
+if os.path.exists(os.environ["FAIL"]):
+    print("FAILED tests/unit/test_x.py::test_y - assert 1 == 2")
+    print("1 failed, 9 passed in 1.00s")
+    sys.exit(1)
+print("10 passed in 1.00s")
+"""
+
+
+def _run(tmp_path: Path, n: str, busy: str, fail: bool = False) -> subprocess.CompletedProcess[str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    make = bin_dir / "make"
+    make.write_text(FAKE_MAKE)
+    make.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", BUSY=busy, TMPDIR=str(tmp_path))
+    env["LOG"] = str(tmp_path / "seen.log")
+    env["FAIL"] = str(tmp_path / "fail")
+    if fail:
+        (tmp_path / "fail").touch()
+    return subprocess.run(
+        ["bash", str(SCRIPT), n], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def _spinners() -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if proc.info["cmdline"] == SPINNER:
+            found.append(proc)
+    return found
+
+
+def test_busy_keeps_a_core_spinning_during_the_runs_and_stops_it_after(tmp_path: Path) -> None:
+    before = {p.pid for p in _spinners()}
+    got = _run(tmp_path, "2", "1")
+    assert got.returncode == 0, got.stderr
+    assert ", 1 core(s) kept busy" in got.stdout
+    assert "test-repeat: 2 of 2 runs green" in got.stdout
+    assert (tmp_path / "seen.log").read_text().splitlines() == ["spinners: 1", "spinners: 1"]
+    assert {p.pid for p in _spinners()} - before == set()  # none left behind
+
+
+def test_without_busy_nothing_spins_and_a_failure_is_named(tmp_path: Path) -> None:
+    got = _run(tmp_path, "1", "0", fail=True)
+    assert got.returncode == 1
+    assert "kept busy" not in got.stdout
+    assert "FAILED tests/unit/test_x.py::test_y" in got.stdout
+    assert "test-repeat: 0 of 1 runs green" in got.stdout
+    assert (tmp_path / "seen.log").read_text().splitlines() == ["spinners: 0"]
+
+
+@pytest.mark.parametrize(("n", "busy", "says"), [("0", "0", "N must"), ("2", "-1", "BUSY must")])
+def test_bad_counts_are_refused_naming_which(tmp_path: Path, n: str, busy: str, says: str) -> None:
+    got = _run(tmp_path, n, busy)
+    assert got.returncode == 2
+    assert says in got.stderr
