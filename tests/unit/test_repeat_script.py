@@ -76,7 +76,15 @@ def test_without_busy_nothing_spins_and_a_failure_is_named(tmp_path: Path) -> No
     assert (tmp_path / "seen.log").read_text().splitlines() == ["spinners: 0"]
 
 
-@pytest.mark.parametrize(("n", "busy", "says"), [("0", "0", "N must"), ("2", "-1", "BUSY must")])
+@pytest.mark.parametrize(
+    ("n", "busy", "says"),
+    [
+        ("0", "0", "N must"),
+        ("2", "-1", "BUSY must"),
+        ("2", str(len(os.sched_getaffinity(0)) + 1), "BUSY must"),  # more than the cores (nproc)
+        ("2", "9" * 40, "BUSY must"),  # past what the shell's numbers hold
+    ],
+)
 def test_bad_counts_are_refused_naming_which(tmp_path: Path, n: str, busy: str, says: str) -> None:
     got = _run(tmp_path, n, busy)
     assert got.returncode == 2
