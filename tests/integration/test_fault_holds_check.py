@@ -3,6 +3,8 @@ finds nothing in a consistent state, and names each kind of drift it exists to f
 
 from __future__ import annotations
 
+import asyncio
+
 import asyncpg
 import pytest
 from tests.faults.holds import HoldsWatch, drift
@@ -60,3 +62,22 @@ async def test_the_holds_check_names_each_count_that_is_not_what_its_jobs_hold(
         assert len(watch.problems) == 3
     finally:
         await conn.close()
+
+
+async def test_a_watch_that_died_says_why_when_it_is_left(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure the watch doesn't pass over (not PostgreSQL away) ends it; leaving the block
+    raises it rather than passing with the looks it made before."""
+
+    async def broken(self: HoldsWatch, conn: asyncpg.Connection) -> None:
+        raise ValueError("the check itself is broken")
+
+    async def watch_until_it_ends() -> None:
+        async with HoldsWatch(database_url, every_s=0.01) as watch:
+            assert watch._task is not None
+            await asyncio.wait([watch._task])  # it ends by itself
+
+    monkeypatch.setattr(HoldsWatch, "look", broken)
+    with pytest.raises(ValueError, match="the check itself is broken"):
+        await watch_until_it_ends()
