@@ -9,7 +9,7 @@ set -uo pipefail
 n=${1:-5}
 busy=${BUSY:-0}
 case $n in '' | *[!0-9]* | 0) echo "N must be a whole number of runs, 1 or more (got '$n')" >&2; exit 2 ;; esac
-cores=$(nproc)
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) # the cores it may run on
 case $busy in '' | *[!0-9]*) echo "BUSY must be a whole number of cores, 0 to $cores (got '$busy')" >&2; exit 2 ;; esac
 [ "${#busy}" -le 4 ] && [ "$busy" -le "$cores" ] || { echo "BUSY must be a whole number of cores, 0 to $cores (got '$busy')" >&2; exit 2; }
 root=$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)
