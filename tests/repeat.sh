@@ -25,6 +25,9 @@ stop_spinners() {
     wait "${spinners[@]}" 2>/dev/null # gone when the script is
 }
 trap stop_spinners EXIT
+# Ctrl-C (or a TERM) ends the hunt, not only the run it hit: pytest takes the SIGINT and exits
+# 2, which the loop would take for a failed run and go on to the next.
+trap 'echo "test-repeat: stopped (logs: $work)" >&2; exit 130' INT TERM
 for _ in $(seq 1 "$busy"); do
     sh -c 'while :; do :; done' &
     spinners+=($!)

@@ -5,8 +5,10 @@ it saw instead of running the suite: each run counted, a failing test named, and
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -25,6 +27,12 @@ script = next(p for p in me.parents() if any(a.endswith("tests/repeat.sh") for a
 spinning = [c for c in script.children() if c.cmdline() == {SPINNER!r}]
 with open(os.environ["LOG"], "a") as log:
     log.write(f"spinners: {{len(spinning)}}\\n")
+if os.path.exists(os.environ["SLOW"]):
+    import time
+    try:  # as pytest does: a Ctrl-C ends the run with exit status 2, not by the signal
+        time.sleep(60)
+    except KeyboardInterrupt:
+        sys.exit(2)
 if os.path.exists(os.environ["FAIL"]):
     print("FAILED tests/unit/test_x.py::test_y - assert 1 == 2")
     print("1 failed, 9 passed in 1.00s")
@@ -33,15 +41,20 @@ print("10 passed in 1.00s")
 """
 
 
-def _run(tmp_path: Path, n: str, busy: str, fail: bool = False) -> subprocess.CompletedProcess[str]:
+def _env(tmp_path: Path, busy: str) -> dict[str, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     make = bin_dir / "make"
     make.write_text(FAKE_MAKE)
     make.chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", BUSY=busy, TMPDIR=str(tmp_path))
-    env["LOG"] = str(tmp_path / "seen.log")
-    env["FAIL"] = str(tmp_path / "fail")
+    env.update(LOG=str(tmp_path / "seen.log"), FAIL=str(tmp_path / "fail"))
+    env["SLOW"] = str(tmp_path / "slow")
+    return env
+
+
+def _run(tmp_path: Path, n: str, busy: str, fail: bool = False) -> subprocess.CompletedProcess[str]:
+    env = _env(tmp_path, busy)
     if fail:
         (tmp_path / "fail").touch()
     return subprocess.run(
@@ -89,3 +102,44 @@ def test_bad_counts_are_refused_naming_which(tmp_path: Path, n: str, busy: str, 
     got = _run(tmp_path, n, busy)
     assert got.returncode == 2
     assert says in got.stderr
+
+
+def test_ctrl_c_ends_the_hunt_not_only_its_run_and_stops_the_spinners(tmp_path: Path) -> None:
+    """A terminal's Ctrl-C (SIGINT to the whole process group) while a run goes: pytest exits 2
+    from it, and the script stops there instead of going on to its next run."""
+    env = _env(tmp_path, "1")
+    (tmp_path / "slow").touch()
+    # SIGINT as a terminal leaves it (a test runner may have it ignored, which exec keeps).
+    reset = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL);"
+        " os.execvp('bash', ['bash', *sys.argv[1:]])"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", reset, str(SCRIPT), "3"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        log = tmp_path / "seen.log"
+        for _ in range(600):  # until the first run has started (its make wrote its line)
+            if log.exists() and log.read_text().endswith("\n"):
+                break
+            if proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert log.read_text() == "spinners: 1\n"
+        spinners = [c for c in psutil.Process(proc.pid).children() if c.cmdline() == SPINNER]
+        assert len(spinners) == 1
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130
+    assert "test-repeat: stopped" in err
+    assert log.read_text() == "spinners: 1\n"  # no second run
+    assert not any(s.is_running() and s.status() != psutil.STATUS_ZOMBIE for s in spinners)
