@@ -27,12 +27,17 @@ script = next(p for p in me.parents() if any(a.endswith("tests/repeat.sh") for a
 spinning = [c for c in script.children() if c.cmdline() == {SPINNER!r}]
 with open(os.environ["LOG"], "a") as log:
     log.write(f"spinners: {{len(spinning)}}\\n")
-if os.path.exists(os.environ["SLOW"]):
+if os.path.exists(os.environ["SLOW"]):  # this run waits until the test lets it go on
     import time
+    release = os.environ["SLOW"] + ".release"
     try:  # as pytest does: a Ctrl-C ends the run with exit status 2, not by the signal
-        time.sleep(60)
+        for _ in range(3000):
+            if os.path.exists(release):
+                break
+            time.sleep(0.02)
     except KeyboardInterrupt:
         sys.exit(2)
+    os.remove(os.environ["SLOW"])
 if os.path.exists(os.environ["FAIL"]):
     print("FAILED tests/unit/test_x.py::test_y - assert 1 == 2")
     print("1 failed, 9 passed in 1.00s")
@@ -51,6 +56,14 @@ def _env(tmp_path: Path, busy: str) -> dict[str, str]:
     env.update(LOG=str(tmp_path / "seen.log"), FAIL=str(tmp_path / "fail"))
     env["SLOW"] = str(tmp_path / "slow")
     return env
+
+
+def _until_first_run(log: Path, proc: subprocess.Popen[str]) -> None:
+    """Until the first run's make has written its line (or the script ended)."""
+    for _ in range(600):
+        if (log.exists() and log.read_text().endswith("\n")) or proc.poll() is not None:
+            return
+        time.sleep(0.05)
 
 
 def _run(tmp_path: Path, n: str, busy: str, fail: bool = False) -> subprocess.CompletedProcess[str]:
@@ -124,12 +137,7 @@ def test_ctrl_c_ends_the_hunt_not_only_its_run_and_stops_the_spinners(tmp_path: 
     )
     try:
         log = tmp_path / "seen.log"
-        for _ in range(600):  # until the first run has started (its make wrote its line)
-            if log.exists() and log.read_text().endswith("\n"):
-                break
-            if proc.poll() is not None:
-                break
-            time.sleep(0.05)
+        _until_first_run(log, proc)
         assert log.read_text() == "spinners: 1\n"
         spinners = [c for c in psutil.Process(proc.pid).children() if c.cmdline() == SPINNER]
         assert len(spinners) == 1
@@ -143,3 +151,36 @@ def test_ctrl_c_ends_the_hunt_not_only_its_run_and_stops_the_spinners(tmp_path: 
     assert "test-repeat: stopped" in err
     assert log.read_text() == "spinners: 1\n"  # no second run
     assert not any(s.is_running() and s.status() != psutil.STATUS_ZOMBIE for s in spinners)
+
+
+def test_an_edit_of_the_script_during_a_hunt_changes_nothing_it_runs(tmp_path: Path) -> None:
+    """A hunt runs for half an hour from the working tree, where work goes on: bash reads a
+    script as it runs it, so an edit used to land in the middle of the running loop (a syntax
+    error, seen). Here a copy of the script, in a repository of its own, is rewritten while its
+    first run goes: both runs still finish, and nothing of the new text runs."""
+    repo = tmp_path / "repo"
+    (repo / "tests").mkdir(parents=True)
+    copy = repo / "tests" / "repeat.sh"
+    copy.write_bytes(SCRIPT.read_bytes())
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "script"], check=True)
+    env = _env(tmp_path, "0")
+    (tmp_path / "slow").touch()
+    proc = subprocess.Popen(
+        ["bash", str(copy), "2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _until_first_run(tmp_path / "seen.log", proc)
+        assert proc.poll() is None
+        copy.write_text("echo EDITED; exit 99\n" * 200 + SCRIPT.read_text())
+        (tmp_path / "slow.release").touch()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "EDITED" not in out + err
+    assert proc.returncode == 0, (out, err)
+    assert "test-repeat: 2 of 2 runs green" in out
