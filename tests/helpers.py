@@ -70,6 +70,17 @@ TEST_SIGNER = Signer(TEST_KEY)
 TEST_PUBLIC_KEYS = (TEST_SIGNER.public_key,)
 
 
+async def subscribed(nc: Client) -> None:
+    """Until the server has every subscription ``nc`` made so far. nats-py's ``flush()`` (2.16)
+    writes its PING to the socket at once, while a SUB just made waits in the client's buffer
+    for its flusher task: the PONG can come back before the server has the SUB, and a message
+    another connection publishes then reaches no one (5 in 80 here with both cores busy). A
+    second flush's PING goes after that SUB, which the first flush's wait let the flusher
+    write (0 in 80)."""
+    await nc.flush()
+    await nc.flush()
+
+
 def signing_env(folder: Path) -> dict[str, str]:
     """The signing settings of placement and executor processes: the test key's seed file
     (written under ``folder`` once) and its public key."""

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from tests.helpers import Services, gpulayer, service_env
+from tests.helpers import Services, gpulayer, service_env, subscribed
 from tests.workload import ALL_REDUCE, Workload, all_reduce_sum
 
 from gpulayer_contracts.codec import event_decoder
@@ -114,7 +114,7 @@ async def run_job(
     events = Events({job_id, rank_job_id(job_id, 0), rank_job_id(job_id, 1)})
     sub = await nc.subscribe(JOB_WILDCARD_EVENTS, cb=events.cb)
     try:
-        await nc.flush()
+        await subscribed(nc)
         code, out, err = await gpulayer("submit", str(path), "--wait", env=stack.env, timeout=600)
         await asyncio.wait_for(events.done.wait(), 120)  # the ranks' own ends too
     finally:

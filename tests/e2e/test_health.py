@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from tests.helpers import Services, gpulayer, service_env
+from tests.helpers import Services, gpulayer, service_env, subscribed
 
 from gpulayer_contracts import JobEvent
 from gpulayer_contracts.codec import event_decoder
@@ -87,7 +87,7 @@ async def until(check: Callable[[], Any], timeout: float = 60) -> Any:
 async def events(nc: Client) -> AsyncIterator[Events]:
     ev = Events()
     sub = await nc.subscribe(JOB_WILDCARD_EVENTS, cb=ev.cb)
-    await nc.flush()
+    await subscribed(nc)
     yield ev
     await sub.unsubscribe()
 
@@ -118,7 +118,7 @@ async def start_node(
     )
     published: asyncio.Queue[Msg] = asyncio.Queue()
     sub = await nc.subscribe(node_capabilities(node), cb=published.put)
-    await nc.flush()
+    await subscribed(nc)
     for name in ("gpulayer-placement", "gpulayer-executor", "gpulayer-probe"):
         await services.start(name, env, tmp_path / f"{name}.log")
     await asyncio.wait_for(published.get(), 60)  # the probe is up (and answers the doctor)
@@ -299,7 +299,7 @@ async def test_a_node_with_device_files_but_no_driver_is_undetected(
     )  # fmt: skip
     published: asyncio.Queue[Msg] = asyncio.Queue()
     sub = await nc.subscribe(node_capabilities("undetected-node"), cb=published.put)
-    await nc.flush()
+    await subscribed(nc)
     async with Services() as services:
         await services.start("gpulayer-probe", env, tmp_path / "probe.log")
         await asyncio.wait_for(published.get(), 60)  # the probe is up

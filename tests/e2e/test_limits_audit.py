@@ -24,7 +24,7 @@ import asyncpg
 import msgspec
 import pytest
 from nats.aio.client import Client
-from tests.helpers import Services, gpulayer, service_env
+from tests.helpers import Services, gpulayer, service_env, subscribed
 
 from gpulayer_cli.audit_cmd import Query, read_audit
 from gpulayer_cli.client import ApiFailed, api, follow_events, submit
@@ -143,7 +143,7 @@ async def test_a_flood_from_one_owner_does_not_hold_back_another(stack: Stack) -
 
         # The flooder may read its own jobs' events: subscribed before the first submit.
         await mallory.subscribe("gpulayer.job.mallory.*.events", cb=on_event)
-        await mallory.flush()
+        await subscribed(mallory)
         js = mallory.jetstream()
         subject = jobs_submit("mallory")
         acks = [

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from tests.helpers import subscribed
 
 from gpulayer_contracts.codec import capabilities_decoder, heartbeat_decoder
 from gpulayer_contracts.subjects import node_capabilities, node_heartbeat
@@ -39,7 +40,7 @@ async def test_console_script_publishes_and_stops_cleanly(
     await ensure_streams(nc.jetstream())
     await nc.subscribe(node_capabilities(node), cb=caps_q.put)
     await nc.subscribe(node_heartbeat(node), cb=beats_q.put)
-    await nc.flush()
+    await subscribed(nc)
     env = {
         **os.environ,
         "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",

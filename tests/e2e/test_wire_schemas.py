@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from tests.helpers import Services, bin_path, gpulayer, service_env
+from tests.helpers import Services, bin_path, gpulayer, service_env, subscribed
 
 from gpulayer_cli.client import api
 from gpulayer_contracts import WIRE_SCHEMAS, schema_for_subject
@@ -74,7 +74,7 @@ async def wire(nats_url: str, database_url: str, tmp_path: Path, nc: Client) -> 
     wire = Wire()
     # Before the services start: the probe's first capabilities are on the wire too.
     sub = await nc.subscribe("gpulayer.>", cb=wire.on_message)
-    await nc.flush()
+    await subscribed(nc)
     env = service_env(nats_url, database_url, tmp_path / "work", NODE, GPULAYER_KILL_GRACE_S="0.5")
     try:
         async with Services() as services:

@@ -19,6 +19,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from tests.conftest import SecureNats
+from tests.helpers import subscribed
 
 from gpulayer_contracts.subjects import (
     JOB_WILDCARD_EVENTS,
@@ -136,7 +137,7 @@ async def test_node_cannot_publish_as_another_node(
         seen.append(msg.subject)
 
     await admin.subscribe(subject_of("node-b"), cb=on_msg)
-    await admin.flush()
+    await subscribed(admin)
     async with client(secure_nats, "node", "node-a") as node_a:
         await node_a.nc.publish(subject_of("node-b"), b'{"forged": true}')
         await node_a.violation("Publish", subject_of("node-b"))
@@ -525,13 +526,14 @@ async def test_placement_hears_the_max_deliveries_advisory(secure_nats: SecureNa
         await placement.nc.subscribe(
             MAX_DELIVERIES_ADVISORY, queue="placement-advisories", cb=on_advisory
         )
-        await placement.nc.flush()
+        await subscribed(placement.nc)
         subject = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.JOBS.placement-jobs"
 
         async def advise_until_heard() -> str:
-            # Again every second until heard: a first publish right after both connected was
-            # delivered to nobody in about 1 run of 8 (no error on either connection; not
-            # explained yet), while what this test is about, the permission, holds.
+            # Again every second until heard, though one should do now: a first publish was
+            # delivered to nobody in about 1 run of 8 while this waited on one flush, which
+            # nats-py lets return before the server has the subscription
+            # (tests/helpers.py, subscribed).
             while True:
                 await admin.nc.publish(subject, b"{}")
                 await admin.nc.flush()

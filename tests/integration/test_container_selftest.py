@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.helpers import subscribed
 
 from gpulayer_contracts.codec import capabilities_decoder, doctor_decoder
 from gpulayer_contracts.subjects import node_capabilities, node_doctor
@@ -202,7 +203,7 @@ async def _inbox(nc: Any) -> asyncio.Queue[bytes]:
         await inbox.put(msg.data)
 
     await nc.subscribe(node_capabilities("ctr-probe"), cb=cb)
-    await nc.flush()
+    await subscribed(nc)
     return inbox
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import asyncpg
 import pytest
 from nats.aio.client import Client
-from tests.helpers import finish, join_node, one_placement, start_replicas
+from tests.helpers import finish, join_node, one_placement, start_replicas, subscribed
 from tests.unit.placement.placement_fakes import gpu_node
 
 from gpulayer_contracts import Grant, Pending
@@ -73,7 +73,7 @@ async def test_a_full_node_keeps_jobs_waiting_until_a_slot_frees_or_a_node_joins
 
     await nc.subscribe(NODE_WILDCARD_GRANTS, cb=on_grant)
     await nc.subscribe("gpulayer.job.*.*.events", cb=on_event)
-    await nc.flush()
+    await subscribed(nc)
     await join_node(nc, gpu_node("one", 0, cores=4, memory_bytes=64 * GB), slots=2)
 
     for i in range(6):
@@ -183,7 +183,7 @@ async def test_three_replicas_never_overcommit_cores_memory_slots_or_gpu_memory(
             tasks.append(asyncio.create_task(run(grant, req.cpu_cores, req.memory_gb * GB)))
 
         await nc.subscribe(NODE_WILDCARD_GRANTS, cb=on_grant)
-        await nc.flush()
+        await subscribed(nc)
         await asyncio.gather(
             *(
                 js.publish(JOBS_SUBMIT, b, headers={MSG_ID_HEADER: f"x-{i}"})

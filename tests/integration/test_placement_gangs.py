@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from nats.aio.client import Client
-from tests.helpers import join_node, one_placement
+from tests.helpers import join_node, one_placement, subscribed
 from tests.unit.placement.placement_fakes import gpu_node
 
 from gpulayer_contracts import Grant, JobStatus, encode
@@ -86,7 +86,7 @@ async def queue(nc: Client, subject: str, decoder: Any) -> asyncio.Queue[Any]:
         await q.put(decoder.decode(msg.data))
 
     await nc.subscribe(subject, cb=cb)
-    await nc.flush()
+    await subscribed(nc)
     return q
 
 

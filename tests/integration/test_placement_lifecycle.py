@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from nats.aio.client import Client
+from tests.helpers import subscribed
 from tests.unit.placement.placement_fakes import gpu_node
 
 from gpulayer_cli.client import api
@@ -62,7 +63,7 @@ class Cluster:
 
         await self.nc.subscribe(NODE_WILDCARD_GRANTS, cb=on_grant)
         await self.nc.subscribe("gpulayer.job.*.*.events", cb=on_event)
-        await self.nc.flush()
+        await subscribed(self.nc)
         self._beat = asyncio.create_task(self._beating())
 
     async def _beating(self) -> None:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from nats.aio.client import Client
-from tests.helpers import start_replicas
+from tests.helpers import start_replicas, subscribed
 from tests.unit.placement.placement_fakes import gpu_node
 
 from gpulayer_contracts import (
@@ -115,7 +115,7 @@ async def test_three_replicas_never_double_book(
         )
 
     await nc.subscribe(NODE_WILDCARD_GRANTS, cb=on_grant)
-    await nc.flush()
+    await subscribed(nc)
     await asyncio.gather(
         *(
             js.publish(JOBS_SUBMIT, gpu_job(f"r-{i}"), headers={MSG_ID_HEADER: f"r-{i}"})
@@ -144,7 +144,7 @@ async def test_waiting_job_is_placed_promptly_after_release(
         await grants.put((g.job.job_id, g.grant_id, time.monotonic()))
 
     await nc.subscribe(NODE_WILDCARD_GRANTS, cb=on_grant)
-    await nc.flush()
+    await subscribed(nc)
     await js.publish(JOBS_SUBMIT, gpu_job("first"))
     first, first_grant, _ = await asyncio.wait_for(grants.get(), 10)
     assert first == "first"

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from tests.helpers import subscribed
 
 from gpulayer_contracts.codec import capabilities_decoder, doctor_decoder, heartbeat_decoder
 from gpulayer_contracts.subjects import node_capabilities, node_doctor, node_heartbeat
@@ -84,7 +85,7 @@ async def running(nc: Client, settings: ProbeSettings) -> AsyncIterator[ProbeSer
 async def subscribe(nc: Client, subject: str) -> Inbox:
     inbox = Inbox()
     await nc.subscribe(subject, cb=inbox.cb)
-    await nc.flush()
+    await subscribed(nc)
     return inbox
 
 

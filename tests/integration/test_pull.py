@@ -15,6 +15,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
+from tests.helpers import subscribed
 
 from gpulayer_runtime.pull import Puller
 
@@ -46,7 +47,7 @@ async def requests_of(nc: Client) -> AsyncIterator[Callable[[str], Awaitable[Sub
 
     async def watch(stream: str) -> Subscription:
         sub = await nc.subscribe(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.c")
-        await nc.flush()
+        await subscribed(nc)  # on the server before the first request: every one counted
         subs.append(sub)
         return sub
 

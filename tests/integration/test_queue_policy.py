@@ -13,7 +13,7 @@ from typing import Any
 import nats.errors
 import pytest
 from nats.aio.client import Client
-from tests.helpers import finish, join_node, one_placement
+from tests.helpers import finish, join_node, one_placement, subscribed
 from tests.unit.placement.placement_fakes import gpu_node
 
 from gpulayer_contracts import Grant, JobStatus, Pending, encode
@@ -63,7 +63,7 @@ async def grants_queue(nc: Client) -> asyncio.Queue[Grant]:
         await q.put(grant_decoder.decode(msg.data))
 
     await nc.subscribe(NODE_WILDCARD_GRANTS, cb=on_grant)
-    await nc.flush()
+    await subscribed(nc)
     return q
 
 
@@ -178,7 +178,7 @@ class FakeExecutor:
             self.tasks.append(asyncio.create_task(self._run(grant)))
 
         await self.nc.subscribe(NODE_WILDCARD_GRANTS, cb=cb)
-        await self.nc.flush()
+        await subscribed(self.nc)
 
     async def _run(self, grant: Grant) -> None:
         t0 = time.monotonic()
