@@ -49,7 +49,8 @@ from bench.report import Figure, Report, dump, judge, print_summary, unavailable
 from bench.strip_telemetry import stripped_placement
 from gpulayer_contracts import JobRequest, WorkerCapabilities
 from gpulayer_contracts.jobs import Distributed, GpuUsage
-from gpulayer_runtime.servers import EmbeddedPostgres, ServerStartError
+from gpulayer_runtime.pgserver import EmbeddedPostgres
+from gpulayer_runtime.servers import ServerStartError
 
 T = TypeVar("T")
 

@@ -27,6 +27,7 @@ from nats.js import JetStreamContext
 from gpulayer_contracts import WorkerCapabilities, encode
 from gpulayer_contracts.subjects import JOBS_SUBMIT, MSG_ID_HEADER, node_capabilities
 from gpulayer_runtime.auth import AuthStore
+from gpulayer_runtime.database import replace_url
 from gpulayer_runtime.nats import connect, ensure_streams
 from gpulayer_runtime.roles import Role
 from gpulayer_runtime.servers import EmbeddedNats
@@ -73,8 +74,7 @@ async def create_database(admin_url: str, name: str) -> str:
         await admin.execute(f'CREATE DATABASE "{name}"')
     finally:
         await admin.close()
-    base, _, _ = admin_url.rpartition("/")
-    return f"{base}/{name}"
+    return replace_url(admin_url, database=name)
 
 
 async def drop_database(admin_url: str, name: str) -> None:

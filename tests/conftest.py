@@ -23,21 +23,21 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import pytest
 from nats.aio.client import Client
 from tests import helpers
 from tests.workload import TORCH, Workload, make_workload_venv
 
 from gpulayer_runtime.auth import AuthStore
+from gpulayer_runtime.database import SERVICE_ROLE
 from gpulayer_runtime.nats import connect
+from gpulayer_runtime.pgserver import EmbeddedPostgres
 from gpulayer_runtime.roles import Role
-from gpulayer_runtime.servers import EmbeddedNats, EmbeddedNatsCluster, EmbeddedPostgres
+from gpulayer_runtime.servers import EmbeddedNats, EmbeddedNatsCluster
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The probes the tests start don't look for podman: its self-test (a container started, ~1 s)
@@ -214,37 +214,33 @@ def _backend() -> str:
 
 
 @pytest.fixture(scope="session")
-def postgres_admin_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """URL of a PostgreSQL server whose ``postgres`` database may create databases."""
+def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[helpers.Postgres]:
+    """The PostgreSQL server of this worker: the embedded one, locked as `make run`'s is (a
+    superuser with a password, the services' own role), or the environment's."""
     if url := os.environ.get("GPULAYER_DATABASE_URL"):
-        yield url
+        yield helpers.Postgres(url, None)
         return
     if _backend() == "containers":
         from testcontainers.postgres import PostgresContainer
 
         with PostgresContainer("postgres:17", driver=None) as pg:
-            yield pg.get_connection_url()
+            yield helpers.Postgres(pg.get_connection_url(), None)
         return
     with EmbeddedPostgres(tmp_path_factory.mktemp("pg"), fast=True) as pg:
-        yield pg.url
+        yield helpers.Postgres(pg.url, pg.data_dir / f"{SERVICE_ROLE}.pgpass")
+
+
+@pytest.fixture(scope="session")
+def postgres_admin_url(postgres: helpers.Postgres) -> str:
+    """URL of a superuser of the tests' PostgreSQL (may create databases and roles)."""
+    return postgres.admin_url
 
 
 @pytest.fixture
-async def database_url(postgres_admin_url: str) -> AsyncIterator[str]:
-    """A fresh, empty database for this test."""
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    admin = await asyncpg.connect(postgres_admin_url)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    base, _, _ = postgres_admin_url.rpartition("/")
-    yield f"{base}/{name}"
-    admin = await asyncpg.connect(postgres_admin_url)
-    try:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        await admin.close()
+async def database_url(postgres: helpers.Postgres) -> AsyncIterator[str]:
+    """A fresh, empty database for this test, as the services connect to it."""
+    async with postgres.database() as url:
+        yield url
 
 
 TEST_ADMIN = "admin"

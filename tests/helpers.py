@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import dataclasses
 import json
 import os
+import re
 import selectors
 import signal
 import socket
@@ -23,6 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -44,6 +47,7 @@ from gpulayer_executor.service import Executor, ExecutorConfig
 from gpulayer_placement.service import PlacementService, Settings
 from gpulayer_placement.store import create_pool
 from gpulayer_runtime.auth import AuthStore
+from gpulayer_runtime.database import create_service_database, replace_url
 from gpulayer_runtime.nats import connect, ensure_streams
 from gpulayer_runtime.roles import Role
 from gpulayer_runtime.signing import (
@@ -68,6 +72,109 @@ TEST_CREDS: str | None = None
 TEST_KEY = Ed25519PrivateKey.generate()
 TEST_SIGNER = Signer(TEST_KEY)
 TEST_PUBLIC_KEYS = (TEST_SIGNER.public_key,)
+
+
+class Postgres:
+    """The tests' PostgreSQL server: a fresh database per test or module. On the embedded
+    server each is owned by the services' own role (no superuser), its password in a passfile,
+    as ``gpulayer dev up`` gives placement; on a server of the environment's, as its URL says."""
+
+    def __init__(self, admin_url: str, service_passfile: Path | None) -> None:
+        self.admin_url = admin_url
+        self.service_passfile = service_passfile
+
+    async def create(self) -> tuple[str, str]:
+        """A new database: its name and the URL the services use for it."""
+        name = f"t_{uuid.uuid4().hex[:12]}"
+        if self.service_passfile is not None:
+            return name, await create_service_database(self.admin_url, name, self.service_passfile)
+        admin = await asyncpg.connect(self.admin_url)
+        try:
+            await admin.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await admin.close()
+        return name, replace_url(self.admin_url, database=name)
+
+    async def drop(self, name: str) -> None:
+        admin = await asyncpg.connect(self.admin_url)
+        try:
+            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await admin.close()
+
+    @contextlib.asynccontextmanager
+    async def database(self) -> AsyncIterator[str]:
+        """A new database's URL for the services, dropped afterwards."""
+        name, url = await self.create()
+        try:
+            yield url
+        finally:
+            await self.drop(name)
+
+
+@dataclasses.dataclass
+class DevUp:
+    """A `gpulayer dev up` that serves, and what it printed."""
+
+    proc: asyncio.subprocess.Process
+    cwd: Path
+    data_dir: Path
+    lines: list[str]
+    nats_url: str = ""
+    database_url: str = ""
+    web_port: int = 0
+    # The CLI as its hint says to call it, with the environment it says to export.
+    cli: str = ""
+    cli_env: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def nats_port(self) -> int:
+        return int(self.nats_url.rsplit(":", 1)[1])
+
+
+@contextlib.asynccontextmanager
+async def dev_up(folder: Path, examples: Path | None = None) -> AsyncIterator[DevUp]:
+    """`gpulayer dev up` as a user starts it (its data under ``folder/dev``, run from
+    ``folder``, no examples unless given) until it says "serving"; Ctrl-C at the end, after
+    which it must have exited 0."""
+    if examples is None:
+        examples = folder / "no-examples"
+        examples.mkdir()
+        (examples / "expectations.toml").write_text("[expect]\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULAYER_")}
+    proc = await asyncio.create_subprocess_exec(
+        bin_path("gpulayer"), "dev", "up", "--data-dir", str(folder / "dev"),
+        "--examples", str(examples),
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=folder,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    stack = DevUp(proc, folder, folder / "dev", [])
+    try:
+        async with asyncio.timeout(90):
+            while not (stack.lines and stack.lines[-1].startswith("serving")):
+                line = (await proc.stdout.readline()).decode()
+                assert line, "dev up ended early:\n" + "".join(stack.lines)
+                stack.lines.append(line)
+                if m := re.match(r"NATS\s+(nats://\S+)", line):
+                    stack.nats_url = m[1]
+                if m := re.match(r"PostgreSQL\s+(postgresql://\S+)", line):
+                    stack.database_url = m[1]
+                if m := re.match(r"web\s+http://\S+:(\d+)$", line):
+                    stack.web_port = int(m[1])
+            stack.lines.append((await proc.stdout.readline()).decode())
+        said = re.match(
+            r"in another shell: ((?:export \S+=\S+, )*)(?:then )?(\S+) nodes, ", stack.lines[-1]
+        )
+        assert said, stack.lines[-1]
+        stack.cli = said[2]
+        stack.cli_env = dict(env, **dict(re.findall(r"export (\S+)=([^\s,]+)", said[1])))
+        yield stack
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGINT)
+        rest, _ = await asyncio.wait_for(proc.communicate(), 30)
+        stack.lines.append(rest.decode())
+    assert proc.returncode == 0, "".join(stack.lines)
 
 
 async def subscribed(nc: Client) -> None:

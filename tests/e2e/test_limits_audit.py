@@ -15,16 +15,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import msgspec
 import pytest
 from nats.aio.client import Client
-from tests.helpers import Services, gpulayer, service_env, subscribed
+from tests.helpers import Postgres, Services, gpulayer, service_env, subscribed
 
 from gpulayer_cli.audit_cmd import Query, read_audit
 from gpulayer_cli.client import ApiFailed, api, follow_events, submit
@@ -62,18 +60,15 @@ class Stack:
 
 @pytest.fixture(scope="module")
 async def stack(
-    tmp_path_factory: pytest.TempPathFactory, auth_store: AuthStore, postgres_admin_url: str
+    tmp_path_factory: pytest.TempPathFactory, auth_store: AuthStore, postgres: Postgres
 ) -> AsyncIterator[Stack]:
     folder = tmp_path_factory.mktemp("limits")
-    db = f"t_{uuid.uuid4().hex[:12]}"
-    admin_db = await asyncpg.connect(postgres_admin_url)
-    await admin_db.execute(f'CREATE DATABASE "{db}"')
-    await admin_db.close()
+    db, db_url = await postgres.create()
     server = EmbeddedNats(folder / "nats", auth_conf=auth_store.server_conf).start()
     stack = Stack(server.url, auth_store, folder)
     base = service_env(
         server.url,
-        f"{postgres_admin_url.rpartition('/')[0]}/{db}",
+        db_url,
         folder / "executor",
         NODE,
         GPULAYER_ADMINS="root",
@@ -99,9 +94,7 @@ async def stack(
             yield stack
     finally:
         server.stop()
-        admin_db = await asyncpg.connect(postgres_admin_url)
-        await admin_db.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
-        await admin_db.close()
+        await postgres.drop(db)
 
 
 async def _ready(stack: Stack) -> None:

@@ -13,15 +13,13 @@ import contextlib
 import json
 import os
 import time
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import pytest
 from nats.aio.client import Client
-from tests.helpers import Services, gpulayer, service_env
+from tests.helpers import Postgres, Services, gpulayer, service_env
 
 from gpulayer_cli.client import ApiDenied, ApiFailed, api, follow_events, submit
 from gpulayer_cli.denials import Denials, PermissionDenied, watch
@@ -66,20 +64,17 @@ class Stack:
 
 @pytest.fixture(scope="module")
 async def stack(
-    tmp_path_factory: pytest.TempPathFactory, auth_store: AuthStore, postgres_admin_url: str
+    tmp_path_factory: pytest.TempPathFactory, auth_store: AuthStore, postgres: Postgres
 ) -> AsyncIterator[Stack]:
     """One stack for the whole table, with the jobs its cells are about: a finished job of
     alice, of root and of bob (each with a secret in its env), and sleeping ones to cancel."""
     folder = tmp_path_factory.mktemp("roles")
-    db = f"t_{uuid.uuid4().hex[:12]}"
-    admin_db = await asyncpg.connect(postgres_admin_url)
-    await admin_db.execute(f'CREATE DATABASE "{db}"')
-    await admin_db.close()
+    db, db_url = await postgres.create()
     server = EmbeddedNats(folder / "nats", auth_conf=auth_store.server_conf).start()
     stack = Stack(server.url, auth_store, folder)
     base = service_env(
         server.url,
-        f"{postgres_admin_url.rpartition('/')[0]}/{db}",
+        db_url,
         folder / "executor",
         NODE,
         GPULAYER_ADMINS="root",
@@ -101,9 +96,7 @@ async def stack(
                 await _cancel_sleepers(stack)
     finally:
         server.stop()
-        admin_db = await asyncpg.connect(postgres_admin_url)
-        await admin_db.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
-        await admin_db.close()
+        await postgres.drop(db)
 
 
 async def _ready(stack: Stack) -> None:

@@ -6,17 +6,19 @@ import asyncio
 import json
 import os
 import re
-import signal
+import shutil
 import stat
 import sys
+import urllib.parse
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from nats.aio.client import Client
-from tests.helpers import Services, bin_path, events_until, service_env
+from tests.helpers import Services, bin_path, dev_up, events_until, service_env
 
 from gpulayer_contracts.subjects import JOBS_SUBMIT, MSG_ID_HEADER
+from gpulayer_runtime.database import pgpass_line, replace_url
 from gpulayer_runtime.nats import ensure_streams
 
 pytestmark = pytest.mark.e2e
@@ -127,44 +129,19 @@ async def test_readme_snippet_runs_against_dev_up(tmp_path: Path) -> None:
     readme = (ROOT / "README.md").read_text()
     snippet = re.search(r"```python\n(.*?)```", readme, re.S)
     assert snippet is not None
-    empty = tmp_path / "no-examples"
-    empty.mkdir()
-    (empty / "expectations.toml").write_text("[expect]\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULAYER_")}
-    dev = await asyncio.create_subprocess_exec(
-        bin_path("gpulayer"), "dev", "up", "--data-dir", str(tmp_path / "dev"), "--examples", str(empty),
-        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=tmp_path,
-    )  # fmt: skip
-    assert dev.stdout is not None
-    url = None
-    lines: list[str] = []
-    try:
-        async with asyncio.timeout(60):
-            while True:
-                line = (await dev.stdout.readline()).decode()
-                assert line, "dev up ended early:\n" + "".join(lines)
-                lines.append(line)
-                if m := re.match(r"NATS\s+(nats://\S+)", line):
-                    url = m[1]
-                if line.startswith("serving"):
-                    break
-            hint = (await dev.stdout.readline()).decode()
-            lines.append(hint)
-        assert url is not None
+    async with dev_up(tmp_path) as stack:
+        hint = stack.lines[-1]
+        url, cli_env = stack.nats_url, stack.cli_env
         # The hint it prints is enough for the CLI in another shell to reach the stack.
-        said = re.match(r"in another shell: ((?:export \S+=\S+, )*)(?:then )?(\S+) nodes, ", hint)
-        assert said, hint
-        exports = dict(re.findall(r"export (\S+)=([^\s,]+)", said[1]))
-        cli_env = dict(env, **exports)
-        assert exports.get("GPULAYER_NATS_URL", "nats://127.0.0.1:4222") == url, hint
+        assert cli_env.get("GPULAYER_NATS_URL", "nats://127.0.0.1:4222") == url, hint
         # The stack is locked, and the hint names the user's credential (the data folder is not
         # ./.gpulayer, where the CLI would find it by itself).
-        creds = exports["GPULAYER_NATS_CREDS"]
+        creds = cli_env["GPULAYER_NATS_CREDS"]
         assert creds.endswith("auth/creds/user-dev.creds"), hint
         # The command as printed (gpulayer, or its path when PATH doesn't find this one), run
         # from the folder dev up runs in, with PATH as the test has it.
         nodes = await asyncio.create_subprocess_exec(
-            said[2], "nodes", "--json", env=cli_env, cwd=tmp_path,
+            stack.cli, "nodes", "--json", env=cli_env, cwd=tmp_path,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
         listed, problem = await asyncio.wait_for(nodes.communicate(), 30)
@@ -172,7 +149,7 @@ async def test_readme_snippet_runs_against_dev_up(tmp_path: Path) -> None:
         assert isinstance(json.loads(listed), list)
         # The newcomer's path, with the stack locked: submit and wait, as the dev user.
         submitted = await asyncio.create_subprocess_exec(
-            said[2], "submit", str(ROOT / "examples" / "cpu-hello.toml"), "--wait", "--json",
+            stack.cli, "submit", str(ROOT / "examples" / "cpu-hello.toml"), "--wait", "--json",
             env=cli_env, cwd=tmp_path,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
@@ -201,10 +178,6 @@ async def test_readme_snippet_runs_against_dev_up(tmp_path: Path) -> None:
         types = [line.split()[0] for line in text.splitlines() if line]
         assert types[0] == "accepted"
         assert types[-1] == "succeeded", text
-    finally:
-        dev.send_signal(signal.SIGINT)
-        rest, _ = await asyncio.wait_for(dev.communicate(), 30)
-    assert dev.returncode == 0, "".join(lines) + rest.decode()
 
 
 async def test_dev_up_says_why_the_stack_could_not_start(tmp_path: Path) -> None:
@@ -266,3 +239,35 @@ async def test_placement_refuses_to_start_with_a_bad_profiles_file(
     assert "Traceback" not in text, text
     assert f"configuration: GPULAYER_PROFILES: {profiles}" in text, text
     assert expected in text, text
+
+
+async def _placement_refusal(env: dict[str, str], tmp_path: Path) -> str:
+    proc = await asyncio.create_subprocess_exec(
+        bin_path("gpulayer-placement"), env=env, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT, cwd=tmp_path,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    text = out.decode()
+    assert proc.returncode == 2, text
+    assert "Traceback" not in text, text
+    return text
+
+
+async def test_placement_names_the_database_setting_it_is_refused_for(
+    nats_url: str, database_url: str, tmp_path: Path
+) -> None:
+    """A passfile libpq would skip, and a password PostgreSQL refuses: each one line naming
+    GPULAYER_DATABASE_URL and exit 2, never a traceback or a wait."""
+    passfile = urllib.parse.parse_qs(urllib.parse.urlsplit(database_url).query).get("passfile")
+    if not passfile:
+        pytest.skip("the database URL of the environment names no passfile")
+    copy = tmp_path / "open.pgpass"
+    shutil.copyfile(passfile[0], copy)
+    copy.chmod(0o644)
+    env = service_env(nats_url, replace_url(database_url, passfile=copy), tmp_path / "w", "n1")
+    text = await _placement_refusal(env, tmp_path)
+    assert f"GPULAYER_DATABASE_URL: the URL's passfile {copy} has mode 0644" in text, text
+    copy.chmod(0o600)
+    copy.write_text(pgpass_line("gpulayer", "a-guess"))
+    text = await _placement_refusal(env, tmp_path)
+    assert re.search(r"GPULAYER_DATABASE_URL \(postgresql://\S+\): password authentication", text)

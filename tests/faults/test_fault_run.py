@@ -61,7 +61,8 @@ from gpulayer_contracts.subjects import (
 )
 from gpulayer_runtime.auth import AuthStore
 from gpulayer_runtime.nats import connect, ensure_streams
-from gpulayer_runtime.servers import EmbeddedNatsCluster, EmbeddedPostgres
+from gpulayer_runtime.pgserver import EmbeddedPostgres
+from gpulayer_runtime.servers import EmbeddedNatsCluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
@@ -236,10 +237,7 @@ async def test_fault_run(
     nats_cluster = EmbeddedNatsCluster(tmp_path / "cluster", auth_conf=auth_conf, host=host)
     nats_cluster.start()
     pg = EmbeddedPostgres(tmp_path / "pg", fast=True).start()
-    admin = await asyncpg.connect(pg.url)
-    await admin.execute("CREATE DATABASE gpulayer")
-    await admin.close()
-    db = pg.url.rsplit("/", 1)[0] + "/gpulayer"
+    db = await pg.service_database()
     caller = "admin" if nats_creds else ANONYMOUS
     nc = await connect(nats_cluster.url, "test-fault-run", creds=nats_creds)
     markers = tmp_path / "markers"

@@ -26,7 +26,7 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
-from tests.helpers import TEST_PUBLIC_KEYS, TEST_SIGNER
+from tests.helpers import TEST_PUBLIC_KEYS, TEST_SIGNER, Postgres
 
 from gpulayer_cli.dlq import dead_letters
 from gpulayer_contracts import (
@@ -147,18 +147,14 @@ class Stack:
 
 @pytest.fixture(scope="module")
 async def stack(
-    tmp_path_factory: pytest.TempPathFactory, postgres_admin_url: str
+    tmp_path_factory: pytest.TempPathFactory, postgres: Postgres
 ) -> AsyncIterator[Stack]:
     tmp = tmp_path_factory.mktemp("poison")
     server = EmbeddedNats(tmp / "nats").start()
     # Stopped whatever happens below, setup included: a server left running would surface as
     # a ResourceWarning in some later test.
     try:
-        name = f"t_{uuid.uuid4().hex[:12]}"
-        admin = await asyncpg.connect(postgres_admin_url)
-        await admin.execute(f'CREATE DATABASE "{name}"')
-        await admin.close()
-        database_url = f"{postgres_admin_url.rpartition('/')[0]}/{name}"
+        name, database_url = await postgres.create()
         nc = await connect(server.url, "test")
         placement_nc = await connect(server.url, "placement")
         executor_nc = await connect(server.url, "executor")
@@ -197,9 +193,7 @@ async def stack(
             await pool.close()
             for client in (nc, placement_nc, executor_nc):
                 await client.drain()
-            admin = await asyncpg.connect(postgres_admin_url)
-            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-            await admin.close()
+            await postgres.drop(name)
     finally:
         server.stop()
 

@@ -23,7 +23,8 @@ from tests.helpers import Services, events_until, service_env
 
 from gpulayer_contracts.subjects import JOB_WILDCARD_EVENTS, JOBS_SUBMIT, MSG_ID_HEADER
 from gpulayer_runtime.nats import connect, ensure_streams
-from gpulayer_runtime.servers import EmbeddedNats, EmbeddedPostgres
+from gpulayer_runtime.pgserver import EmbeddedPostgres
+from gpulayer_runtime.servers import EmbeddedNats
 
 pytestmark = pytest.mark.e2e
 
@@ -127,10 +128,7 @@ async def test_services_ride_out_a_postgres_restart(
 ) -> None:
     pg = EmbeddedPostgres(tmp_path / "pg", fast=True).start()
     try:
-        admin = await asyncpg.connect(pg.url)
-        await admin.execute("CREATE DATABASE gpulayer")
-        await admin.close()
-        database_url = pg.url.rsplit("/", 1)[0] + "/gpulayer"
+        database_url = await pg.service_database()
         await ensure_streams(nc.jetstream())
         env = service_env(nats_url, database_url, tmp_path / "work", "pr-node")
         async with Services() as services:

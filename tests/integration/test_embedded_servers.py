@@ -11,13 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from gpulayer_runtime import servers
-from gpulayer_runtime.servers import (
-    EmbeddedNats,
-    EmbeddedNatsCluster,
-    EmbeddedPostgres,
-    ServerStartError,
-)
+from gpulayer_runtime import pgserver, servers
+from gpulayer_runtime.pgserver import EmbeddedPostgres
+from gpulayer_runtime.servers import EmbeddedNats, EmbeddedNatsCluster, ServerStartError
 
 
 @pytest.fixture
@@ -30,12 +26,16 @@ def taken_port() -> Iterator[int]:
 
 
 def _picks_first(monkeypatch: pytest.MonkeyPatch, port: int) -> None:
-    """``free_port`` answers ``port`` once (the race lost), then as it would."""
+    """``free_port`` answers ``port`` once (the race lost), then as it would: for the NATS
+    servers and for PostgreSQL (``pgserver``), which each look it up in their own module."""
     real = servers.free_port
     answers = iter([port])
-    monkeypatch.setattr(
-        servers, "free_port", lambda host="127.0.0.1": next(answers, None) or real(host)
-    )
+
+    def first(host: str = "127.0.0.1") -> int:
+        return next(answers, None) or real(host)
+
+    monkeypatch.setattr(servers, "free_port", first)
+    monkeypatch.setattr(pgserver, "free_port", first)
 
 
 def _listening_pid(port: int) -> set[int]:

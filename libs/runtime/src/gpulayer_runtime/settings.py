@@ -12,10 +12,11 @@ from typing import Any
 
 import msgspec
 
+from gpulayer_runtime.database import PassfileError, check_passfile, passfile_of
 from gpulayer_runtime.logs import setup_logging
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
-DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/gpulayer"
+DEFAULT_DATABASE_URL = "postgresql://gpulayer@127.0.0.1:5432/gpulayer"
 
 
 class ConfigError(ValueError):
@@ -118,9 +119,17 @@ def stream_replicas(env: Mapping[str, str] | None = None) -> int:
 
 
 def database_url(env: Mapping[str, str] | None = None) -> str:
-    return env_str(
-        os.environ if env is None else env, "GPULAYER_DATABASE_URL", DEFAULT_DATABASE_URL
-    )
+    """``GPULAYER_DATABASE_URL``; ConfigError when the password file it would be read from is
+    missing or open to others (libpq and asyncpg would skip it and fail as on a wrong
+    password)."""
+    env = os.environ if env is None else env
+    url = env_str(env, "GPULAYER_DATABASE_URL", DEFAULT_DATABASE_URL)
+    if (found := passfile_of(url, env)) is not None:
+        try:
+            check_passfile(*found)
+        except PassfileError as err:
+            raise ConfigError(f"GPULAYER_DATABASE_URL: {err}") from None
+    return url
 
 
 def default_node_id() -> str:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import logging
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import AsyncExitStack
+
+from asyncpg import InsufficientPrivilegeError, InvalidAuthorizationSpecificationError
 
 from gpulayer_contracts import InvalidInput
 from gpulayer_contracts.profiles import Profiles, load_profiles
@@ -19,6 +22,7 @@ from gpulayer_contracts.subjects import (
     streams_with_audit_retention,
 )
 from gpulayer_placement.settings import Settings
+from gpulayer_runtime.database import redact
 from gpulayer_runtime.nats import connect, ensure_streams, let_go
 from gpulayer_runtime.settings import (
     ConfigError,
@@ -53,7 +57,7 @@ async def _amain() -> None:
     log.info(
         "settings: nats=%s database=%s stream_replicas=%d audit=%gd/%dB %s",
         nats,
-        _redact(db),
+        redact(db),
         replicas,
         audit_days,
         audit_bytes,
@@ -79,10 +83,11 @@ async def _amain() -> None:
         nc = await connect(nats.url, "gpulayer-placement", **nats.connect_args())
         stack.push_async_callback(let_go, nc)
         await ensure_streams(nc.jetstream(), replicas=replicas, specs=streams)
-        pool = await create_pool(db)
-        stack.push_async_callback(pool.close)
-        service = PlacementService(nc, pool, settings, telemetry, signer=signer)
-        await service.start()
+        with _refused_as_setting(db):
+            pool = await create_pool(db)
+            stack.push_async_callback(pool.close)
+            service = PlacementService(nc, pool, settings, telemetry, signer=signer)
+            await service.start()
         # The fleet's long-lived capability structs would otherwise be re-scanned by every
         # young-generation collection; freezing the start-up heap and collecting less often
         # keeps decoding cheap at 10,000 nodes.
@@ -95,6 +100,16 @@ async def _amain() -> None:
         if service.stop.is_set() and not stop.is_set():
             raise SystemExit("placement stopped after an internal failure (see log)")
         log.info("stopping")
+
+
+@contextlib.contextmanager
+def _refused_as_setting(db: str) -> Iterator[None]:
+    """PostgreSQL refusing who placement connects as (a password, a role without rights on the
+    database) is about a setting: one line naming it, exit 2, no traceback."""
+    try:
+        yield
+    except (InvalidAuthorizationSpecificationError, InsufficientPrivilegeError) as err:
+        raise ConfigError(f"GPULAYER_DATABASE_URL ({redact(db)}): {err}") from None
 
 
 def read_settings(env: Mapping[str, str]) -> Settings:
@@ -164,15 +179,6 @@ def _profiles(path: str) -> Profiles:
         return load_profiles(path)
     except InvalidInput as err:
         raise ConfigError(f"GPULAYER_PROFILES: {err}") from None
-
-
-def _redact(url: str) -> str:
-    # postgresql://user:secret@host/db -> postgresql://user:***@host/db
-    head, at, tail = url.rpartition("@")
-    if not at or ":" not in head.split("//", 1)[-1]:
-        return url
-    scheme_user, _, _ = head.rpartition(":")
-    return f"{scheme_user}:***@{tail}"
 
 
 def main() -> None:
