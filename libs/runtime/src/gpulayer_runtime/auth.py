@@ -43,6 +43,7 @@ import nkeys
 
 from gpulayer_runtime.credentials import ROLE_TAG, Credential, Revoked, credential_of
 from gpulayer_runtime.credentials import decode_jwt_claims as decode_jwt_claims
+from gpulayer_runtime.private_files import write_private
 from gpulayer_runtime.roles import ROLES, Permissions, Role, check_name, permissions
 
 ACCOUNT_NAME = "GPULAYER"
@@ -170,11 +171,9 @@ def format_creds(jwt: str, seed: bytes) -> str:
 
 def _write_private(path: Path, data: str | bytes) -> None:
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    # Created 0600 from the start: never readable by others, even for a moment.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-    os.chmod(path, 0o600)
+    # 0600 from its creation, and moved in whole: a server starting meanwhile reads the old
+    # server.conf or the new one, never a part.
+    write_private(path, data.decode() if isinstance(data, bytes) else data)
 
 
 def creds_name(role: Role, name: str) -> str:
@@ -239,12 +238,20 @@ class AuthStore:
         """Create the operator and accounts once; later calls keep what exists (a
         ``server.conf`` of an older gpulayer, with a memory resolver, is rewritten: the same
         keys, a resolver that takes revocations live)."""
-        if self.exists():
-            if "resolver: MEMORY" in self.server_conf.read_text():
-                with self._locked():
-                    self._write_account(self._revocations(self.credentials()))
+        if self.exists() and "resolver: MEMORY" not in self.server_conf.read_text():
             return self
         self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Two first runs at once (two `dev up`, an `auth init` beside one) make one operator:
+        # the second finds the first's under the lock.
+        with self._locked():
+            if self.exists():
+                if "resolver: MEMORY" in self.server_conf.read_text():
+                    self._write_account(self._revocations(self.credentials()))
+                return self
+            self._create()
+        return self
+
+    def _create(self) -> None:
         os.chmod(self.folder, 0o700)
         seeds = {
             "operator": new_seed(nkeys.PREFIX_BYTE_OPERATOR),
@@ -255,7 +262,6 @@ class AuthStore:
         for name, seed in seeds.items():
             _write_private(self.folder / f"{name}.nk", seed)
         self._write_account({})
-        return self
 
     def _sign_account(self, revocations: dict[str, int]) -> str:
         nats: dict[str, Any] = {

@@ -8,7 +8,6 @@ the URL can be printed, logged and passed in the environment without the passwor
 from __future__ import annotations
 
 import contextlib
-import os
 import secrets
 import stat
 import urllib.parse
@@ -16,6 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import asyncpg
+
+from gpulayer_runtime.private_files import write_private
 
 # The role the services connect as: it owns gpulayer's database and nothing more (no superuser,
 # no CREATEDB, no CREATEROLE), so a stolen connection can't run programs or read server files.
@@ -140,30 +141,6 @@ def _split_pgpass(line: str) -> list[str]:
             current.append(char)
     fields.append("".join(current))
     return fields
-
-
-def write_private(path: Path, text: str, *, replace: bool = True) -> bool:
-    """``text`` into ``path``, mode 0600 from its creation, written beside it and then moved in
-    whole: a reader sees the old file or the new one, never a part. ``replace=False`` keeps a
-    file that is there already (two first runs at once: one file wins, both read it); returns
-    whether ``path`` now holds ``text``."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        if replace:
-            os.replace(tmp, path)
-            return True
-        try:
-            os.link(tmp, path)  # fails when the file is there: never overwrites
-        except FileExistsError:
-            return False
-        return True
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def ensure_password(passfile: Path, user: str) -> str:

@@ -24,8 +24,8 @@ from gpulayer_runtime.database import (
     pgpass_line,
     read_pgpass_password,
     replace_url,
-    write_private,
 )
+from gpulayer_runtime.private_files import write_private
 from gpulayer_runtime.servers import ServerStartError, _PortTaken, _wait_until, free_port
 
 if TYPE_CHECKING:

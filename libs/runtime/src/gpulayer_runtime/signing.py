@@ -19,7 +19,6 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import os
 import stat
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -31,6 +30,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from gpulayer_runtime.private_files import write_private
 from gpulayer_runtime.settings import ConfigError
 
 # One header: KEYID.ISSUED_MS.SIGNATURE[.INDEX.SIZE.SIBLINGS], hex and decimal (``_Signed``).
@@ -143,18 +143,18 @@ def load_seed_file(path: Path) -> Ed25519PrivateKey:
         raise SigningKeyError(f"{path}: {err}") from None
 
 
-def write_seed(path: Path, key: Ed25519PrivateKey) -> None:
-    """Write ``key`` as a new seed file, readable by its owner only. Never overwrites."""
-    # O_EXCL and the mode at creation: the seed is never readable by others, not even between
-    # create and chmod, and a concurrent first run can't overwrite it.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(seed_text(key) + "\n")
+def write_seed(path: Path, key: Ed25519PrivateKey) -> bool:
+    """Write ``key`` as a new seed file, readable by its owner only, unless ``path`` is there
+    already: never overwrites a key. Whether it wrote it."""
+    # The mode at creation, and the file moved in whole: the seed is never readable by others,
+    # and a concurrent first run neither overwrites it nor reads half of it.
+    return write_private(path, seed_text(key) + "\n", replace=False)
 
 
 def generate_key_pair(folder: Path, name: str = "placement") -> tuple[Path, str]:
     """A new signing key as ``folder/<name>.seed`` (mode 0600) unless one is there already;
-    returns the seed file and its public key text. Never overwrites a key."""
+    returns the seed file and its public key text. Never overwrites a key; two first runs at
+    once get the same one."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.seed"
     if not path.exists():
