@@ -5,9 +5,11 @@ and nothing more. A data folder made by an older gpulayer with ``trust`` is lock
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import pwd
+import secrets
 import stat
 import subprocess
 import sys
@@ -20,7 +22,7 @@ import pytest
 
 from gpulayer_placement.store import migrate
 from gpulayer_runtime.database import SERVICE_ROLE, read_pgpass_password, replace_url
-from gpulayer_runtime.pgserver import PG_SYSTEM_USER, EmbeddedPostgres
+from gpulayer_runtime.pgserver import PG_SYSTEM_USER, EmbeddedPostgres, postgres_bin_dir
 
 AS_ROOT = pytest.mark.skipif(
     os.geteuid() != 0, reason="the server runs as an account of its own only when started by root"
@@ -269,3 +271,46 @@ async def test_a_socket_path_past_the_limit_goes_to_a_folder_of_its_own(tmp_path
         await conn.close()
         socket_dir = pg.socket_dir
     assert not socket_dir.exists()  # removed with the server
+
+
+async def test_the_compose_init_script_makes_the_same_role(tmp_path: Path) -> None:
+    """deploy/postgres-init/10-gpulayer-role.sh, as the postgres image runs it on an empty
+    volume (psql as the superuser), against a real server: the role it makes logs in with the
+    password from the environment and is no superuser."""
+    with EmbeddedPostgres(tmp_path / "pg", fast=True) as pg:
+        password = secrets.token_urlsafe(16)
+        env = {
+            "PATH": f"{postgres_bin_dir()}:{os.environ['PATH']}",
+            "POSTGRES_USER": "postgres",
+            "POSTGRES_SERVICES_PASSWORD": password,
+            "PGHOST": "127.0.0.1",
+            "PGPORT": str(pg.port),
+            "PGPASSFILE": str(pg.passfile),
+            "PGDATABASE": "postgres",
+        }
+        script = Path(__file__).parents[2] / "deploy" / "postgres-init" / "10-gpulayer-role.sh"
+        done = await asyncio.create_subprocess_exec(
+            "sh",
+            str(script),
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        said, _ = await done.communicate()
+        assert done.returncode == 0, said.decode()
+        conn = await asyncpg.connect(
+            f"postgresql://gpulayer@127.0.0.1:{pg.port}/gpulayer", password=password
+        )
+        try:
+            assert (
+                await conn.fetchval("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
+                is False
+            )
+            assert (
+                await conn.fetchval(
+                    "SELECT pg_get_userbyid(datdba) FROM pg_database WHERE datname = 'gpulayer'"
+                )
+                == "gpulayer"
+            )
+        finally:
+            await conn.close()

@@ -372,6 +372,45 @@ def test_the_executor_runs_jobs_as_another_account() -> None:
     assert "no-new-privileges:true" in executor["security_opt"]
 
 
+def _networks(svc: Doc) -> set[str]:
+    """The networks a service joins (compose's default network when it names none)."""
+    nets = svc.get("networks") or ["default"]
+    return set(nets if isinstance(nets, list) else nets.keys())
+
+
+def test_jobs_share_no_network_with_the_database() -> None:
+    """Jobs run in the executor's container: it shares no network with PostgreSQL and holds no
+    URL of it; placement alone joins the database's network and has its URL."""
+    services = {n: s for n, s in _services().items() if not s.get("profiles")}
+    declared = set(_compose()["networks"])
+    for name, svc in _services().items():
+        assert _networks(svc) <= declared, f"{name} joins a network compose doesn't declare"
+    database = _networks(services["postgres"])
+    with_database = {n for n, s in services.items() if _networks(s) & database} - {"postgres"}
+    assert with_database == {"placement"}
+    with_url = {n for n, s in _services().items() if "GPULAYER_DATABASE_URL" in _env(s)}
+    assert with_url == {"placement"}
+    # The executor still reaches NATS (and the collector, its telemetry).
+    assert _networks(services["executor"]) & _networks(services["nats"])
+
+
+def test_the_services_role_is_no_superuser() -> None:
+    """The superuser is postgres, for the operator; placement connects as gpulayer, made by the
+    init script with the password of its own from deploy/.env."""
+    pg = _env(_services()["postgres"])
+    assert pg["POSTGRES_USER"] == "postgres"
+    url = _env(_services()["placement"])["GPULAYER_DATABASE_URL"]
+    assert _required(url) == {"POSTGRES_SERVICES_PASSWORD"}
+    given = urlsplit(interpolate(url, {"POSTGRES_SERVICES_PASSWORD": "from-env"}))
+    assert (given.username, given.password) == ("gpulayer", "from-env")
+    assert ("./postgres-init", "/docker-entrypoint-initdb.d") in [
+        (src, dst.removesuffix(":ro")) for src, dst in _mounts(_services()["postgres"])
+    ]
+    script = (DEPLOY / "postgres-init" / "10-gpulayer-role.sh").read_text()
+    assert "NOSUPERUSER NOCREATEDB NOCREATEROLE" in script
+    assert "\\getenv password POSTGRES_SERVICES_PASSWORD" in script  # never on psql's command line
+
+
 def test_start_order_waits_on_healthchecks() -> None:
     services = _services()
     for name in ("nats", "postgres"):

@@ -6,7 +6,9 @@ example jobs and prints their events.
 
 NATS is locked by default: the first run makes an operator, an account and a credential per role
 under ``<data dir>/auth`` (kept for later runs), starts nats-server with that config and gives
-each service its own credential. ``--no-auth`` or ``GPULAYER_AUTH=off`` starts it open, as before.
+each service its own credential. ``--no-auth`` or ``GPULAYER_AUTH=off`` starts NATS open.
+PostgreSQL is always locked (``gpulayer_runtime.pgserver``): placement alone gets its URL, as
+the services' role, the password in a passfile the URL names.
 """
 
 from __future__ import annotations
