@@ -13,7 +13,7 @@ folders removed, then a ``mkdir`` cost 523 µs of CPU at once, 115 µs after ``s
 start inside the previous run's deletions. It lowers that cost, it doesn't remove it: a table
 block the new run allocates in is dirty again, and the deleted inodes beside it count as recent
 again until 305 s after their deletion. Three alternating pairs of quick loops with and without
-it (docs/performance.md, eighth session) gave the executor 3,540-3,780 µs per job against
+it (docs/performance.md, "The machine") gave the executor 3,540-3,780 µs per job against
 3,030-4,810 without; weak evidence, kept because the wait costs nothing measured.
 """
 

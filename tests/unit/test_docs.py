@@ -89,3 +89,71 @@ def test_architecture_names_every_stream_and_subject() -> None:
     assert "allocations_no_double_booking" in text
     migrations = ROOT / "services/placement/src/gpulayer_placement/migrations"
     assert any("allocations_no_double_booking" in p.read_text() for p in migrations.glob("*.sql"))
+
+
+# A page of docs/ is a reference: what holds now, and how it is measured. How the work went
+# (who tried what in which sitting, what was left for later) is git log's. Each pattern is a
+# way a page tells that story. The technical senses of the same words don't match: a process's
+# or a database's session ("its own session", "another session", "the same session"), a round
+# trip, rounds of a measurement ("three rounds each"), a job's attempt ("the first attempt",
+# "the next attempt": gpulayer's word for a job's run).
+_ORDINAL = (
+    r"(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth"
+    r"|\d+(?:st|nd|rd|th))"
+)
+_DIARY = [
+    (
+        rf"\b(?:this|last|earlier|previous|prior|next|later|{_ORDINAL})(?:'s)?\s+"
+        r"(?:session|round)s?\b(?!\s+trips?\b)",
+        "a work session or round",
+    ),
+    (r"\b(?:session|round)\s+\d+\b", "a numbered session or round"),
+    (r"\b(?:the|a) (?:session|round) (?:before|after)\b", "a session or round before/after"),
+    (r"^#{1,6}\s.*\b\d{4}-\d{2}-\d{2}\b", "a dated heading"),
+    (r"^\s*(?:[-*]|\d+\.)\s+(?:\*\*)?\d{4}-\d{2}-\d{2}\b", "a dated list item"),
+    (r"^#{1,6}\s.*\b(?:sessions?|rounds?|attempt \d+)\b", "a heading naming a session"),
+    (r"^#{1,6}\s.*\bwhere it st(?:ands|ood)\b", "a heading on where the work stood"),
+    (r"\b(?:an?|the) earlier (?:run|measurement|profile)s?\b", "an earlier run"),
+    (r"\bissue \d+(?:'s)? (?:is )?still open\b", "an issue's standing"),
+    (r"\b(?:was|were) tried in\b", "when something was tried"),
+    (r"\blast note\b", "a note to the next reader of the diary"),
+    (r"\bwe (?:tried|measured|found|cut|changed|decided|kept|dropped|landed|reverted)\b", "we did"),
+    (r"\b(?:left|sized) for (?:the next|a later|later|next)\b", "work left for later"),
+    (r"\bnot landed\b", "work not landed"),
+    (r"\bwhat was (?:cut|fixed)\b", "what was done"),
+    (r"\bwhat changed to get here\b", "how the figures came about"),
+    (r"\b(?:later|this round's|this session's) cuts\b", "cuts in order of work"),
+]
+
+
+def _doc_pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted(DOCS.glob("**/*.md"))]
+
+
+def test_docs_tell_no_work_history() -> None:
+    patterns = [(re.compile(p, re.IGNORECASE), what) for p, what in _DIARY]
+    found = []
+    for page in _doc_pages():
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            for pattern, what in patterns:
+                if pattern.search(line):
+                    found.append(f"{page.relative_to(ROOT)}:{number}: {what}: {line.strip()}")
+    assert not found, (
+        "docs read as a diary (say what holds now; git log has the history):\n" + "\n".join(found)
+    )
+
+
+def test_performance_opens_with_its_figures() -> None:
+    lines = (DOCS / "performance.md").read_text().splitlines()
+    assert lines[0].startswith("# "), "docs/performance.md: the title first"
+    first_table = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    sections = [i for i, line in enumerate(lines) if line.startswith("## ")]
+    assert not sections or first_table < sections[0], (
+        f"docs/performance.md: its figures table (line {first_table + 1}) comes after a section "
+        f"(line {sections[0] + 1}): the table goes right under the title"
+    )
+    prose = [line for line in lines[1:first_table] if line.strip()]
+    assert len(prose) <= 4, f"docs/performance.md: {len(prose)} lines before the figures table"
+    header = lines[first_table].lower()
+    for column in ("figure", "value", "commit", "date", "anchor"):
+        assert column in header, f"docs/performance.md: the figures table has no {column} column"
