@@ -28,7 +28,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from gpulayer_contracts.capabilities import Heartbeat, WorkerCapabilities
+from gpulayer_contracts.capabilities import Heartbeat, HostInfo, WorkerCapabilities
 from gpulayer_contracts.codec import encode, event_decoder
 from gpulayer_contracts.events import CancelJob, Grant, JobStatus
 from gpulayer_contracts.subjects import (
@@ -40,6 +40,7 @@ from gpulayer_contracts.subjects import (
     node_heartbeat,
     node_status,
 )
+from gpulayer_contracts.version import __version__
 from gpulayer_executor.service import Executor, ExecutorConfig
 from gpulayer_placement.service import PlacementService, Settings
 from gpulayer_placement.store import create_pool
@@ -223,6 +224,38 @@ class Services:
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
+
+
+def linux_node(node_id: str, **fields: Any) -> WorkerCapabilities:
+    """A node's capabilities as its probe reports them: linux-x86_64 with 2 cores, no device,
+    and ``fields`` (``container_runtime=...``)."""
+    return WorkerCapabilities(
+        node_id=node_id,
+        agent_version=__version__,
+        detected_at=datetime.now(UTC),
+        host=HostInfo(platform="linux-x86_64", os="linux", cpu_cores=2),
+        **fields,
+    )
+
+
+@contextlib.asynccontextmanager
+async def running_placement(
+    nc: Client,
+    database_url: str,
+    settings: Settings | None = None,
+) -> AsyncIterator[PlacementService]:
+    """The streams and an in-process placement on the test's own ``nc``, started (migrated);
+    closed with its pool on exit. ``settings``: a 5 s node timeout by default."""
+    await ensure_streams(nc.jetstream())
+    pool = await create_pool(database_url)
+    settings = settings or Settings(node_timeout_s=5, resend_after_s=60)
+    svc = PlacementService(nc, pool, settings)
+    await svc.start()
+    try:
+        yield svc
+    finally:
+        await svc.close()
+        await pool.close()
 
 
 async def events_until(
