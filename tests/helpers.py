@@ -1,5 +1,6 @@
-"""Helpers shared by the end-to-end and integration tests: services as processes, waiting for
-job events, placement replicas in process, the ``gpulayer`` command line."""
+"""Helpers shared by the end-to-end and integration tests: services as processes (one node's
+stack with a credential per role: ``secure_stack``), waiting for job events and for a node,
+placement in process, the ``gpulayer`` command line."""
 
 from __future__ import annotations
 
@@ -23,15 +24,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from gpulayer_cli.client import api
 from gpulayer_contracts.capabilities import Heartbeat, HostInfo, WorkerCapabilities
 from gpulayer_contracts.codec import encode, event_decoder
 from gpulayer_contracts.events import CancelJob, Grant, JobStatus
 from gpulayer_contracts.subjects import (
+    API_NODES,
     JOB_WILDCARD_EVENTS,
     MSG_ID_HEADER,
     node_capabilities,
@@ -47,6 +51,7 @@ from gpulayer_placement.store import create_pool
 from gpulayer_runtime.auth import AuthStore
 from gpulayer_runtime.nats import connect, ensure_streams
 from gpulayer_runtime.roles import Role
+from gpulayer_runtime.servers import EmbeddedNats
 from gpulayer_runtime.signing import (
     PUBLIC_KEYS_SETTING,
     SIGNING_KEY_SETTING,
@@ -256,6 +261,108 @@ async def running_placement(
     finally:
         await svc.close()
         await pool.close()
+
+
+@contextlib.asynccontextmanager
+async def fresh_database(postgres_admin_url: str) -> AsyncIterator[str]:
+    """The URL of a new, empty database on ``postgres_admin_url``'s server, dropped on exit:
+    for a stack that outlives one test (``database_url`` is made for each test)."""
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(postgres_admin_url)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    try:
+        yield f"{postgres_admin_url.rpartition('/')[0]}/{name}"
+    finally:
+        admin = await asyncpg.connect(postgres_admin_url)
+        try:
+            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await admin.close()
+
+
+class SecureNats:
+    """A nats-server started with gpulayer's generated auth config."""
+
+    def __init__(self, server: EmbeddedNats, store: AuthStore) -> None:
+        self.server = server
+        self.store = store
+        self.url = server.url
+
+    def creds(self, role: Role, name: str = "") -> str:
+        """The path of a credential of ``role`` (minted when missing)."""
+        return str(self.store.ensure(role, name))
+
+    async def connect(self, role: Role, name: str = "", **kwargs: Any) -> Client:
+        return await connect(
+            self.url, f"test-{role}-{name}", creds=self.creds(role, name), **kwargs
+        )
+
+    def env(self, role: Role, name: str, url: str | None = None) -> dict[str, str]:
+        """The ``gpulayer`` command line's environment as ``role`` ``name`` (``url``: another
+        server to reach instead of this one)."""
+        return dict(
+            os.environ,
+            GPULAYER_NATS_URL=url or self.url,
+            GPULAYER_NATS_CREDS=self.creds(role, name),
+        )
+
+
+@contextlib.asynccontextmanager
+async def secure_server(folder: Path, store: AuthStore) -> AsyncIterator[SecureNats]:
+    """A nats-server with ``store``'s auth config, its data under ``folder``; stopped on exit."""
+    server = EmbeddedNats(folder / "nats-auth", auth_conf=store.server_conf).start()
+    try:
+        yield SecureNats(server, store)
+    finally:
+        server.stop()
+
+
+@contextlib.asynccontextmanager
+async def secure_stack(
+    nats: SecureNats, database_url: str, folder: Path, node: str, **settings: str
+) -> AsyncIterator[SecureNats]:
+    """Placement, executor and probe of ``node`` as processes, each with its own role's
+    credential, against ``nats``; ``root`` is an admin, ``settings`` more environment for all
+    three. Ready once placement hears the node's executor; stopped on exit."""
+    base = service_env(
+        nats.url, database_url, folder / "executor", node, GPULAYER_ADMINS="root", **settings
+    )
+    creds = {
+        "gpulayer-placement": nats.creds("placement"),
+        "gpulayer-executor": nats.creds("node", node),
+        "gpulayer-probe": nats.creds("node", node),
+    }
+    async with Services() as services:
+        for name, path in creds.items():
+            env = dict(base, GPULAYER_NATS_CREDS=path)
+            await services.start(name, env, folder / f"{name}.log")
+        admin = await nats.connect("admin", "root")
+        try:
+            await until_node(admin, node, caller="root")
+        finally:
+            await admin.close()
+        yield nats
+
+
+async def until_node(
+    nc: Client, node: str, *, caller: str, executor_up: bool = True, timeout: float = 60
+) -> None:
+    """Until placement's API, asked as ``caller``, lists ``node`` (``executor_up``: and hears
+    its executor). Placement announces neither, so the API is asked again until then."""
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                nodes = await api(nc, API_NODES, timeout=1, caller=caller)
+            except Exception:  # placement still starting
+                nodes = []
+            if any(
+                n["node_id"] == node and (n["executor"] == "up" or not executor_up) for n in nodes
+            ):
+                return
+            await asyncio.sleep(0.1)
 
 
 async def events_until(
