@@ -36,7 +36,6 @@ from gpulayer_runtime.auth import AuthStore
 from gpulayer_runtime.database import SERVICE_ROLE
 from gpulayer_runtime.nats import connect
 from gpulayer_runtime.pgserver import EmbeddedPostgres
-from gpulayer_runtime.roles import Role
 from gpulayer_runtime.servers import EmbeddedNats, EmbeddedNatsCluster
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -335,31 +334,10 @@ def auth_store(tmp_path_factory: pytest.TempPathFactory) -> AuthStore:
     return AuthStore(tmp_path_factory.mktemp("auth") / "auth").init()
 
 
-class SecureNats:
-    """A nats-server started with gpulayer's generated auth config."""
-
-    def __init__(self, server: EmbeddedNats, store: AuthStore) -> None:
-        self.server = server
-        self.store = store
-        self.url = server.url
-
-    def creds(self, role: Role, name: str = "") -> str:
-        """The path of a credential of ``role`` (minted when missing)."""
-        return str(self.store.ensure(role, name))
-
-    async def connect(self, role: Role, name: str = "", **kwargs: Any) -> Client:
-        return await connect(
-            self.url, f"test-{role}-{name}", creds=self.creds(role, name), **kwargs
-        )
-
-
 @pytest.fixture
-async def secure_nats(tmp_path: Path, auth_store: AuthStore) -> AsyncIterator[SecureNats]:
-    server = EmbeddedNats(tmp_path / "nats-auth", auth_conf=auth_store.server_conf).start()
-    try:
-        yield SecureNats(server, auth_store)
-    finally:
-        server.stop()
+async def secure_nats(tmp_path: Path, auth_store: AuthStore) -> AsyncIterator[helpers.SecureNats]:
+    async with helpers.secure_server(tmp_path, auth_store) as server:
+        yield server
 
 
 def _workload_cache() -> Path:

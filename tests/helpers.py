@@ -1,5 +1,6 @@
-"""Helpers shared by the end-to-end and integration tests: services as processes, waiting for
-job events, placement replicas in process, the ``gpulayer`` command line."""
+"""Helpers shared by the end-to-end and integration tests: services as processes (one node's
+stack with a credential per role: ``secure_stack``), waiting for job events and for a node,
+placement in process, the ``gpulayer`` command line."""
 
 from __future__ import annotations
 
@@ -31,10 +32,12 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from gpulayer_contracts.capabilities import Heartbeat, WorkerCapabilities
+from gpulayer_cli.client import api
+from gpulayer_contracts.capabilities import Heartbeat, HostInfo, WorkerCapabilities
 from gpulayer_contracts.codec import encode, event_decoder
 from gpulayer_contracts.events import CancelJob, Grant, JobStatus
 from gpulayer_contracts.subjects import (
+    API_NODES,
     JOB_WILDCARD_EVENTS,
     MSG_ID_HEADER,
     node_capabilities,
@@ -43,6 +46,7 @@ from gpulayer_contracts.subjects import (
     node_heartbeat,
     node_status,
 )
+from gpulayer_contracts.version import __version__
 from gpulayer_executor.service import Executor, ExecutorConfig
 from gpulayer_placement.service import PlacementService, Settings
 from gpulayer_placement.store import create_pool
@@ -50,6 +54,7 @@ from gpulayer_runtime.auth import AuthStore
 from gpulayer_runtime.database import create_service_database, replace_url
 from gpulayer_runtime.nats import connect, ensure_streams
 from gpulayer_runtime.roles import Role
+from gpulayer_runtime.servers import EmbeddedNats
 from gpulayer_runtime.signing import (
     PUBLIC_KEYS_SETTING,
     SIGNING_KEY_SETTING,
@@ -330,6 +335,120 @@ class Services:
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
+
+
+def linux_node(node_id: str, **fields: Any) -> WorkerCapabilities:
+    """A node's capabilities as its probe reports them: linux-x86_64 with 2 cores, no device,
+    and ``fields`` (``container_runtime=...``)."""
+    return WorkerCapabilities(
+        node_id=node_id,
+        agent_version=__version__,
+        detected_at=datetime.now(UTC),
+        host=HostInfo(platform="linux-x86_64", os="linux", cpu_cores=2),
+        **fields,
+    )
+
+
+@contextlib.asynccontextmanager
+async def running_placement(
+    nc: Client,
+    database_url: str,
+    settings: Settings | None = None,
+) -> AsyncIterator[PlacementService]:
+    """The streams and an in-process placement on the test's own ``nc``, started (migrated);
+    closed with its pool on exit. ``settings``: a 5 s node timeout by default."""
+    await ensure_streams(nc.jetstream())
+    pool = await create_pool(database_url)
+    settings = settings or Settings(node_timeout_s=5, resend_after_s=60)
+    svc = PlacementService(nc, pool, settings)
+    await svc.start()
+    try:
+        yield svc
+    finally:
+        await svc.close()
+        await pool.close()
+
+
+class SecureNats:
+    """A nats-server started with gpulayer's generated auth config."""
+
+    def __init__(self, server: EmbeddedNats, store: AuthStore) -> None:
+        self.server = server
+        self.store = store
+        self.url = server.url
+
+    def creds(self, role: Role, name: str = "") -> str:
+        """The path of a credential of ``role`` (minted when missing)."""
+        return str(self.store.ensure(role, name))
+
+    async def connect(self, role: Role, name: str = "", **kwargs: Any) -> Client:
+        return await connect(
+            self.url, f"test-{role}-{name}", creds=self.creds(role, name), **kwargs
+        )
+
+    def env(self, role: Role, name: str, url: str | None = None) -> dict[str, str]:
+        """The ``gpulayer`` command line's environment as ``role`` ``name`` (``url``: another
+        server to reach instead of this one)."""
+        return dict(
+            os.environ,
+            GPULAYER_NATS_URL=url or self.url,
+            GPULAYER_NATS_CREDS=self.creds(role, name),
+        )
+
+
+@contextlib.asynccontextmanager
+async def secure_server(folder: Path, store: AuthStore) -> AsyncIterator[SecureNats]:
+    """A nats-server with ``store``'s auth config, its data under ``folder``; stopped on exit."""
+    server = EmbeddedNats(folder / "nats-auth", auth_conf=store.server_conf).start()
+    try:
+        yield SecureNats(server, store)
+    finally:
+        server.stop()
+
+
+@contextlib.asynccontextmanager
+async def secure_stack(
+    nats: SecureNats, database_url: str, folder: Path, node: str, **settings: str
+) -> AsyncIterator[SecureNats]:
+    """Placement, executor and probe of ``node`` as processes, each with its own role's
+    credential, against ``nats``; ``root`` is an admin, ``settings`` more environment for all
+    three. Ready once placement hears the node's executor; stopped on exit."""
+    base = service_env(
+        nats.url, database_url, folder / "executor", node, GPULAYER_ADMINS="root", **settings
+    )
+    creds = {
+        "gpulayer-placement": nats.creds("placement"),
+        "gpulayer-executor": nats.creds("node", node),
+        "gpulayer-probe": nats.creds("node", node),
+    }
+    async with Services() as services:
+        for name, path in creds.items():
+            env = dict(base, GPULAYER_NATS_CREDS=path)
+            await services.start(name, env, folder / f"{name}.log")
+        admin = await nats.connect("admin", "root")
+        try:
+            await until_node(admin, node, caller="root")
+        finally:
+            await admin.close()
+        yield nats
+
+
+async def until_node(
+    nc: Client, node: str, *, caller: str, executor_up: bool = True, timeout: float = 60
+) -> None:
+    """Until placement's API, asked as ``caller``, lists ``node`` (``executor_up``: and hears
+    its executor). Placement announces neither, so the API is asked again until then."""
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                nodes = await api(nc, API_NODES, timeout=1, caller=caller)
+            except Exception:  # placement still starting
+                nodes = []
+            if any(
+                n["node_id"] == node and (n["executor"] == "up" or not executor_up) for n in nodes
+            ):
+                return
+            await asyncio.sleep(0.1)
 
 
 async def events_until(

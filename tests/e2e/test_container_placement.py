@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 from nats.aio.client import Client
-from tests.helpers import Services, gpulayer, service_env
+from tests.helpers import Services, gpulayer, service_env, until_node
 
+from gpulayer_cli.common import me
 from gpulayer_runtime.nats import ensure_streams
 
 pytestmark = pytest.mark.e2e
@@ -49,13 +50,8 @@ async def stack(
     async with Services() as services:
         await services.start("gpulayer-placement", env, tmp_path / "placement.log")
         await services.start("gpulayer-probe", env, tmp_path / "plain-probe.log", key="plain")
-        await _until(
-            env,
-            "nodes",
-            "--json",
-            what="placement knows plain-node",
-            ok=lambda out: "plain-node" in out,
-        )
+        # No executor: the node is known, never "up".
+        await until_node(nc, "plain-node", caller=me(), executor_up=False, timeout=30)
         yield services, env
 
 

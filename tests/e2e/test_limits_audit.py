@@ -14,25 +14,27 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import AsyncIterator
-from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
 from nats.aio.client import Client
-from tests.helpers import Postgres, Services, gpulayer, service_env, subscribed
+from tests.helpers import (
+    Postgres,
+    SecureNats,
+    gpulayer,
+    secure_server,
+    secure_stack,
+    subscribed,
+)
 
 from gpulayer_cli.audit_cmd import Query, read_audit
 from gpulayer_cli.client import ApiFailed, api, follow_events, submit
 from gpulayer_contracts import JobRequest, encode
 from gpulayer_contracts.audit import AuditRecord, audit_subject
 from gpulayer_contracts.codec import event_decoder
-from gpulayer_contracts.subjects import API_CANCEL, API_JOBS, API_NODES, API_QUOTA, jobs_submit
+from gpulayer_contracts.subjects import API_CANCEL, API_JOBS, API_QUOTA, jobs_submit
 from gpulayer_runtime.auth import AuthStore
-from gpulayer_runtime.nats import connect
-from gpulayer_runtime.servers import EmbeddedNats
 
 pytestmark = pytest.mark.e2e
 
@@ -42,75 +44,30 @@ FLOOD = 60
 DENIED = 4
 
 
-class Stack:
-    def __init__(self, url: str, store: AuthStore, folder: Path) -> None:
-        self.url, self.store, self.folder = url, store, folder
-
-    def creds(self, role: str, name: str) -> str:
-        return str(self.store.ensure(role, name))  # type: ignore[arg-type]
-
-    def env(self, role: str, name: str) -> dict[str, str]:
-        return dict(
-            os.environ, GPULAYER_NATS_URL=self.url, GPULAYER_NATS_CREDS=self.creds(role, name)
-        )
-
-    async def connect(self, role: str, name: str, **kw: Any) -> Client:
-        return await connect(self.url, f"limits-{name}", creds=self.creds(role, name), **kw)
-
-
 @pytest.fixture(scope="module")
 async def stack(
     tmp_path_factory: pytest.TempPathFactory, auth_store: AuthStore, postgres: Postgres
-) -> AsyncIterator[Stack]:
+) -> AsyncIterator[SecureNats]:
     folder = tmp_path_factory.mktemp("limits")
-    db, db_url = await postgres.create()
-    server = EmbeddedNats(folder / "nats", auth_conf=auth_store.server_conf).start()
-    stack = Stack(server.url, auth_store, folder)
-    base = service_env(
-        server.url,
-        db_url,
-        folder / "executor",
-        NODE,
-        GPULAYER_ADMINS="root",
-        # Low, so that a flood of FLOOD submits is over the limit within a second; the rate
-        # (one a minute) adds nothing while the test runs.
-        GPULAYER_SUBMIT_RATE="0.016",
-        GPULAYER_SUBMIT_BURST=str(SUBMIT_BURST),
-        GPULAYER_API_RATE="0.016",
-        GPULAYER_API_BURST=str(API_BURST),
-        GPULAYER_DOCTOR_RATE="0.016",
-        GPULAYER_DOCTOR_BURST="1",
-    )
-    try:
-        async with Services() as services:
-            for name, creds in (
-                ("gpulayer-placement", stack.creds("placement", "")),
-                ("gpulayer-executor", stack.creds("node", NODE)),
-                ("gpulayer-probe", stack.creds("node", NODE)),
-            ):
-                env = dict(base, GPULAYER_NATS_CREDS=creds)
-                await services.start(name, env, folder / f"{name}.log")
-            await _ready(stack)
-            yield stack
-    finally:
-        server.stop()
-        await postgres.drop(db)
-
-
-async def _ready(stack: Stack) -> None:
-    root = await stack.connect("admin", "root")
-    try:
-        async with asyncio.timeout(60):
-            while True:
-                try:
-                    nodes = await api(root, API_NODES, timeout=1, caller="root")
-                except Exception:  # placement still starting
-                    nodes = []
-                if any(n["node_id"] == NODE and n["executor"] == "up" for n in nodes):
-                    return
-                await asyncio.sleep(0.1)
-    finally:
-        await root.close()
+    async with (
+        postgres.database() as db,
+        secure_server(folder, auth_store) as nats,
+        secure_stack(
+            nats,
+            db,
+            folder,
+            NODE,
+            # Low, so that a flood of FLOOD submits is over the limit within a second; the rate
+            # (one a minute) adds nothing while the test runs.
+            GPULAYER_SUBMIT_RATE="0.016",
+            GPULAYER_SUBMIT_BURST=str(SUBMIT_BURST),
+            GPULAYER_API_RATE="0.016",
+            GPULAYER_API_BURST=str(API_BURST),
+            GPULAYER_DOCTOR_RATE="0.016",
+            GPULAYER_DOCTOR_BURST="1",
+        ) as stack,
+    ):
+        yield stack
 
 
 async def _ends(nc: Client, job_id: str, owner: str) -> list[str]:
@@ -120,7 +77,7 @@ async def _ends(nc: Client, job_id: str, owner: str) -> list[str]:
     return tags
 
 
-async def test_a_flood_from_one_owner_does_not_hold_back_another(stack: Stack) -> None:
+async def test_a_flood_from_one_owner_does_not_hold_back_another(stack: SecureNats) -> None:
     mallory = await stack.connect("user", "mallory")
     alice = await stack.connect("user", "alice")
     try:
@@ -177,7 +134,7 @@ def _limit_reason(event: object, what: str) -> bool:
     )
 
 
-async def test_api_requests_per_caller_are_bounded(stack: Stack) -> None:
+async def test_api_requests_per_caller_are_bounded(stack: SecureNats) -> None:
     carol = await stack.connect("user", "carol")
     root = await stack.connect("admin", "root")
     try:
@@ -205,7 +162,7 @@ async def test_api_requests_per_caller_are_bounded(stack: Stack) -> None:
     assert "Traceback" not in err
 
 
-async def test_doctor_requests_past_the_probes_bucket_are_refused(stack: Stack) -> None:
+async def test_doctor_requests_past_the_probes_bucket_are_refused(stack: SecureNats) -> None:
     env = stack.env("admin", "root")
     first = await gpulayer("doctor", NODE, "--timeout", "60", env=env, timeout=90)
     assert first[0] in (0, 1), first
@@ -228,7 +185,7 @@ async def _audit_until(js: object, q: Query, want: int) -> list[AuditRecord]:
             await asyncio.sleep(0.2)
 
 
-async def test_submits_cancels_and_quota_changes_are_audited(stack: Stack) -> None:
+async def test_submits_cancels_and_quota_changes_are_audited(stack: SecureNats) -> None:
     erin = await stack.connect("user", "erin")
     root = await stack.connect("admin", "root")
     try:
@@ -278,7 +235,7 @@ async def test_submits_cancels_and_quota_changes_are_audited(stack: Stack) -> No
     assert "erin-ok" not in out
 
 
-async def test_a_user_may_neither_read_nor_forge_the_audit_trail(stack: Stack) -> None:
+async def test_a_user_may_neither_read_nor_forge_the_audit_trail(stack: SecureNats) -> None:
     rc, out, err = await gpulayer("audit", env=stack.env("user", "frank"), timeout=30)
     assert rc == DENIED, (rc, out, err)
     assert "permission denied: user frank may not" in err, err
@@ -308,7 +265,7 @@ async def test_a_user_may_neither_read_nor_forge_the_audit_trail(stack: Stack) -
 
 
 async def test_the_cli_helper_records_a_credential_change(
-    stack: Stack, monkeypatch: pytest.MonkeyPatch
+    stack: SecureNats, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from gpulayer_cli.audit_cmd import record_credential_change
 

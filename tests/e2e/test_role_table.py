@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 
 import pytest
 from nats.aio.client import Client
-from tests.helpers import Postgres, Services, gpulayer, service_env
+from tests.helpers import Postgres, SecureNats, gpulayer, secure_server, secure_stack
 
 from gpulayer_cli.client import ApiDenied, ApiFailed, api, follow_events, submit
 from gpulayer_cli.denials import Denials, PermissionDenied, watch
@@ -28,7 +27,7 @@ from gpulayer_contracts import JobRequest
 from gpulayer_contracts.subjects import ANONYMOUS, API_VERBS, api_subject
 from gpulayer_runtime.auth import AuthStore
 from gpulayer_runtime.nats import connect
-from gpulayer_runtime.servers import EmbeddedNats
+from gpulayer_runtime.roles import Role
 
 pytestmark = pytest.mark.e2e
 
@@ -44,79 +43,32 @@ DENIED = 4
 DOCTOR_TIMEOUT_S = 45
 
 
-class Stack:
-    def __init__(self, url: str, store: AuthStore, folder: Path) -> None:
-        self.url, self.store, self.folder = url, store, folder
-
-    def creds(self, role: str, name: str) -> str:
-        return str(self.store.ensure(role, name))  # type: ignore[arg-type]
-
-    def env(self, role: str, url: str | None = None) -> dict[str, str]:
-        return dict(
-            os.environ,
-            GPULAYER_NATS_URL=url or self.url,
-            GPULAYER_NATS_CREDS=self.creds(role, NAMES[role]),
-        )
-
-    async def connect(self, role: str, name: str) -> Client:
-        return await connect(self.url, f"roles-{role}", creds=self.creds(role, name))
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The stack's folder, where the cells write their job files, keys and goldens."""
+    return tmp_path_factory.mktemp("roles")
 
 
 @pytest.fixture(scope="module")
 async def stack(
-    tmp_path_factory: pytest.TempPathFactory, auth_store: AuthStore, postgres: Postgres
-) -> AsyncIterator[Stack]:
+    folder: Path, auth_store: AuthStore, postgres: Postgres
+) -> AsyncIterator[SecureNats]:
     """One stack for the whole table, with the jobs its cells are about: a finished job of
     alice, of root and of bob (each with a secret in its env), and sleeping ones to cancel."""
-    folder = tmp_path_factory.mktemp("roles")
-    db, db_url = await postgres.create()
-    server = EmbeddedNats(folder / "nats", auth_conf=auth_store.server_conf).start()
-    stack = Stack(server.url, auth_store, folder)
-    base = service_env(
-        server.url,
-        db_url,
-        folder / "executor",
-        NODE,
-        GPULAYER_ADMINS="root",
-    )
-    try:
-        async with Services() as services:
-            for name, creds in (
-                ("gpulayer-placement", stack.creds("placement", "")),
-                ("gpulayer-executor", stack.creds("node", NODE)),
-                ("gpulayer-probe", stack.creds("node", NODE)),
-            ):
-                env = dict(base, GPULAYER_NATS_CREDS=creds)
-                await services.start(name, env, folder / f"{name}.log")
-            await _ready(stack)
-            await _jobs(stack)
-            try:
-                yield stack
-            finally:
-                await _cancel_sleepers(stack)
-    finally:
-        server.stop()
-        await postgres.drop(db)
+    async with (
+        postgres.database() as db,
+        secure_server(folder, auth_store) as nats,
+        secure_stack(nats, db, folder, NODE) as stack,
+    ):
+        await _jobs(stack)
+        try:
+            yield stack
+        finally:
+            await _cancel_sleepers(stack)
 
 
-async def _ready(stack: Stack) -> None:
-    root = await stack.connect("admin", "root")
-    try:
-        async with asyncio.timeout(60):
-            while True:
-                try:
-                    nodes = await api(root, "gpulayer.api.nodes", timeout=1, caller="root")
-                except Exception:  # placement still starting
-                    nodes = []
-                if any(n["node_id"] == NODE and n["executor"] == "up" for n in nodes):
-                    return
-                await asyncio.sleep(0.1)
-    finally:
-        await root.close()
-
-
-async def _jobs(stack: Stack) -> None:
-    owners = (("alice", "user"), ("bob", "user"), ("root", "admin"))
+async def _jobs(stack: SecureNats) -> None:
+    owners: tuple[tuple[str, Role], ...] = (("alice", "user"), ("bob", "user"), ("root", "admin"))
     for owner, role in owners:
         nc = await stack.connect(role, owner)
         try:
@@ -139,7 +91,7 @@ async def _jobs(stack: Stack) -> None:
             await nc.close()
 
 
-async def _cancel_sleepers(stack: Stack) -> None:
+async def _cancel_sleepers(stack: SecureNats) -> None:
     """Whatever the cells left running: no job outlives the test."""
     root = await stack.connect("admin", "root")
     try:
@@ -219,13 +171,14 @@ def _check_cli(row: Row, role: str, rc: int, out: str, err: str) -> list[str]:
 
 
 @pytest.mark.parametrize("row", CLI_ROWS, ids=[r.case for r in CLI_ROWS])
-async def test_each_command_for_each_role(stack: Stack, row: Row) -> None:
+async def test_each_command_for_each_role(stack: SecureNats, folder: Path, row: Row) -> None:
     async def run(role: str) -> tuple[str, int, str, str, float]:
         # A local command must not need NATS: it runs against a port nothing listens on.
         url = "nats://127.0.0.1:1" if row.outcome(role) == "local" else None
-        argv = _argv(row, role, stack.folder)
+        argv = _argv(row, role, folder)
         started = time.monotonic()
-        rc, out, err = await gpulayer(*argv, env=stack.env(role, url), timeout=90)
+        env = stack.env(role, NAMES[role], url)  # type: ignore[arg-type]
+        rc, out, err = await gpulayer(*argv, env=env, timeout=90)
         return role, rc, out, err, time.monotonic() - started
 
     results = await asyncio.gather(*(run(role) for role in ROLES_SHOWN))
@@ -282,12 +235,12 @@ def _check_details(row: Row, by_role: dict[str, tuple[int, str, str]]) -> None:
             assert "may not" in err or "only" in err, err
 
 
-async def _watched(stack: Stack, role: str) -> Client:
+async def _watched(stack: SecureNats, role: str) -> Client:
     denials = Denials(f"{role} {NAMES[role]}")
     nc = await connect(
         stack.url,
         f"roles-api-{role}",
-        creds=stack.creds(role, NAMES[role]),
+        creds=stack.creds(role, NAMES[role]),  # type: ignore[arg-type]
         error_cb=denials.on_error,
     )
     watch(nc, denials)
@@ -295,7 +248,7 @@ async def _watched(stack: Stack, role: str) -> Client:
 
 
 @pytest.mark.parametrize("row", API_ROWS, ids=[r.case for r in API_ROWS])
-async def test_each_api_verb_for_each_role(stack: Stack, row: Row) -> None:
+async def test_each_api_verb_for_each_role(stack: SecureNats, row: Row) -> None:
     verb = row.command.split()[0]
     assert f"gpulayer.api.{verb}" in API_VERBS
 

@@ -4,7 +4,6 @@ attempts on another user's job (cancel, env)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -12,12 +11,11 @@ from typing import Any
 import nats.errors
 import pytest
 from nats.aio.client import Client
-from tests.conftest import SecureNats
-from tests.helpers import Services, service_env
+from tests.helpers import SecureNats, secure_stack
 
 from gpulayer_cli.client import ApiFailed, ApiUnavailable, api, follow_events, history, submit
 from gpulayer_contracts import JobRequest
-from gpulayer_contracts.subjects import API_CANCEL, API_JOB, API_JOBS, API_NODES
+from gpulayer_contracts.subjects import API_CANCEL, API_JOB, API_JOBS
 
 pytestmark = pytest.mark.e2e
 
@@ -30,31 +28,8 @@ async def stack(
 ) -> AsyncIterator[SecureNats]:
     """Placement, executor and probe, each with its own credential; ready once placement
     sees the node's executor."""
-    url = secure_nats.url
-    base = service_env(url, database_url, tmp_path / "executor", NODE, GPULAYER_ADMINS="root")
-    creds = {
-        "gpulayer-placement": secure_nats.creds("placement"),
-        "gpulayer-executor": secure_nats.creds("node", NODE),
-        "gpulayer-probe": secure_nats.creds("node", NODE),
-    }
-    async with Services() as services:
-        for name, path in creds.items():
-            env = dict(base, GPULAYER_NATS_CREDS=path)
-            await services.start(name, env, tmp_path / f"{name}.log")
-        admin = await secure_nats.connect("admin", "root")
-        try:
-            async with asyncio.timeout(60):
-                while True:
-                    try:
-                        nodes = await api(admin, API_NODES, timeout=1, caller="root")
-                    except Exception:  # placement still starting
-                        nodes = []
-                    if any(n["node_id"] == NODE and n["executor"] == "up" for n in nodes):
-                        break
-                    await asyncio.sleep(0.1)
-        finally:
-            await admin.close()
-        yield secure_nats
+    async with secure_stack(secure_nats, database_url, tmp_path, NODE) as stack:
+        yield stack
 
 
 async def _job(nc: Client, caller: str, job_id: str) -> dict[str, Any]:

@@ -18,8 +18,7 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
-from tests.conftest import SecureNats
-from tests.helpers import subscribed
+from tests.helpers import SecureNats, subscribed
 
 from gpulayer_contracts.subjects import (
     JOB_WILDCARD_EVENTS,

@@ -7,19 +7,17 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
 
 import asyncpg
 import pytest
 from nats.aio.client import Client
+from tests.helpers import linux_node, running_placement
 
-from gpulayer_contracts import HostInfo, WorkerCapabilities, __version__, encode
+from gpulayer_contracts import WorkerCapabilities, encode
 from gpulayer_contracts.bounds import MAX_CDI_DEVICES
 from gpulayer_contracts.capabilities import ContainerRuntime
 from gpulayer_contracts.subjects import node_capabilities
-from gpulayer_placement.service import PlacementService, Settings
-from gpulayer_placement.store import create_pool
-from gpulayer_runtime.nats import ensure_streams
+from gpulayer_placement.service import PlacementService
 
 pytestmark = pytest.mark.integration
 
@@ -29,24 +27,13 @@ RUNTIME = ContainerRuntime(
 
 
 def caps(runtime: ContainerRuntime | None) -> WorkerCapabilities:
-    return WorkerCapabilities(
-        node_id="ctr-node",
-        agent_version=__version__,
-        detected_at=datetime.now(UTC),
-        host=HostInfo(platform="linux-x86_64", os="linux", cpu_cores=2),
-        container_runtime=runtime,
-    )
+    return linux_node("ctr-node", container_runtime=runtime)
 
 
 @pytest.fixture
 async def placement(nc: Client, database_url: str) -> AsyncIterator[PlacementService]:
-    await ensure_streams(nc.jetstream())
-    pool = await create_pool(database_url)
-    svc = PlacementService(nc, pool, Settings(node_timeout_s=5, resend_after_s=60))
-    await svc.start()
-    yield svc
-    await svc.close()
-    await pool.close()
+    async with running_placement(nc, database_url) as svc:
+        yield svc
 
 
 async def _stored(database_url: str) -> object:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from nats.aio.client import Client
-from tests.helpers import subscribed
+from tests.helpers import running_placement, subscribed
 from tests.unit.placement.placement_fakes import gpu_node
 
 from gpulayer_cli.client import api
@@ -32,8 +32,6 @@ from gpulayer_contracts.subjects import (
     node_status,
 )
 from gpulayer_placement.service import PlacementService, Settings
-from gpulayer_placement.store import create_pool
-from gpulayer_runtime.nats import ensure_streams
 
 pytestmark = pytest.mark.integration
 
@@ -161,16 +159,12 @@ class Cluster:
 
 @pytest.fixture
 async def cluster(nc: Client, database_url: str) -> AsyncIterator[Cluster]:
-    await ensure_streams(nc.jetstream())
-    pool = await create_pool(database_url)
-    svc = PlacementService(nc, pool, Settings(node_timeout_s=1.0, resend_after_s=60))
-    await svc.start()
-    c = Cluster(nc, svc)
-    await c.start()
-    yield c
-    await c.stop()
-    await svc.close()
-    await pool.close()
+    settings = Settings(node_timeout_s=1.0, resend_after_s=60)
+    async with running_placement(nc, database_url, settings) as svc:
+        c = Cluster(nc, svc)
+        await c.start()
+        yield c
+        await c.stop()
 
 
 async def test_a_lost_job_is_retried_once_then_lost_for_good(cluster: Cluster) -> None:

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 import asyncpg
 import pytest
 from nats.aio.client import Client
-from tests.helpers import PROFILES_FILE
+from tests.helpers import PROFILES_FILE, running_placement
 from tests.integration.test_placement_service import Events
 
 from gpulayer_cli.client import api
@@ -33,8 +33,6 @@ from gpulayer_contracts.subjects import (
     node_capabilities,
 )
 from gpulayer_placement.service import PlacementService, Settings
-from gpulayer_placement.store import create_pool
-from gpulayer_runtime.nats import ensure_streams
 
 pytestmark = pytest.mark.integration
 
@@ -71,14 +69,9 @@ def caps(
 
 @pytest.fixture
 async def placement(nc: Client, database_url: str) -> AsyncIterator[PlacementService]:
-    await ensure_streams(nc.jetstream())
-    pool = await create_pool(database_url)
     settings = Settings(node_timeout_s=30, resend_after_s=60, profiles=load_profiles(PROFILES_FILE))
-    svc = PlacementService(nc, pool, settings)
-    await svc.start()
-    yield svc
-    await svc.close()
-    await pool.close()
+    async with running_placement(nc, database_url, settings) as svc:
+        yield svc
 
 
 @pytest.fixture

@@ -14,16 +14,14 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from tests.helpers import linux_node, running_placement
 
 from gpulayer_cli.client import ApiFailed, api
 from gpulayer_contracts import (
     AcceleratorDevice,
     Grant,
     Heartbeat,
-    HostInfo,
     JobStatus,
-    WorkerCapabilities,
-    __version__,
     encode,
 )
 from gpulayer_contracts.codec import event_decoder, grant_decoder
@@ -45,24 +43,10 @@ from gpulayer_runtime.nats import ensure_streams
 pytestmark = pytest.mark.integration
 
 
-def caps(node_id: str) -> WorkerCapabilities:
-    return WorkerCapabilities(
-        node_id=node_id,
-        agent_version=__version__,
-        detected_at=datetime.now(UTC),
-        host=HostInfo(platform="linux-x86_64", os="linux", cpu_cores=2),
-    )
-
-
 @pytest.fixture
 async def placement(nc: Client, database_url: str) -> AsyncIterator[PlacementService]:
-    await ensure_streams(nc.jetstream())
-    pool = await create_pool(database_url)
-    svc = PlacementService(nc, pool, Settings(node_timeout_s=5, resend_after_s=60))
-    await svc.start()
-    yield svc
-    await svc.close()
-    await pool.close()
+    async with running_placement(nc, database_url) as svc:
+        yield svc
 
 
 class Events:
@@ -106,7 +90,7 @@ async def test_cpu_job_is_placed_and_granted(
         await grants.put(grant_decoder.decode(msg.data))  # type: ignore[attr-defined]
 
     await nc.subscribe(node_grants("node-a"), cb=on_grant)
-    await js.publish(node_capabilities("node-a"), encode(caps("node-a")))
+    await js.publish(node_capabilities("node-a"), encode(linux_node("node-a")))
     job = {"job_id": "cpu-1", "command": ["echo", "hi"]}
     await js.publish(JOBS_SUBMIT, json.dumps(job).encode(), headers={MSG_ID_HEADER: "cpu-1"})
     await events.wait_for("cpu-1", "placed")
@@ -124,7 +108,7 @@ async def test_same_job_id_twice_is_one_job(
     nc: Client, placement: PlacementService, events: Events, database_url: str
 ) -> None:
     js = nc.jetstream()
-    await js.publish(node_capabilities("node-a"), encode(caps("node-a")))
+    await js.publish(node_capabilities("node-a"), encode(linux_node("node-a")))
     body = json.dumps({"job_id": "dup-1", "command": ["true"]}).encode()
     # Different message ids, so JetStream's own dedupe doesn't hide the second copy.
     await js.publish(JOBS_SUBMIT, body, headers={MSG_ID_HEADER: "a"})
@@ -145,7 +129,7 @@ async def test_garbage_is_rejected_and_next_job_runs(
     nc: Client, placement: PlacementService, events: Events
 ) -> None:
     js = nc.jetstream()
-    await js.publish(node_capabilities("node-a"), encode(caps("node-a")))
+    await js.publish(node_capabilities("node-a"), encode(linux_node("node-a")))
     await js.publish(JOBS_SUBMIT, b"\x00 not json at all")
     await js.publish(JOBS_SUBMIT, b'{"job_id": "bad-1", "command": "echo hi"}')
     await js.publish(
@@ -167,7 +151,7 @@ async def test_status_finishes_job_and_releases(
     nc: Client, placement: PlacementService, events: Events, database_url: str
 ) -> None:
     js = nc.jetstream()
-    await js.publish(node_capabilities("node-a"), encode(caps("node-a")))
+    await js.publish(node_capabilities("node-a"), encode(linux_node("node-a")))
     await js.publish(JOBS_SUBMIT, b'{"job_id": "st-1", "command": ["true"]}')
     await events.wait_for("st-1", "placed")
     conn = await asyncpg.connect(database_url)
@@ -199,7 +183,7 @@ async def test_unsatisfiable_job_is_placed_when_a_fitting_node_joins(
     nc: Client, placement: PlacementService, events: Events
 ) -> None:
     js = nc.jetstream()
-    await js.publish(node_capabilities("cpu-only"), encode(caps("cpu-only")))
+    await js.publish(node_capabilities("cpu-only"), encode(linux_node("cpu-only")))
     async with asyncio.timeout(10):
         # Absorbed into placement's memory: no event announces that, so look.
         while placement.fleet.get("cpu-only") is None:  # noqa: ASYNC110
@@ -215,7 +199,7 @@ async def test_unsatisfiable_job_is_placed_when_a_fitting_node_joins(
     assert pending.unsatisfiable  # type: ignore[attr-defined]
     assert "no cuda device" in pending.summary  # type: ignore[attr-defined]
     gpu = msgspec.structs.replace(
-        caps("gpu-joins"),
+        linux_node("gpu-joins"),
         accelerators=[
             AcceleratorDevice(
                 accelerator="cuda", index=0, memory_mib=81559, compute_capability="9.0",
@@ -357,13 +341,13 @@ async def test_job_announced_once_when_publishing_its_events_failed(
 
     try:
         if order == "node first":
-            await js.publish(node_capabilities("node-f"), encode(caps("node-f")))
+            await js.publish(node_capabilities("node-f"), encode(linux_node("node-f")))
             await stored("SELECT 1 FROM nodes WHERE node_id = 'node-f'")
             await js.publish(JOBS_SUBMIT, body, headers={MSG_ID_HEADER: "flaky-1"})
         else:
             await js.publish(JOBS_SUBMIT, body, headers={MSG_ID_HEADER: "flaky-1"})
             await stored("SELECT 1 FROM jobs WHERE job_id = 'flaky-1'")
-            await js.publish(node_capabilities("node-f"), encode(caps("node-f")))
+            await js.publish(node_capabilities("node-f"), encode(linux_node("node-f")))
         async with asyncio.timeout(20):
             # The resend loop ran for the still-placed job (it re-sends `placed` once)...
             await resend.seen.wait()
@@ -520,7 +504,7 @@ async def test_no_grants_to_a_node_whose_executor_stopped(
 
     beating = asyncio.create_task(beat())
     try:
-        await js.publish(node_capabilities("node-e"), encode(caps("node-e")))
+        await js.publish(node_capabilities("node-e"), encode(linux_node("node-e")))
         await executor_state("up")
         first = json.dumps({"job_id": "exec-0", "command": ["true"]}).encode()
         await js.publish(JOBS_SUBMIT, first, headers={MSG_ID_HEADER: "exec-0"})

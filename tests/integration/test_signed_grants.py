@@ -23,6 +23,7 @@ from tests.helpers import (
     TEST_KEY,
     TEST_PUBLIC_KEYS,
     TEST_SIGNER,
+    linux_node,
     publish_cancel,
     publish_grant,
     running_executor,
@@ -33,7 +34,6 @@ from tests.integration.test_executor import (
     make_grant,
     wait_for_event,
 )
-from tests.integration.test_placement_service import caps
 
 from gpulayer_cli.client import api
 from gpulayer_contracts import CancelJob, encode
@@ -272,7 +272,7 @@ async def submit(js: JetStreamContext, job_id: str, command: list[str]) -> None:
 async def test_placement_signs_grants_and_cancels_and_the_executor_runs_them(
     nc: Client, js: JetStreamContext, executor: Executor, placement: PlacementService
 ) -> None:
-    await js.publish(node_capabilities(NODE), encode(caps(NODE)))
+    await js.publish(node_capabilities(NODE), encode(linux_node(NODE)))
     job_id = f"signed-{uuid.uuid4().hex[:8]}"
     await submit(js, job_id, ["sleep", "600"])
     await wait_for_event(js, job_id, "running")
@@ -297,7 +297,7 @@ async def test_resent_grants_carry_a_valid_signature(
             twice.set()
 
     sub = await nc.subscribe(node_grants(node), cb=on_grant)
-    await js.publish(node_capabilities(node), encode(caps(node)))
+    await js.publish(node_capabilities(node), encode(linux_node(node)))
     await submit(js, f"resent-{uuid.uuid4().hex[:8]}", ["true"])
     await asyncio.wait_for(twice.wait(), 20)
     await sub.unsubscribe()
@@ -316,7 +316,7 @@ async def test_a_batch_of_grants_under_one_signature_all_run(
 ) -> None:
     """Jobs queued before placement starts are placed together: their grants share one
     signature, each with its own path to the signed root, and the executor runs every one."""
-    await js.publish(node_capabilities(NODE), encode(caps(NODE)))
+    await js.publish(node_capabilities(NODE), encode(linux_node(NODE)))
     job_ids = [f"batch-{i}-{uuid.uuid4().hex[:6]}" for i in range(6)]
     for job_id in job_ids:
         await submit(js, job_id, ["true"])

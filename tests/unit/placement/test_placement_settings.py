@@ -83,11 +83,11 @@ def test_status_hold_defaults_to_50_ms_and_0_turns_it_off() -> None:
     [
         ("soon", "expected a number"),
         ("", "expected a number"),
-        ("-0.1", "expected 0 to 1 seconds"),
-        ("1.5", "expected 0 to 1 seconds"),
-        ("nan", "expected 0 to 1 seconds"),
-        ("inf", "expected 0 to 1 seconds"),
-        ("1e308", "expected 0 to 1 seconds"),
+        ("-0.1", "expected a number from 0 to 1"),
+        ("1.5", "expected a number from 0 to 1"),
+        ("nan", "expected a number from 0 to 1"),
+        ("inf", "expected a number from 0 to 1"),
+        ("1e308", "expected a number from 0 to 1"),
     ],
 )
 def test_a_bad_status_hold_names_the_variable(raw: str, why: str) -> None:

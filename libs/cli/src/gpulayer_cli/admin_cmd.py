@@ -14,6 +14,7 @@ from rich.console import Console
 
 from gpulayer_cli import common
 from gpulayer_cli.common import EXIT_INVALID
+from gpulayer_runtime.settings import number_option
 
 
 def cmd_keys_generate(args: argparse.Namespace) -> int:
@@ -102,7 +103,8 @@ def add_quota(sub: Any) -> None:
             p.add_argument("--default", action="store_true", help="the default quota")
         if name == "set":
             p.add_argument("--gpus", action="append", metavar="ACC=N", help="e.g. cuda=8")
-            p.add_argument("--cores", type=float, default=None)
+            # -1 clears the limit.
+            p.add_argument("--cores", type=number_option(low=-1, low_open=False), default=None)
             p.add_argument("--jobs", type=int, default=None)
         p.add_argument("--json", action="store_true")
         p.set_defaults(fn=common.api_command(API_QUOTA, _quota_body, _render_quotas))

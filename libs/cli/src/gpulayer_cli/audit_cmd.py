@@ -180,43 +180,11 @@ def record_credential_change(
     "mint" / "revoke") the credential ``target`` (``user alice``). Connects with the CLI's own
     settings and credential (an admin's: nobody else may write the trail). False, with one line
     on stderr, when it was not stored; never raises."""
-    from gpulayer_runtime.auth import identity_of
-    from gpulayer_runtime.nats import connect
-
-    async def go() -> None:
-        settings = common.nats_settings()
-        who = identity_of(settings.creds) if settings.creds else None
-        identity, role = (who[1] or who[0], who[0]) if who else ("anonymous", "anonymous")
-        rec = AuditRecord(
-            identity=identity,
-            role=role,
-            action=action,
-            target=target,
-            outcome=outcome,
-            detail=detail[:500],
-        )
-
-        async def quiet(err: Exception) -> None:
-            pass  # the one line below says it, not one per try
-
-        # Each server tried once (nats-py's 0 means "forever"), quickly: a mint made with no
-        # server running (before the stack starts) must not wait on the trail.
-        nc = await connect(
-            settings.url,
-            "gpulayer-cli",
-            max_reconnect_attempts=1,
-            allow_reconnect=False,
-            connect_timeout=2,
-            error_cb=quiet,
-            **settings.connect_args(),
-        )
-        try:
-            await publish_records(nc.jetstream(), [rec])
-        finally:
-            await nc.close()
 
     def run() -> None:
-        asyncio.run(asyncio.wait_for(go(), 5.0))
+        asyncio.run(
+            asyncio.wait_for(_store_credential_change(action, target, outcome, detail), 5.0)
+        )
 
     try:
         try:
@@ -234,3 +202,39 @@ def record_credential_change(
         )
         return False
     return True
+
+
+async def _store_credential_change(action: Action, target: str, outcome: str, detail: str) -> None:
+    from gpulayer_runtime.auth import identity_of
+    from gpulayer_runtime.nats import connect
+
+    settings = common.nats_settings()
+    who = identity_of(settings.creds) if settings.creds else None
+    identity, role = (who[1] or who[0], who[0]) if who else ("anonymous", "anonymous")
+    rec = AuditRecord(
+        identity=identity,
+        role=role,
+        action=action,
+        target=target,
+        outcome=outcome,
+        detail=detail[:500],
+    )
+
+    async def quiet(err: Exception) -> None:
+        pass  # record_credential_change's one line says it, not one per try
+
+    # Each server tried once (nats-py's 0 means "forever"), quickly: a mint made with no
+    # server running (before the stack starts) must not wait on the trail.
+    nc = await connect(
+        settings.url,
+        "gpulayer-cli",
+        max_reconnect_attempts=1,
+        allow_reconnect=False,
+        connect_timeout=2,
+        error_cb=quiet,
+        **settings.connect_args(),
+    )
+    try:
+        await publish_records(nc.jetstream(), [rec])
+    finally:
+        await nc.close()

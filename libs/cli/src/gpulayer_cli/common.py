@@ -86,17 +86,7 @@ async def with_nats(fn: Callable[[Any], Awaitable[int]], *, quiet: bool = False)
             5,
         )
     except nats.errors.Error as err:
-        if "authorization" in str(err).lower():
-            say(
-                f"NATS at {url} refused the connection: "
-                + (
-                    f"credentials {settings.creds} are not valid there"
-                    if settings.creds
-                    else "it needs credentials (GPULAYER_NATS_CREDS; docs/security.md)"
-                )
-            )
-        else:
-            say(f"cannot reach NATS at {url}: {str(err) or 'no server answered'}")
+        say(_not_connected(url, settings.creds, err))
         return EXIT_UNREACHABLE
     except (OSError, TimeoutError) as err:
         say(f"cannot reach NATS at {url}: {str(err) or 'no server answered'}")
@@ -115,6 +105,18 @@ async def with_nats(fn: Callable[[Any], Awaitable[int]], *, quiet: bool = False)
         return EXIT_FAILED
     finally:
         await nc.close()
+
+
+def _not_connected(url: str, creds: str | None, err: Exception) -> str:
+    """Why NATS at ``url`` did not take the CLI's connection, in one line."""
+    if "authorization" not in str(err).lower():
+        return f"cannot reach NATS at {url}: {str(err) or 'no server answered'}"
+    if creds:
+        return f"NATS at {url} refused the connection: credentials {creds} are not valid there"
+    return (
+        f"NATS at {url} refused the connection: it needs credentials "
+        "(GPULAYER_NATS_CREDS; docs/security.md)"
+    )
 
 
 def api_command(

@@ -12,6 +12,7 @@ from rich.console import Console
 
 from gpulayer_cli import common
 from gpulayer_cli.common import EXIT_FAILED, EXIT_UNREACHABLE
+from gpulayer_runtime.settings import number_option
 
 
 def _render_nodes(console: Console, data: Any, devices: bool = False) -> None:
@@ -138,7 +139,9 @@ def add_doctor(sub: Any) -> None:
         action="store_true",
         help="the node's last observed health as placement holds it, without re-detecting",
     )
-    dr.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for the probe")
+    dr.add_argument(
+        "--timeout", type=number_option(), default=90.0, help="seconds to wait for the probe"
+    )
     dr.add_argument("--json", action="store_true")
     dr.set_defaults(fn=cmd_doctor)
 

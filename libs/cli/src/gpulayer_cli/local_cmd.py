@@ -11,6 +11,7 @@ from typing import Any
 
 from gpulayer_cli import common
 from gpulayer_contracts import WIRE_SCHEMAS, wire_schema
+from gpulayer_runtime.settings import number_option
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
@@ -80,7 +81,9 @@ def add_dev(sub: Any) -> None:
     )
     up.add_argument("--examples", default="examples", help="folder of example job files")
     up.add_argument("--data-dir", default=".gpulayer", help="where servers keep their data")
-    up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the examples")
+    up.add_argument(
+        "--timeout", type=number_option(), default=120.0, help="seconds to wait for the examples"
+    )
     up.add_argument(
         "--no-auth",
         action="store_true",

@@ -126,24 +126,10 @@ async def run_logs(
         return 3  # as every other command that can't reach the stack
     watch(nc, denials)
     try:
-        printer = _Printer(out)
         try:
-            if not follow and (ranks := await _gang_ranks(nc, events_subject)):
-                for rank, rank_id in ranks:
-                    subject = job_logs(rank_id, owner)
-                    if (last := await _last_seq(nc, LOGS_STREAM, subject)) is not None:
-                        await _print_until(nc, subject, _Printer(out, f"[rank {rank}] "), last)
-                return 0
-            last = await _last_seq(nc, LOGS_STREAM, logs_subject)
-            if not follow:
-                if last is None:
-                    if await _last_seq(nc, EVENTS_STREAM, events_subject) is None:
-                        err.write(f"gpulayer logs: no logs or events for job {job_id}\n")
-                        return 1
-                    return 0
-                await _print_until(nc, logs_subject, printer, last)
-                return 0
-            return await _follow(nc, logs_subject, events_subject, printer, owner)
+            if follow:
+                return await _follow(nc, logs_subject, events_subject, _Printer(out), owner)
+            return await _print_stored(nc, job_id, owner, out, err)
         except PermissionDenied as e:
             err.write(f"gpulayer logs: {e}\n")
             return 4  # as every command whose credential lacks a permission
@@ -155,6 +141,26 @@ async def run_logs(
     finally:
         with contextlib.suppress(Exception):
             await nc.close()
+
+
+async def _print_stored(nc: Client, job_id: str, owner: str, out: TextIO, err: TextIO) -> int:
+    """The lines stored now: a distributed job's rank by rank. 1 when the job has neither
+    logs nor events."""
+    logs_subject, events_subject = job_logs(job_id, owner), job_events(job_id, owner)
+    if ranks := await _gang_ranks(nc, events_subject):
+        for rank, rank_id in ranks:
+            subject = job_logs(rank_id, owner)
+            if (last := await _last_seq(nc, LOGS_STREAM, subject)) is not None:
+                await _print_until(nc, subject, _Printer(out, f"[rank {rank}] "), last)
+        return 0
+    last = await _last_seq(nc, LOGS_STREAM, logs_subject)
+    if last is None:
+        if await _last_seq(nc, EVENTS_STREAM, events_subject) is None:
+            err.write(f"gpulayer logs: no logs or events for job {job_id}\n")
+            return 1
+        return 0
+    await _print_until(nc, logs_subject, _Printer(out), last)
+    return 0
 
 
 def _placed_ranks(data: bytes) -> list[tuple[int, str]] | None:

@@ -237,7 +237,31 @@ def expand_profile(job: JobRequest, profiles: Profiles) -> tuple[JobRequest, lis
     profile = profiles.by_ref.get(ref)
     if profile is None:
         return job, [_unknown(ref, profiles)]
-    req = job.requirements
+    changes, supplied, errors = _merged_requirements(ref, profile, job.requirements)
+    container = job.container
+    if profile.container is not None:
+        # The job's own field, not a requirement; the same rule: set both, they must agree.
+        if container is not None and container != profile.container:
+            errors.append(
+                f"$.container: the job's {msgspec.to_builtins(container)!r} conflicts with "
+                f"profile {ref}'s {msgspec.to_builtins(profile.container)!r}"
+            )
+        container = profile.container
+        supplied.append("container")
+    expanded = msgspec.structs.replace(
+        job,
+        requirements=msgspec.structs.replace(job.requirements, **changes),
+        container=container,
+        profile_fields=supplied,
+    )
+    return expanded, errors
+
+
+def _merged_requirements(
+    ref: str, profile: Profile, req: Requirements
+) -> tuple[dict[str, Any], list[str], list[str]]:
+    """The requirement fields profile ``ref`` changes in ``req`` (with their new values), the
+    fields it supplied, and the conflicts between the two."""
     changes: dict[str, Any] = {}
     supplied: list[str] = []
     errors: list[str] = []
@@ -269,23 +293,7 @@ def expand_profile(job: JobRequest, profiles: Profiles) -> tuple[JobRequest, lis
                 conflict(field, own, theirs)
             changes[field] = theirs
             supplied.append(field)
-    container = job.container
-    if profile.container is not None:
-        # The job's own field, not a requirement; the same rule: set both, they must agree.
-        if container is not None and container != profile.container:
-            errors.append(
-                f"$.container: the job's {msgspec.to_builtins(container)!r} conflicts with "
-                f"profile {ref}'s {msgspec.to_builtins(profile.container)!r}"
-            )
-        container = profile.container
-        supplied.append("container")
-    expanded = msgspec.structs.replace(
-        job,
-        requirements=msgspec.structs.replace(req, **changes),
-        container=container,
-        profile_fields=supplied,
-    )
-    return expanded, errors
+    return changes, supplied, errors
 
 
 def same_submission(stored: JobRequest, job: JobRequest) -> bool:

@@ -128,11 +128,35 @@ def validate_job(job: JobRequest, core_version: str = __version__) -> Validation
     (``bounds.job_bound_errors``) first. At most ``bounds.MAX_ERRORS`` errors are listed."""
     errors: list[str] = job_bound_errors(job)
     warnings: list[str] = []
+    errors += _command_and_id_errors(job)
+    _check_device_requirements(job, errors, warnings)
+    errors += _version_errors(job, core_version)
+    sections: list[tuple[str, GpuUsage]] = [("$.gpu", job.gpu or GpuUsage())]
+    sections += [(f"$.variants.{p}.gpu", v.gpu) for p, v in job.variants.items()]
+    for path, gpu in sections:
+        _check_gpu_section(job, path, gpu, errors, warnings)
+    errors += distributed_errors(job)
+    if job.distributed is not None and job.preemptible:
+        warnings.append(
+            "$.preemptible: a distributed job is never preempted (its ranks are placed and end "
+            "together); preemptible has no effect on it"
+        )
     req = job.requirements
+    if req.accelerator is not None and not is_schedulable(req.accelerator, "independent"):
+        level = support_level(req.accelerator, "independent")
+        errors.append(
+            f"$.requirements.accelerator: {req.accelerator} is {level} in the support matrix"
+        )
+    errors += lifecycle_errors(job)
+    errors += gang_errors(job)
+    return Validation(errors=bound_messages(errors), warnings=bound_messages(warnings))
 
+
+def _command_and_id_errors(job: JobRequest) -> list[str]:
+    """The program name, the env a job may not set, and a job id shaped like a rank's."""
+    errors: list[str] = []
     if any(not arg for arg in job.command[:1]):
         errors.append("$.command[0]: the program name is empty")
-
     for name in protected_env_names(job.env, distributed=job.distributed is not None):
         errors.append(f"{env_path(name)}: set by gpulayer, a job may not set it")
     if isinstance(job.job_id, str) and _RANK_ID.search(job.job_id):
@@ -140,7 +164,12 @@ def validate_job(job: JobRequest, core_version: str = __version__) -> Validation
             f"$.job_id: {job.job_id!r} ends in {RANK_SUFFIX}<digits>, the shape of the ids gpulayer "
             "gives the ranks of a distributed job (<job_id>-rank<R>): choose another id"
         )
+    return errors
 
+
+def _check_device_requirements(job: JobRequest, errors: list[str], warnings: list[str]) -> None:
+    """What the requirements ask of each device, against the accelerator they name."""
+    req = job.requirements
     if req.accelerator == "cpu":
         if req.gpu_count > 0:
             errors.append("$.requirements.gpu_count: a cpu job cannot ask for GPU devices")
@@ -172,6 +201,11 @@ def validate_job(job: JobRequest, core_version: str = __version__) -> Validation
                 f"this job asks for {req.accelerator}"
             )
 
+
+def _version_errors(job: JobRequest, core_version: str) -> list[str]:
+    """The driver, framework, python and gpulayer version specifiers."""
+    errors: list[str] = []
+    req = job.requirements
     if req.driver is not None:
         _check_specifier("$.requirements.driver", req.driver, errors)
         if req.accelerator not in (None, "cuda"):
@@ -179,63 +213,48 @@ def validate_job(job: JobRequest, core_version: str = __version__) -> Validation
                 "$.requirements.driver: the NVIDIA driver is only meaningful for cuda jobs, "
                 f"this job asks for {req.accelerator}"
             )
-
     for name, spec in req.frameworks.items():
         _check_specifier(f"$.requirements.frameworks.{name}", spec, errors)
     if req.python is not None:
         _check_specifier("$.requirements.python", req.python, errors)
-
     if job.requires_core is not None:
-        try:
-            if not SpecifierSet(job.requires_core).contains(
-                Version(core_version), prereleases=True
-            ):
-                errors.append(
-                    f"$.requires_core: gpulayer {core_version} does not satisfy {job.requires_core!r}"
-                )
-        except InvalidSpecifier:
-            errors.append(
-                f"$.requires_core: {job.requires_core!r} is not a PEP 440 version specifier"
-            )
-        except InvalidVersion:  # pragma: no cover - our own version is always valid
-            errors.append(f"$.requires_core: gpulayer's version {core_version!r} is not PEP 440")
+        errors += _requires_core_errors(job.requires_core, core_version)
+    return errors
 
-    sections: list[tuple[str, GpuUsage]] = [("$.gpu", job.gpu or GpuUsage())]
-    sections += [(f"$.variants.{p}.gpu", v.gpu) for p, v in job.variants.items()]
-    for path, gpu in sections:
-        if gpu.apis_any and effective_use(job, gpu) == "none":
-            errors.append(f'{path}.apis_any: needs gpu.use = "shared" or "exclusive"')
-        if gpu.apis_any and req.accelerator == "cpu":
-            errors.append(f"{path}.apis_any: a cpu job uses no GPU API")
-        if gpu.use == "none" and requested_gpu_count(job) > 0:
-            errors.append(f'{path}.use: "none" contradicts the GPU devices the job asks for')
-        if effective_use(job, gpu) == "shared" and req.gpu_memory_gb is None:
-            warnings.append(
-                f'{path}.use: "shared" without requirements.gpu_memory_gb reserves no GPU '
-                "memory: jobs sharing the device may take all of it"
-            )
-        for api in gpu.apis_any:
-            if api not in KNOWN_GPU_APIS:
-                warnings.append(
-                    f"{path}.apis_any: {api!r} is an API no detector knows; "
-                    "no node will report it until one does"
-                )
 
-    errors += distributed_errors(job)
-    if job.distributed is not None and job.preemptible:
+def _requires_core_errors(requires_core: str, core_version: str) -> list[str]:
+    try:
+        if not SpecifierSet(requires_core).contains(Version(core_version), prereleases=True):
+            return [f"$.requires_core: gpulayer {core_version} does not satisfy {requires_core!r}"]
+    except InvalidSpecifier:
+        return [f"$.requires_core: {requires_core!r} is not a PEP 440 version specifier"]
+    except InvalidVersion:  # pragma: no cover - our own version is always valid
+        return [f"$.requires_core: gpulayer's version {core_version!r} is not PEP 440"]
+    return []
+
+
+def _check_gpu_section(
+    job: JobRequest, path: str, gpu: GpuUsage, errors: list[str], warnings: list[str]
+) -> None:
+    """One ``gpu`` section (the job's or a platform variant's) against the requirements."""
+    req = job.requirements
+    if gpu.apis_any and effective_use(job, gpu) == "none":
+        errors.append(f'{path}.apis_any: needs gpu.use = "shared" or "exclusive"')
+    if gpu.apis_any and req.accelerator == "cpu":
+        errors.append(f"{path}.apis_any: a cpu job uses no GPU API")
+    if gpu.use == "none" and requested_gpu_count(job) > 0:
+        errors.append(f'{path}.use: "none" contradicts the GPU devices the job asks for')
+    if effective_use(job, gpu) == "shared" and req.gpu_memory_gb is None:
         warnings.append(
-            "$.preemptible: a distributed job is never preempted (its ranks are placed and end "
-            "together); preemptible has no effect on it"
+            f'{path}.use: "shared" without requirements.gpu_memory_gb reserves no GPU '
+            "memory: jobs sharing the device may take all of it"
         )
-    if req.accelerator is not None and not is_schedulable(req.accelerator, "independent"):
-        level = support_level(req.accelerator, "independent")
-        errors.append(
-            f"$.requirements.accelerator: {req.accelerator} is {level} in the support matrix"
-        )
-
-    errors += lifecycle_errors(job)
-    errors += gang_errors(job)
-    return Validation(errors=bound_messages(errors), warnings=bound_messages(warnings))
+    for api in gpu.apis_any:
+        if api not in KNOWN_GPU_APIS:
+            warnings.append(
+                f"{path}.apis_any: {api!r} is an API no detector knows; "
+                "no node will report it until one does"
+            )
 
 
 def distributed_errors(job: JobRequest) -> list[str]:

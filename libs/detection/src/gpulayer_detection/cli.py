@@ -16,7 +16,7 @@ import msgspec
 
 from gpulayer_contracts import encode
 from gpulayer_contracts.capabilities import WorkerCapabilities
-from gpulayer_runtime.settings import default_node_id
+from gpulayer_runtime.settings import default_node_id, number_option
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,14 +39,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--timeout",
-        type=float,
+        type=number_option(),
         default=10.0,
         metavar="S",
         help="limit for each detection source, seconds (default 10)",
     )
     p.add_argument(
         "--torch-timeout",
-        type=float,
+        type=number_option(),
         default=60.0,
         metavar="S",
         help="limit for the torch query, seconds (default 60)",
@@ -71,9 +71,6 @@ def main(argv: list[str]) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error already printed by argparse
         return exc.code if isinstance(exc.code, int) else 2
-    if args.timeout <= 0 or args.torch_timeout <= 0:
-        print("gpulayer probe: timeouts must be positive", file=sys.stderr)
-        return 2
     from gpulayer_detection.containers import ContainerSettings, settings_from_env
     from gpulayer_detection.registry import detect_capabilities
 

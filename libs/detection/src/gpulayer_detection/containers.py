@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import os
 import resource
 import shutil
@@ -36,6 +35,7 @@ from gpulayer_contracts.capabilities import ContainerRuntime
 from gpulayer_detection.base import Finding, ProbeContext
 from gpulayer_detection.cdi import read_cdi_devices
 from gpulayer_detection.runner import RunResult, resolve
+from gpulayer_runtime.settings import env_float
 
 __all__ = [
     "INSTALL_HINT",
@@ -81,21 +81,10 @@ def settings_from_env(env: Mapping[str, str]) -> ContainerSettings:
     GPULAYER_PROBE_CONTAINER_TEST_S from ``env``, for the edges that read it (the probe's
     ``__main__``, ``gpulayer probe``, ``check``). Raises ValueError naming a bad value."""
     podman = env.get("GPULAYER_PROBE_PODMAN", "").strip() or "podman"
-    raw = env.get("GPULAYER_PROBE_CONTAINER_TEST_S", "").strip()
-    timeout = 20.0
-    if raw:
-        try:
-            timeout = float(raw)
-        except ValueError:
-            timeout = math.nan
-        if not (0 < timeout <= 3600):  # NaN fails too
-            raise ValueError(
-                f"GPULAYER_PROBE_CONTAINER_TEST_S={raw!r}: expected seconds, above 0 and at most 3600"
-            )
     return ContainerSettings(
         podman=None if podman.lower() == "none" else podman,
         oci_runtime=env.get("GPULAYER_OCI_RUNTIME", "").strip() or None,
-        test_timeout=timeout,
+        test_timeout=env_float(env, "GPULAYER_PROBE_CONTAINER_TEST_S", 20.0, high=3600.0),
     )
 
 

@@ -142,6 +142,22 @@ async def _gather(nc: Any, subject: str, payload: bytes, want: int, timeout: flo
         await sub.unsubscribe()
 
 
+async def _running_servers(nc: Any, timeout: float) -> int:
+    """How many servers there are: each answers a ping and says how many it knows of; at
+    least the one connected to (no answer at all must not read as "all applied it")."""
+    pings = await _gather(nc, "$SYS.REQ.SERVER.PING.STATSZ", b"", 1, timeout)
+    servers = max(1, len(pings))
+    for raw in pings:
+        with contextlib.suppress(msgspec.DecodeError):
+            servers = max(servers, _PING.decode(raw).statsz.active_servers)
+    # A server's stats count the servers it has heard from, fewer than it routes to in its
+    # first seconds (a revocation right after a start said "all 1 running servers applied
+    # it" of three): its routes count them too.
+    for raw in await _gather(nc, "$SYS.REQ.SERVER.PING.ROUTEZ", b"", 1, timeout):
+        servers = max(servers, routed_servers(raw))
+    return servers
+
+
 async def push_account(
     url: str,
     system_creds: str,
@@ -188,18 +204,7 @@ async def push_account(
         await nc.close()
         raise
     try:
-        # How many servers there are: each answers a ping and says how many it knows of; at
-        # least the one connected to (no answer at all must not read as "all applied it").
-        pings = await _gather(nc, "$SYS.REQ.SERVER.PING.STATSZ", b"", 1, timeout)
-        servers = max(1, len(pings))
-        for raw in pings:
-            with contextlib.suppress(msgspec.DecodeError):
-                servers = max(servers, _PING.decode(raw).statsz.active_servers)
-        # A server's stats count the servers it has heard from, fewer than it routes to in its
-        # first seconds (a revocation right after a start said "all 1 running servers applied
-        # it" of three): its routes count them too.
-        for raw in await _gather(nc, "$SYS.REQ.SERVER.PING.ROUTEZ", b"", 1, timeout):
-            servers = max(servers, routed_servers(raw))
+        servers = await _running_servers(nc, timeout)
         account = decode_jwt_claims(account_jwt)["sub"]
         subject = f"$SYS.REQ.ACCOUNT.{account}.CLAIMS.UPDATE"
         replies = await _gather(nc, subject, account_jwt.encode(), servers, timeout)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import math
@@ -28,17 +29,73 @@ def env_str(env: Mapping[str, str], name: str, default: str) -> str:
     return value or default
 
 
-def env_float(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
+def parse_number(
+    raw: str, *, low: float = 0.0, high: float = math.inf, low_open: bool = True
+) -> float:
+    """``raw`` as a finite number from ``low`` (excluded when ``low_open``: above 0 by default)
+    to ``high``; a ValueError saying what was expected otherwise.
+
+    The one parser of numbers in settings and command-line options: ``float()`` alone takes
+    ``nan``, ``inf`` and ``1e400`` (inf), which no setting means, and NaN slips through any
+    check written as ``if value <= 0: reject``."""
     try:
         value = float(raw)
     except ValueError:
-        raise ConfigError(f"{name}={raw!r}: expected a number") from None
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"{name}={raw!r}: expected a positive number")
+        value = math.nan
+    above = value > low if low_open else value >= low
+    if not (math.isfinite(value) and above and value <= high):
+        raise ValueError(f"expected {_number_range(low, high, low_open)}")
     return value
+
+
+def _number_range(low: float, high: float, low_open: bool) -> str:
+    if math.isinf(high):
+        return f"a number above {low:g}" if low_open else f"a number of {low:g} or more"
+    if low_open:
+        return f"a number above {low:g} and at most {high:g}"
+    return f"a number from {low:g} to {high:g}"
+
+
+def setting_number(
+    name: str, raw: str, *, low: float = 0.0, high: float = math.inf, low_open: bool = True
+) -> float:
+    """``parse_number`` for the setting ``name``: a ConfigError naming it."""
+    try:
+        return parse_number(raw, low=low, high=high, low_open=low_open)
+    except ValueError as err:
+        raise ConfigError(f"{name}={raw[:40]!r}: {err}") from None
+
+
+def env_float(
+    env: Mapping[str, str],
+    name: str,
+    default: float,
+    *,
+    low: float = 0.0,
+    high: float = math.inf,
+    low_open: bool = True,
+) -> float:
+    """The number ``name`` sets (a positive one unless the bounds say otherwise), ``default``
+    when unset."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    return setting_number(name, raw, low=low, high=high, low_open=low_open)
+
+
+def number_option(
+    *, low: float = 0.0, high: float = math.inf, low_open: bool = True
+) -> Callable[[str], float]:
+    """An argparse ``type`` for a number option (``--timeout``): ``parse_number`` with these
+    bounds, a usage error naming the option otherwise."""
+
+    def parse(raw: str) -> float:
+        try:
+            return parse_number(raw, low=low, high=high, low_open=low_open)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"{raw[:40]!r}: {err}") from None
+
+    return parse
 
 
 def env_int(env: Mapping[str, str], name: str, default: int) -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import pwd
 import re
@@ -196,27 +195,6 @@ def _say_what_jobs_cannot_reach(config: ExecutorConfig) -> None:
         )
 
 
-def _seconds_or_zero(env: Mapping[str, str], name: str) -> float:
-    raw = env.get(name, "").strip()
-    if raw in ("", "0"):
-        return 0.0
-    return env_float(env, name, 0.0)
-
-
-def _number(env: Mapping[str, str], name: str, default: float, high: float) -> float:
-    """A finite number from 0 to ``high`` (0 allowed, unlike ``env_float``)."""
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or not 0 <= value <= high:
-        raise ConfigError(f"{name}={raw!r}: expected a number from 0 to {high:g}")
-    return value
-
-
 def _count(env: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
     raw = env.get(name, "").strip()
     if not raw:
@@ -258,9 +236,15 @@ def limit_settings(env: Mapping[str, str]) -> dict[str, Any]:
         "enforce": _enforce(env),
         "job_pids_max": _count(env, "GPULAYER_EXECUTOR_JOB_PIDS_MAX", 4096, 0, MAX_PIDS),
         "device_dir": _device_dir(env),
-        "reserved_cores": _number(env, "GPULAYER_EXECUTOR_RESERVED_CORES", 0.0, MAX_JOB_CPU_CORES),
-        "reserved_memory_gb": _number(
-            env, "GPULAYER_EXECUTOR_RESERVED_MEMORY_GB", 1.0, MAX_JOB_MEMORY_GB
+        "reserved_cores": env_float(
+            env, "GPULAYER_EXECUTOR_RESERVED_CORES", 0.0, low_open=False, high=MAX_JOB_CPU_CORES
+        ),
+        "reserved_memory_gb": env_float(
+            env,
+            "GPULAYER_EXECUTOR_RESERVED_MEMORY_GB",
+            1.0,
+            low_open=False,
+            high=MAX_JOB_MEMORY_GB,
         ),
     }
 
@@ -296,18 +280,12 @@ def container_settings(env: Mapping[str, str]) -> dict[str, Any]:
         "podman": _program(env, "GPULAYER_EXECUTOR_PODMAN", "podman"),
         "container_runtime": runtime or None,
         "container_network": network,
-        "container_pull_timeout_s": _pull_timeout(env),
+        "container_pull_timeout_s": env_float(
+            env, "GPULAYER_EXECUTOR_CONTAINER_PULL_TIMEOUT_S", 300.0, high=24 * 3600.0
+        ),
         "cdi_dirs": tuple(d for d in dirs.split(os.pathsep) if d) if dirs else CDI_DIRS,
         "cdi_kind": kind or None,
     }
-
-
-def _pull_timeout(env: Mapping[str, str]) -> float:
-    name = "GPULAYER_EXECUTOR_CONTAINER_PULL_TIMEOUT_S"
-    value = _number(env, name, 300.0, 24 * 3600.0)
-    if value <= 0:
-        raise ConfigError(f"{name}={value:g}: expected a number above 0")
-    return value
 
 
 _CDI_KIND = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -335,7 +313,7 @@ def settings(env: Mapping[str, str], *, euid: int | None = None) -> ExecutorConf
         kill_grace_s=env_float(env, "GPULAYER_KILL_GRACE_S", 5.0),
         **limit_settings(env),
         **container_settings(env),
-        drain_s=_seconds_or_zero(env, "GPULAYER_EXECUTOR_DRAIN_S"),
+        drain_s=env_float(env, "GPULAYER_EXECUTOR_DRAIN_S", 0.0, low_open=False),
         shim=_on_off(env, "GPULAYER_EXECUTOR_SHIM"),
         heartbeat_s=env_float(env, "GPULAYER_HEARTBEAT_S", 5.0),
         placement_public_keys=public_keys_from_env(env),

@@ -32,6 +32,7 @@ from gpulayer_runtime.settings import (
     env_str,
     nats_settings,
     run_service,
+    setting_number,
     stream_replicas,
 )
 from gpulayer_runtime.signing import signer_from_env
@@ -135,15 +136,7 @@ MAX_STATUS_HOLD_S = 1.0
 
 def status_hold(raw: str) -> float:
     """``GPULAYER_STATUS_HOLD_S``: seconds, 0 (no hold) to ``MAX_STATUS_HOLD_S``."""
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"GPULAYER_STATUS_HOLD_S={raw[:40]!r}: expected a number") from None
-    if not 0 <= value <= MAX_STATUS_HOLD_S:  # NaN fails this too
-        raise ConfigError(
-            f"GPULAYER_STATUS_HOLD_S={raw[:40]!r}: expected 0 to {MAX_STATUS_HOLD_S:g} seconds"
-        )
-    return value
+    return setting_number("GPULAYER_STATUS_HOLD_S", raw, low_open=False, high=MAX_STATUS_HOLD_S)
 
 
 def admin_names(raw: str) -> frozenset[str]:

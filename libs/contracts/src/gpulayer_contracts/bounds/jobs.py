@@ -52,8 +52,10 @@ from gpulayer_contracts.jobs import (
     JOB_ID_PATTERN,
     PROFILE_REF_PATTERN,
     RANK_SUFFIX,
+    Distributed,
     GpuUsage,
     JobRequest,
+    Requirements,
     rank_job_id,
 )
 
@@ -275,10 +277,40 @@ def _job_bounds(job: JobRequest) -> Iterator[str]:
     if not isinstance(job.job_id, str) or not JOB_ID.fullmatch(job.job_id):
         yield f"$.job_id: {show(job.job_id)} is not a job id ({JOB_ID_PATTERN})"
     yield from text_errors("$.name", job.name, MAX_NAME_BYTES)
+    yield from _command_bounds(job.command)
+    yield from _env_bounds(job.env)
+    if job.timeout_s is not None:
+        yield from _present(
+            range_error("$.timeout_s", job.timeout_s, 0, MAX_TIMEOUT_S, low_open=True)
+        )
+    yield from _requirement_bounds(job.requirements)
+    sections: list[tuple[str, GpuUsage]] = [("$.gpu", job.gpu or GpuUsage())]
+    sections += [(f"$.variants.{k}.gpu", v.gpu) for k, v in job.variants.items()]
+    for path, gpu in sections:
+        yield from texts_errors(
+            f"{path}.apis_any", gpu.apis_any, MAX_LIST_ITEMS, MAX_SHORT_TEXT_BYTES
+        )
+    if job.distributed is not None:
+        yield from _distributed_bounds(job.distributed)
+    if job.requires_core is not None:
+        yield from text_errors("$.requires_core", job.requires_core, MAX_SHORT_TEXT_BYTES)
+    yield from _profile_and_container_bounds(job)
+    yield from _lifecycle_bounds(job)
+    # Queue policy (issue 15 part A).
+    yield from _present(range_error("$.priority", job.priority, -MAX_PRIORITY, MAX_PRIORITY))
 
-    yield from count_errors("$.command", job.command, MAX_ARGV_ITEMS)
+
+def _present(*errors: str | None) -> Iterator[str]:
+    """The errors that are there (``range_error`` gives None for a value in range)."""
+    for error in errors:
+        if error:
+            yield error
+
+
+def _command_bounds(command: list[str]) -> Iterator[str]:
+    yield from count_errors("$.command", command, MAX_ARGV_ITEMS)
     total = 0
-    for i, arg in enumerate(job.command):
+    for i, arg in enumerate(command):
         size = utf8_len(arg)
         total += size
         if i <= MAX_ARGV_ITEMS:
@@ -286,9 +318,11 @@ def _job_bounds(job: JobRequest) -> Iterator[str]:
     if total > MAX_ARGV_BYTES:
         yield f"$.command: {total} bytes in all, over the limit of {MAX_ARGV_BYTES} bytes"
 
-    yield from count_errors("$.env", job.env, MAX_ENV_VARS)
+
+def _env_bounds(env: dict[str, str]) -> Iterator[str]:
+    yield from count_errors("$.env", env, MAX_ENV_VARS)
     total = 0
-    for i, (name, value) in enumerate(job.env.items()):
+    for i, (name, value) in enumerate(env.items()):
         total += utf8_len(name) + 1 + utf8_len(value)
         if i > MAX_ENV_VARS:
             continue
@@ -304,32 +338,24 @@ def _job_bounds(job: JobRequest) -> Iterator[str]:
     if total > MAX_ENV_BYTES:
         yield f"$.env: {total} bytes in all (NAME=value), over the limit of {MAX_ENV_BYTES} bytes"
 
-    if job.timeout_s is not None:
-        error = range_error("$.timeout_s", job.timeout_s, 0, MAX_TIMEOUT_S, low_open=True)
-        if error:
-            yield error
 
-    req = job.requirements
+def _requirement_bounds(req: Requirements) -> Iterator[str]:
     p = "$.requirements"
-    error = range_error(f"{p}.gpu_count", req.gpu_count, 0, MAX_GPU_COUNT)
-    if error:
-        yield error
+    yield from _present(range_error(f"{p}.gpu_count", req.gpu_count, 0, MAX_GPU_COUNT))
     if req.gpu_memory_gb is not None:
-        error = range_error(
-            f"{p}.gpu_memory_gb", req.gpu_memory_gb, 0, MAX_GPU_MEMORY_GB, low_open=True
+        yield from _present(
+            range_error(
+                f"{p}.gpu_memory_gb", req.gpu_memory_gb, 0, MAX_GPU_MEMORY_GB, low_open=True
+            )
         )
-        if error:
-            yield error
     if req.min_cuda_compute_capability is not None:
         yield from compute_capability_errors(
             f"{p}.min_cuda_compute_capability", req.min_cuda_compute_capability
         )
-    for error in (
+    yield from _present(
         range_error(f"{p}.cpu_cores", req.cpu_cores, 0, MAX_JOB_CPU_CORES, low_open=True),
         range_error(f"{p}.memory_gb", req.memory_gb, 0, MAX_JOB_MEMORY_GB, low_open=True),
-    ):
-        if error:
-            yield error
+    )
     yield from text_map_errors(
         f"{p}.frameworks",
         req.frameworks,
@@ -346,30 +372,20 @@ def _job_bounds(job: JobRequest) -> Iterator[str]:
     for field in ("python", "driver", "os"):
         yield from opt_text_errors(f"{p}.{field}", getattr(req, field), MAX_SHORT_TEXT_BYTES)
 
-    sections: list[tuple[str, GpuUsage]] = [("$.gpu", job.gpu or GpuUsage())]
-    sections += [(f"$.variants.{k}.gpu", v.gpu) for k, v in job.variants.items()]
-    for path, gpu in sections:
-        yield from texts_errors(
-            f"{path}.apis_any", gpu.apis_any, MAX_LIST_ITEMS, MAX_SHORT_TEXT_BYTES
-        )
 
-    dist = job.distributed
-    if dist is not None:
-        p = "$.distributed"
-        for error_or_none in (
-            range_error(f"{p}.nodes", dist.nodes, 1, MAX_DISTRIBUTED_NODES),
-            range_error(
-                f"{p}.processes_per_node", dist.processes_per_node, 1, MAX_PROCESSES_PER_NODE
-            ),
-        ):
-            if error_or_none:
-                yield error_or_none
-        for field in ("backend", "launcher"):
-            value = getattr(dist, field)
-            if value is not None:
-                yield from text_errors(f"{p}.{field}", value, MAX_SHORT_TEXT_BYTES)
-    if job.requires_core is not None:
-        yield from text_errors("$.requires_core", job.requires_core, MAX_SHORT_TEXT_BYTES)
+def _distributed_bounds(dist: Distributed) -> Iterator[str]:
+    p = "$.distributed"
+    yield from _present(
+        range_error(f"{p}.nodes", dist.nodes, 1, MAX_DISTRIBUTED_NODES),
+        range_error(f"{p}.processes_per_node", dist.processes_per_node, 1, MAX_PROCESSES_PER_NODE),
+    )
+    for field in ("backend", "launcher"):
+        value = getattr(dist, field)
+        if value is not None:
+            yield from text_errors(f"{p}.{field}", value, MAX_SHORT_TEXT_BYTES)
+
+
+def _profile_and_container_bounds(job: JobRequest) -> Iterator[str]:
     if job.profile is not None and not (
         isinstance(job.profile, str) and _PROFILE_REF.fullmatch(job.profile)
     ):
@@ -379,20 +395,13 @@ def _job_bounds(job: JobRequest) -> Iterator[str]:
     yield from texts_errors(
         "$.profile_fields", job.profile_fields, MAX_LIST_ITEMS, MAX_SHORT_TEXT_BYTES
     )
-    if job.container is not None and not _image_ref_fits(job.container.image):
-        image = job.container.image
-        if isinstance(image, str) and len(image) > MAX_IMAGE_REF_BYTES:
-            yield (
-                f"$.container.image: {len(image)} characters, over the limit of "
-                f"{MAX_IMAGE_REF_BYTES}"
-            )
-        else:
-            yield (
-                f"$.container.image: {show(image)} is not an image reference "
-                "([registry[:port]/]path[:tag][@digest], lower-case path, e.g. localhost/train:1)"
-            )
-    yield from _lifecycle_bounds(job)
-    # Queue policy (issue 15 part A).
-    error = range_error("$.priority", job.priority, -MAX_PRIORITY, MAX_PRIORITY)
-    if error:
-        yield error
+    if job.container is None or _image_ref_fits(job.container.image):
+        return
+    image = job.container.image
+    if isinstance(image, str) and len(image) > MAX_IMAGE_REF_BYTES:
+        yield f"$.container.image: {len(image)} characters, over the limit of {MAX_IMAGE_REF_BYTES}"
+    else:
+        yield (
+            f"$.container.image: {show(image)} is not an image reference "
+            "([registry[:port]/]path[:tag][@digest], lower-case path, e.g. localhost/train:1)"
+        )

@@ -52,7 +52,13 @@ from gpulayer_contracts.bounds.limits import (
     MAX_UTILIZATION_PCT,
     MIN_TEMPERATURE_C,
 )
-from gpulayer_contracts.capabilities import Heartbeat, WorkerCapabilities
+from gpulayer_contracts.capabilities import (
+    AcceleratorDevice,
+    ContainerRuntime,
+    Heartbeat,
+    HostInfo,
+    WorkerCapabilities,
+)
 from gpulayer_contracts.events import JobStatus
 from gpulayer_contracts.health import NodeObservations
 from gpulayer_contracts.jobs import JOB_ID_PATTERN
@@ -104,18 +110,49 @@ def validate_capabilities(caps: WorkerCapabilities) -> list[str]:
 def _capabilities_within_bounds(caps: WorkerCapabilities) -> bool:
     """True when ``_capabilities`` would find nothing; False means: look closer. The fast
     mirror of ``_capabilities`` (tests/unit/test_bounds.py compares the two)."""
-    if node_id_errors(caps.node_id):
+    if node_id_errors(caps.node_id) or not _host_within_bounds(caps.host):
         return False
-    host = caps.host
+    if len(caps.frameworks) > MAX_CAP_FRAMEWORKS or len(caps.gpu_apis.evidence) > MAX_LIST_ITEMS:
+        return False
+    short, notes, lists = _capability_texts(caps)
+    if not _devices_within_bounds(caps.accelerators, short, notes, lists):
+        return False
+    runtime = caps.container_runtime
+    if runtime is not None:
+        short += [
+            runtime.name,
+            *(v for v in (runtime.version, runtime.oci_runtime) if v is not None),
+            *runtime.cdi_devices,
+        ]
+        notes += runtime.notes
+        lists += [(runtime.notes, MAX_NOTES), (runtime.cdi_devices, MAX_CDI_DEVICES)]
+    if any(len(items) > most for items, most in lists):
+        return False
+    path = [caps.workload_python] if caps.workload_python is not None else []
+    return (
+        all_fit(short, MAX_SHORT_TEXT_BYTES)
+        and all_fit(notes, MAX_NOTE_BYTES)
+        and all_fit(path, MAX_PATH_BYTES)
+    )
+
+
+def _host_within_bounds(host: HostInfo) -> bool:
     if not (
         within(host.cpu_cores, 0, MAX_CPU_CORES)
         and within(host.memory_bytes, 0, MAX_HOST_BYTES)
         and within(host.disk_free_bytes, 0, MAX_HOST_BYTES)
     ):
         return False
-    if host.advertise_address is not None and address_error(host.advertise_address):
-        return False
-    apis = caps.gpu_apis
+    return host.advertise_address is None or address_error(host.advertise_address) is None
+
+
+_TextLists = list[tuple[list[str], int]]
+
+
+def _capability_texts(caps: WorkerCapabilities) -> tuple[list[str], list[str], _TextLists]:
+    """The report's own short texts, notes and lists (with their most items), without its
+    devices' and container runtime's."""
+    host, apis = caps.host, caps.gpu_apis
     short = [
         caps.agent_version,
         caps.origin,
@@ -138,7 +175,7 @@ def _capabilities_within_bounds(caps: WorkerCapabilities) -> bool:
         *apis.evidence,
     ]
     notes = [*caps.notes, *apis.evidence.values()]
-    lists: list[tuple[list[str], int]] = [
+    lists: _TextLists = [
         (caps.framework_capabilities, MAX_LIST_ITEMS),
         (caps.distributed_backends, MAX_LIST_ITEMS),
         (caps.launchers, MAX_LIST_ITEMS),
@@ -148,9 +185,17 @@ def _capabilities_within_bounds(caps: WorkerCapabilities) -> bool:
     ]
     for items, _ in lists[:5]:
         short += items
-    if len(caps.accelerators) > MAX_DEVICES_PER_NODE:
+    return short, notes, lists
+
+
+def _devices_within_bounds(
+    devices: list[AcceleratorDevice], short: list[str], notes: list[str], lists: _TextLists
+) -> bool:
+    """False when a device's number is out of range; adds the devices' texts to ``short``,
+    ``notes`` and ``lists`` for the caller to measure."""
+    if len(devices) > MAX_DEVICES_PER_NODE:
         return False
-    for d in caps.accelerators:
+    for d in devices:
         if not (
             within(d.index, 0, MAX_DEVICE_INDEX)
             and within(d.memory_mib, 0, MAX_DEVICE_MEMORY_MIB)
@@ -174,25 +219,7 @@ def _capabilities_within_bounds(caps: WorkerCapabilities) -> bool:
         lists.append((d.notes, MAX_NOTES))
         if d.compute_capability is not None and not _compute_capability_ok(d.compute_capability):
             return False
-    if len(caps.frameworks) > MAX_CAP_FRAMEWORKS or len(apis.evidence) > MAX_LIST_ITEMS:
-        return False
-    runtime = caps.container_runtime
-    if runtime is not None:
-        short += [
-            runtime.name,
-            *(v for v in (runtime.version, runtime.oci_runtime) if v is not None),
-            *runtime.cdi_devices,
-        ]
-        notes += runtime.notes
-        lists += [(runtime.notes, MAX_NOTES), (runtime.cdi_devices, MAX_CDI_DEVICES)]
-    if any(len(items) > most for items, most in lists):
-        return False
-    path = [caps.workload_python] if caps.workload_python is not None else []
-    return (
-        all_fit(short, MAX_SHORT_TEXT_BYTES)
-        and all_fit(notes, MAX_NOTE_BYTES)
-        and all_fit(path, MAX_PATH_BYTES)
-    )
+    return True
 
 
 @functools.lru_cache(maxsize=1024)
@@ -204,37 +231,10 @@ def _compute_capability_ok(value: float | str) -> bool:
 def _capabilities(caps: WorkerCapabilities) -> Iterator[str]:
     yield from node_id_errors(caps.node_id)
     yield from text_errors("$.agent_version", caps.agent_version, MAX_SHORT_TEXT_BYTES)
-    host = caps.host
-    for field in ("hostname", "os", "os_release", "platform", "arch", "python_version"):
-        yield from opt_text_errors(f"$.host.{field}", getattr(host, field), MAX_SHORT_TEXT_BYTES)
-    yield from opt_range_errors("$.host.cpu_cores", host.cpu_cores, 0, MAX_CPU_CORES)
-    yield from opt_range_errors("$.host.memory_bytes", host.memory_bytes, 0, MAX_HOST_BYTES)
-    yield from opt_range_errors("$.host.disk_free_bytes", host.disk_free_bytes, 0, MAX_HOST_BYTES)
-    if host.advertise_address is not None:
-        error = address_error(host.advertise_address)
-        if error:
-            yield error
-
+    yield from _host_errors(caps.host)
     yield from count_errors("$.accelerators", caps.accelerators, MAX_DEVICES_PER_NODE)
     for i, d in enumerate(caps.accelerators[: MAX_DEVICES_PER_NODE + 1]):
-        p = f"$.accelerators[{i}]"
-        yield from opt_range_errors(f"{p}.index", d.index, 0, MAX_DEVICE_INDEX)
-        yield from opt_range_errors(f"{p}.memory_mib", d.memory_mib, 0, MAX_DEVICE_MEMORY_MIB)
-        yield from opt_range_errors(f"{p}.mig_parent", d.mig_parent, 0, MAX_DEVICE_INDEX)
-        for field in (
-            "vendor",
-            "name",
-            "uuid",
-            "driver_version",
-            "cuda_driver_version",
-            "mig_mode",
-            "mig_profile",
-        ):
-            yield from opt_text_errors(f"{p}.{field}", getattr(d, field), MAX_SHORT_TEXT_BYTES)
-        if d.compute_capability is not None:
-            yield from compute_capability_errors(f"{p}.compute_capability", d.compute_capability)
-        yield from texts_errors(f"{p}.notes", d.notes, MAX_NOTES, MAX_NOTE_BYTES)
-
+        yield from _device_errors(f"$.accelerators[{i}]", d)
     yield from opt_text_errors("$.workload_python", caps.workload_python, MAX_PATH_BYTES)
     yield from opt_text_errors(
         "$.workload_python_version", caps.workload_python_version, MAX_SHORT_TEXT_BYTES
@@ -258,19 +258,53 @@ def _capabilities(caps: WorkerCapabilities) -> Iterator[str]:
     yield from text_map_errors(
         "$.gpu_apis.evidence", apis.evidence, MAX_LIST_ITEMS, MAX_SHORT_TEXT_BYTES, MAX_NOTE_BYTES
     )
-    runtime = caps.container_runtime
-    if runtime is not None:
-        p = "$.container_runtime"
-        yield from text_errors(f"{p}.name", runtime.name, MAX_SHORT_TEXT_BYTES)
-        yield from opt_text_errors(f"{p}.version", runtime.version, MAX_SHORT_TEXT_BYTES)
-        yield from opt_text_errors(f"{p}.oci_runtime", runtime.oci_runtime, MAX_SHORT_TEXT_BYTES)
-        yield from texts_errors(f"{p}.notes", runtime.notes, MAX_NOTES, MAX_NOTE_BYTES)
-        yield from texts_errors(
-            f"{p}.cdi_devices", runtime.cdi_devices, MAX_CDI_DEVICES, MAX_SHORT_TEXT_BYTES
-        )
+    if caps.container_runtime is not None:
+        yield from _runtime_errors(caps.container_runtime)
     yield from opt_text_errors("$.advertise_address", caps.advertise_address, MAX_SHORT_TEXT_BYTES)
     yield from text_errors("$.origin", caps.origin, MAX_SHORT_TEXT_BYTES)
     yield from texts_errors("$.notes", caps.notes, MAX_NOTES, MAX_NOTE_BYTES)
+
+
+def _host_errors(host: HostInfo) -> Iterator[str]:
+    for field in ("hostname", "os", "os_release", "platform", "arch", "python_version"):
+        yield from opt_text_errors(f"$.host.{field}", getattr(host, field), MAX_SHORT_TEXT_BYTES)
+    yield from opt_range_errors("$.host.cpu_cores", host.cpu_cores, 0, MAX_CPU_CORES)
+    yield from opt_range_errors("$.host.memory_bytes", host.memory_bytes, 0, MAX_HOST_BYTES)
+    yield from opt_range_errors("$.host.disk_free_bytes", host.disk_free_bytes, 0, MAX_HOST_BYTES)
+    if host.advertise_address is not None:
+        error = address_error(host.advertise_address)
+        if error:
+            yield error
+
+
+def _device_errors(p: str, d: AcceleratorDevice) -> Iterator[str]:
+    yield from opt_range_errors(f"{p}.index", d.index, 0, MAX_DEVICE_INDEX)
+    yield from opt_range_errors(f"{p}.memory_mib", d.memory_mib, 0, MAX_DEVICE_MEMORY_MIB)
+    yield from opt_range_errors(f"{p}.mig_parent", d.mig_parent, 0, MAX_DEVICE_INDEX)
+    for field in (
+        "vendor",
+        "name",
+        "uuid",
+        "driver_version",
+        "cuda_driver_version",
+        "mig_mode",
+        "mig_profile",
+    ):
+        yield from opt_text_errors(f"{p}.{field}", getattr(d, field), MAX_SHORT_TEXT_BYTES)
+    if d.compute_capability is not None:
+        yield from compute_capability_errors(f"{p}.compute_capability", d.compute_capability)
+    yield from texts_errors(f"{p}.notes", d.notes, MAX_NOTES, MAX_NOTE_BYTES)
+
+
+def _runtime_errors(runtime: ContainerRuntime) -> Iterator[str]:
+    p = "$.container_runtime"
+    yield from text_errors(f"{p}.name", runtime.name, MAX_SHORT_TEXT_BYTES)
+    yield from opt_text_errors(f"{p}.version", runtime.version, MAX_SHORT_TEXT_BYTES)
+    yield from opt_text_errors(f"{p}.oci_runtime", runtime.oci_runtime, MAX_SHORT_TEXT_BYTES)
+    yield from texts_errors(f"{p}.notes", runtime.notes, MAX_NOTES, MAX_NOTE_BYTES)
+    yield from texts_errors(
+        f"{p}.cdi_devices", runtime.cdi_devices, MAX_CDI_DEVICES, MAX_SHORT_TEXT_BYTES
+    )
 
 
 def validate_observations(obs: NodeObservations) -> list[str]:
