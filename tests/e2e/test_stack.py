@@ -197,11 +197,8 @@ async def test_dev_up_says_why_the_stack_could_not_start(tmp_path: Path) -> None
     assert "Traceback" not in text, text
 
 
-@pytest.mark.parametrize("service", ["gpulayer-placement", "gpulayer-executor", "gpulayer-probe"])
-async def test_a_bad_setting_is_one_line_and_exit_2(service: str, tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULAYER_")}
-    env |= {"GPULAYER_NODE_ID": "n1", "GPULAYER_HEARTBEAT_S": "often"}
-    env |= {"GPULAYER_NODE_TIMEOUT_S": "soon", "GPULAYER_EXECUTOR_WORKDIR": str(tmp_path / "w")}
+async def _exits_2(service: str, env: dict[str, str], tmp_path: Path) -> str:
+    """What ``service`` said as it refused to start: exit 2, no traceback."""
     proc = await asyncio.create_subprocess_exec(
         bin_path(service), env=env, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT, cwd=tmp_path,
@@ -210,6 +207,15 @@ async def test_a_bad_setting_is_one_line_and_exit_2(service: str, tmp_path: Path
     text = out.decode()
     assert proc.returncode == 2, text
     assert "Traceback" not in text, text
+    return text
+
+
+@pytest.mark.parametrize("service", ["gpulayer-placement", "gpulayer-executor", "gpulayer-probe"])
+async def test_a_bad_setting_is_one_line_and_exit_2(service: str, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULAYER_")}
+    env |= {"GPULAYER_NODE_ID": "n1", "GPULAYER_HEARTBEAT_S": "often"}
+    env |= {"GPULAYER_NODE_TIMEOUT_S": "soon", "GPULAYER_EXECUTOR_WORKDIR": str(tmp_path / "w")}
+    text = await _exits_2(service, env, tmp_path)
     assert re.search(r"GPULAYER_(HEARTBEAT|NODE_TIMEOUT)_S", text), text
 
 
@@ -229,28 +235,9 @@ async def test_placement_refuses_to_start_with_a_bad_profiles_file(
         profiles.write_text(content)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPULAYER_")}
     env["GPULAYER_PROFILES"] = str(profiles)
-    proc = await asyncio.create_subprocess_exec(
-        bin_path("gpulayer-placement"), env=env, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT, cwd=tmp_path,
-    )  # fmt: skip
-    out, _ = await asyncio.wait_for(proc.communicate(), 60)
-    text = out.decode()
-    assert proc.returncode == 2, text
-    assert "Traceback" not in text, text
+    text = await _exits_2("gpulayer-placement", env, tmp_path)
     assert f"configuration: GPULAYER_PROFILES: {profiles}" in text, text
     assert expected in text, text
-
-
-async def _placement_refusal(env: dict[str, str], tmp_path: Path) -> str:
-    proc = await asyncio.create_subprocess_exec(
-        bin_path("gpulayer-placement"), env=env, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT, cwd=tmp_path,
-    )  # fmt: skip
-    out, _ = await asyncio.wait_for(proc.communicate(), 60)
-    text = out.decode()
-    assert proc.returncode == 2, text
-    assert "Traceback" not in text, text
-    return text
 
 
 async def test_placement_names_the_database_setting_it_is_refused_for(
@@ -265,9 +252,9 @@ async def test_placement_names_the_database_setting_it_is_refused_for(
     shutil.copyfile(passfile[0], copy)
     copy.chmod(0o644)
     env = service_env(nats_url, replace_url(database_url, passfile=copy), tmp_path / "w", "n1")
-    text = await _placement_refusal(env, tmp_path)
+    text = await _exits_2("gpulayer-placement", env, tmp_path)
     assert f"GPULAYER_DATABASE_URL: the URL's passfile {copy} has mode 0644" in text, text
     copy.chmod(0o600)
     copy.write_text(pgpass_line("gpulayer", "a-guess"))
-    text = await _placement_refusal(env, tmp_path)
+    text = await _exits_2("gpulayer-placement", env, tmp_path)
     assert re.search(r"GPULAYER_DATABASE_URL \(postgresql://\S+\): password authentication", text)
