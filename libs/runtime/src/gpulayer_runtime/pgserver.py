@@ -5,9 +5,11 @@ every connection, a socket folder of its own, loopback only)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib.util
 import logging
 import os
+import pwd
 import re
 import secrets
 import shutil
@@ -15,7 +17,6 @@ import subprocess
 import tempfile
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 from gpulayer_runtime.database import (
     SERVICE_DATABASE,
@@ -27,9 +28,6 @@ from gpulayer_runtime.database import (
 )
 from gpulayer_runtime.private_files import write_private
 from gpulayer_runtime.servers import ServerStartError, _PortTaken, _wait_until, free_port
-
-if TYPE_CHECKING:
-    import pwd
 
 # The account the embedded PostgreSQL runs as when started by root (it refuses to run as root).
 PG_SYSTEM_USER = "gpulayer_pg"
@@ -63,9 +61,6 @@ def ensure_system_user(name: str) -> tuple[int, int]:
     """The uid and gid of system account ``name``, made (no home, no login shell) if missing.
     Several processes may start at once on a fresh machine: they make it one at a time, under
     a lock, and a start that finds the name taken looks it up again."""
-    import fcntl
-    import pwd
-
     with contextlib.suppress(KeyError):
         return _resolved(pwd.getpwnam(name))
     fd = os.open(_account_lock(), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -97,8 +92,6 @@ def ensure_system_user(name: str) -> tuple[int, int]:
 def _resolved(entry: pwd.struct_passwd) -> tuple[int, int]:
     """The account's ids, once its uid resolves too: a server started under that uid looks
     itself up (initdb: "could not look up effective user ID")."""
-    import pwd
-
     if pwd.getpwuid(entry.pw_uid).pw_name != entry.pw_name:
         raise ServerStartError(f"uid {entry.pw_uid} of {entry.pw_name!r} names another account")
     return entry.pw_uid, entry.pw_gid
@@ -166,17 +159,18 @@ class EmbeddedPostgres:
 
     @property
     def socket_dir(self) -> Path:
-        """The server account's folder for its socket: ``<data_dir>/socket``, or a new folder
-        in the temporary directory when a socket there would pass the system's limit on its
-        path (107 bytes on Linux)."""
-        if self._socket_dir is None:
-            own = self.data_dir / "socket"
-            if len(os.fsencode(own / ".s.PGSQL.65535")) <= _MAX_SOCKET_PATH:
-                self._socket_dir = own
-            else:
-                self._socket_dir = Path(tempfile.mkdtemp(prefix="gpulayer-pg-"))
-                self._socket_temporary = True
-        return self._socket_dir
+        """The server account's folder for its socket: ``<data_dir>/socket``, or, where a socket
+        there would pass the system's limit on its path (107 bytes on Linux), a folder of its
+        own in the temporary directory, made at start."""
+        return self._socket_dir or self.data_dir / "socket"
+
+    def _make_socket_dir(self) -> Path:
+        own = self.data_dir / "socket"
+        if len(os.fsencode(own / ".s.PGSQL.65535")) <= _MAX_SOCKET_PATH:
+            own.mkdir(mode=0o700, exist_ok=True)
+            return own
+        self._socket_temporary = True
+        return Path(tempfile.mkdtemp(prefix="gpulayer-pg-"))
 
     @property
     def pgdata(self) -> Path:
@@ -208,7 +202,7 @@ class EmbeddedPostgres:
         """``data_dir`` the caller's (0711: the server passes through to its folders, nobody
         lists it), ``pgdata`` and ``socket`` the server account's alone (0700)."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        if os.name == "posix" and os.geteuid() == 0:
+        if os.geteuid() == 0:
             self._user = ensure_system_user(self.system_user)
             _open_path_for(bin_dir)
             _open_path_for(self.data_dir.parent)
@@ -217,8 +211,9 @@ class EmbeddedPostgres:
             self.data_dir.chmod(0o711)
         else:
             self.data_dir.chmod(0o700)
-        for folder in (self.pgdata, self.socket_dir):
-            folder.mkdir(mode=0o700, exist_ok=True)
+        self.pgdata.mkdir(mode=0o700, exist_ok=True)
+        self._socket_dir = self._make_socket_dir()
+        for folder in (self.pgdata, self._socket_dir):
             if folder.is_symlink():  # chown and chmod would follow it
                 raise ServerStartError(
                     f"{folder} is a symbolic link: PostgreSQL's folders may not be"
