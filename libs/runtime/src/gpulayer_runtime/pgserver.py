@@ -253,7 +253,7 @@ class EmbeddedPostgres:
         if read_pgpass_password(self.passfile, SUPERUSER) is not None:
             return
         password = secrets.token_urlsafe(32)
-        self._single_user(f"ALTER ROLE {SUPERUSER} PASSWORD '{password}';", bin_dir)
+        self._single_user(f"ALTER ROLE {SUPERUSER} PASSWORD '{password}';", bin_dir, password)
         write_private(self.passfile, pgpass_line(SUPERUSER, password))
         log.warning(
             "PostgreSQL in %s had no superuser password (made by an older gpulayer, with trust "
@@ -262,9 +262,10 @@ class EmbeddedPostgres:
             self.passfile,
         )
 
-    def _single_user(self, statement: str, bin_dir: Path) -> None:
+    def _single_user(self, statement: str, bin_dir: Path, secret: str) -> None:
         """``statement`` run by a single-user backend: no server, no connection, no
-        authentication, its text on stdin (never on a command line)."""
+        authentication, its text on stdin (never on a command line). ``secret`` is never shown
+        in the error (the backend's log quotes a failed statement)."""
         done = subprocess.run(
             [str(bin_dir / "postgres"), "--single", "-D", str(self.pgdata),
              "-c", "password_encryption=scram-sha-256", "-c", "unix_socket_directories=",
@@ -276,8 +277,9 @@ class EmbeddedPostgres:
             **self._run_kwargs(),  # type: ignore[call-overload]
         )  # fmt: skip
         if done.returncode != 0 or "ERROR:" in done.stderr or "FATAL:" in done.stderr:
+            said = done.stderr.replace(secret, "***")
             raise ServerStartError(
-                f"PostgreSQL in single-user mode failed ({done.returncode}):\n{done.stderr}"
+                f"PostgreSQL in single-user mode failed ({done.returncode}):\n{said}"
             )
 
     def _write_hba(self) -> None:
