@@ -144,6 +144,7 @@ class NatsKill:
         self.probe = WriteProbe(js, targets(names, refused=CONSUMED), period_s=self.PERIOD_S)
         self.leaders: dict[str, str] = {}
         self.gaps: dict[str, Gap] = {}
+        self.lines: list[str] = []  # one per stream: its gap, its leader before the kill
         self.problems: list[str] = []
         self._measured: asyncio.Task[None] | None = None
 
@@ -187,7 +188,8 @@ class NatsKill:
             led = self.leaders.get(stream) == self.name
             limit = ELECTION_LIMIT_S if led else NO_ELECTION_LIMIT_S
             how = f"led by {self.name}" if led else f"led by {self.leaders.get(stream)}"
-            print(f"fault run: write gap after the kill of NATS {self.name}: {gap.line()}, {how}")
+            self.lines.append(f"write gap after the kill of NATS {self.name}: {gap.line()}, {how}")
+            print(f"fault run: {self.lines[-1]}")
             if gap.seconds > limit:
                 self.problems.append(f"{stream} ({how}) took no write for {gap.seconds:.2f} s")
 
@@ -358,9 +360,8 @@ async def test_fault_run(
         line = f"fault run ({partition} the partition): {counts.line()}"
         print(line)
         record_property("summary_line", line)  # shown at the end of `make test`
-        gap_lines = [f"write gap of {gap.line()}" for gap in nats_kill.gaps.values()]
         (tmp_path / "fault-run.txt").write_text(
-            "\n".join([line, *gap_lines, *write_gap_problems, *counts.problems]) + "\n"
+            "\n".join([line, *nats_kill.lines, *write_gap_problems, *counts.problems]) + "\n"
         )
         assert counts.accepted == counts.submitted == len(expected), (line, counts.problems[:20])
         assert counts.ended == counts.accepted, (line, counts.problems[:20])
