@@ -7,7 +7,11 @@ each with its probe and its executor (jobs under shims). Jobs take one GPU each;
 decides how they end (most succeed, some exit 3, some sleep until cancelled) and writes a
 marker per run (node, devices, start, end). The schedule, while jobs keep coming:
 
-- kill -9 one NATS server of three, and start it again;
+- kill -9 one NATS server of three, and start it again; from a little before the kill until
+  every stream took a write after it, a write to every stream each 0.1 s
+  (``tests/faults/write_gaps.py``): each stream's write gap is printed, at most
+  ``NO_ELECTION_LIMIT_S`` where its leader lived on and ``ELECTION_LIMIT_S`` (its group's raft
+  election) where the killed server led it;
 - kill -9 one placement replica of two, and start it again;
 - kill -9 an executor, and start it again (its running jobs go on under their shims);
 - restart PostgreSQL;
@@ -48,6 +52,15 @@ from nats.js import JetStreamContext
 from tests.faults import netns
 from tests.faults.fault_checker import check, read_markers
 from tests.faults.holds import HoldsWatch
+from tests.faults.write_gaps import (
+    CONSUMED,
+    ELECTION_LIMIT_S,
+    NO_ELECTION_LIMIT_S,
+    Gap,
+    WriteProbe,
+    placements,
+    targets,
+)
 from tests.helpers import Services, service_env
 
 from gpulayer_cli.client import ApiFailed, api
@@ -58,11 +71,12 @@ from gpulayer_contracts.subjects import (
     JOB_WILDCARD_EVENTS,
     JOBS_SUBMIT,
     MSG_ID_HEADER,
+    STREAMS,
 )
 from gpulayer_runtime.auth import AuthStore
 from gpulayer_runtime.nats import connect, ensure_streams
 from gpulayer_runtime.pgserver import EmbeddedPostgres
-from gpulayer_runtime.servers import EmbeddedNatsCluster
+from gpulayer_runtime.servers import EmbeddedNats, EmbeddedNatsCluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
@@ -113,6 +127,78 @@ async def retry(what: Callable[[], Awaitable[object]], limit_s: float) -> None:
 
 async def declare_streams(js: JetStreamContext) -> None:
     await retry(lambda: ensure_streams(js, replicas=3), 60)
+
+
+class NatsKill:
+    """The NATS server killed, and each stream's write gap after the kill: writes to every
+    stream (those placement consumes refused by a condition, nothing stored: ``write_gaps``)
+    from ``start()`` until each took one after ``kill()``."""
+
+    PERIOD_S = 0.1
+
+    def __init__(self, js: JetStreamContext, server: EmbeddedNats) -> None:
+        self.js = js
+        self.server = server
+        assert server.cluster is not None
+        self.name = server.cluster.server_name
+        names = [s.name for s in STREAMS]
+        self.probe = WriteProbe(js, targets(names, refused=CONSUMED), period_s=self.PERIOD_S)
+        self.leaders: dict[str, str] = {}
+        self.gaps: dict[str, Gap] = {}
+        self.lines: list[str] = []  # one per stream: its gap, its leader before the kill
+        self.problems: list[str] = []
+        self._measured: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> NatsKill:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._measured is not None and not self._measured.done():
+            self._measured.cancel()
+        await self.probe.__aexit__()
+
+    async def start(self) -> None:
+        await self.probe.__aenter__()
+        try:
+            await self.probe.until_started(20)
+        except AssertionError as err:
+            self.problems.append(str(err))
+
+    async def kill(self) -> None:
+        """Each stream's leader, then the kill, the writes after it measured aside."""
+        groups = await placements(self.js, self.probe.targets, limit_s=10)
+        self.leaders = {stream: group.leader for stream, group in groups.items()}
+        wrong = {
+            s: (g.replicas, g.peers) for s, g in groups.items() if (g.replicas, g.peers) != (3, 3)
+        }
+        if wrong:
+            self.problems.append(f"streams not R3 on 3 servers (replicas, peers): {wrong}")
+        self.probe.mark()
+        self.server.kill()
+        self._measured = asyncio.create_task(self._measure())
+
+    async def _measure(self) -> None:
+        try:
+            await self.probe.until_written(ELECTION_LIMIT_S + 5)
+        except AssertionError as err:
+            self.problems.append(str(err))
+        finally:
+            await self.probe.__aexit__()
+        self.gaps = self.probe.gaps()
+        for stream, gap in sorted(self.gaps.items()):
+            led = self.leaders.get(stream) == self.name
+            limit = ELECTION_LIMIT_S if led else NO_ELECTION_LIMIT_S
+            how = f"led by {self.name}" if led else f"led by {self.leaders.get(stream)}"
+            self.lines.append(f"write gap after the kill of NATS {self.name}: {gap.line()}, {how}")
+            print(f"fault run: {self.lines[-1]}")
+            if gap.seconds > limit:
+                self.problems.append(f"{stream} ({how}) took no write for {gap.seconds:.2f} s")
+
+    async def result(self) -> list[str]:
+        """The problems seen, once the measure is over (none when it never started)."""
+        if self._measured is not None:
+            await self._measured
+        return self.problems
 
 
 class Stack:
@@ -246,12 +332,14 @@ async def test_fault_run(
     try:
         js = nc.jetstream()
         await declare_streams(js)
-        async with Services() as services, HoldsWatch(db) as holds:
+        nats_kill = NatsKill(js, nats_cluster.servers[1])
+        async with Services() as services, HoldsWatch(db) as holds, nats_kill:
             stack = Stack(services, nats_cluster.url, db, tmp_path, cut_off)
             for key in stack.envs:
                 await stack.start(key)
             await until_nodes_known(nc, caller, set(stack.nodes))
-            submitted, expected = await run_load(nc, js, stack, nats_cluster, pg, markers, caller)
+            submitted, expected = await run_load(nc, js, stack, nats_kill, pg, markers, caller)
+            write_gap_problems = await nats_kill.result()
             events = await stored_events(js, submitted, lost_on)
             for key, proc in services.procs.items():
                 assert proc.returncode is None, f"{key} exited with {proc.returncode}"
@@ -270,7 +358,9 @@ async def test_fault_run(
         line = f"fault run ({partition} the partition): {counts.line()}"
         print(line)
         record_property("summary_line", line)  # shown at the end of `make test`
-        (tmp_path / "fault-run.txt").write_text(line + "\n" + "\n".join(counts.problems) + "\n")
+        (tmp_path / "fault-run.txt").write_text(
+            "\n".join([line, *nats_kill.lines, *write_gap_problems, *counts.problems]) + "\n"
+        )
         assert counts.accepted == counts.submitted == len(expected), (line, counts.problems[:20])
         assert counts.ended == counts.accepted, (line, counts.problems[:20])
         assert counts.lost == counts.duplicated == counts.double_booked == 0, (
@@ -288,6 +378,9 @@ async def test_fault_run(
         assert holds.looks > 10, holds.looks
         assert holds.most_held > 0, holds.most_held  # it looked while jobs held devices
         assert holds.problems == [], holds.problems[:20]
+        # Every stream took writes again after the NATS server was killed: at once where its
+        # leader lived on, after its group's election where the killed server led it.
+        assert write_gap_problems == [], write_gap_problems
     finally:
         await nc.close()
         pg.stop()
@@ -318,7 +411,7 @@ async def run_load(
     nc: Client,
     js: JetStreamContext,
     stack: Stack,
-    cluster: EmbeddedNatsCluster,
+    nats_kill: NatsKill,
     pg: EmbeddedPostgres,
     markers: Path,
     caller: str,
@@ -358,7 +451,7 @@ async def run_load(
 
         await retry(once, 90)
 
-    schedule = faults(stack, cluster, pg)
+    schedule = faults(stack, nats_kill, pg)
     t0 = time.monotonic()
     i = 0
     while (elapsed := time.monotonic() - t0) < LOAD_S:
@@ -379,23 +472,21 @@ async def run_load(
 
 
 def faults(
-    stack: Stack, cluster: EmbeddedNatsCluster, pg: EmbeddedPostgres
+    stack: Stack, nats_kill: NatsKill, pg: EmbeddedPostgres
 ) -> list[tuple[float, str, Callable[[], Awaitable[None]]]]:
     """(at second, what, how): one of each fault the issue names, each repaired."""
 
-    async def nats_kill() -> None:
-        cluster.servers[1].kill()
-
     async def nats_back() -> None:
-        await asyncio.to_thread(cluster.servers[1].start)
+        await asyncio.to_thread(nats_kill.server.start)
 
     async def pg_restart() -> None:
         await asyncio.to_thread(pg.stop)
         await asyncio.to_thread(pg.start)
 
     schedule = [
-        (5.0, "kill -9 NATS server n1", nats_kill),
-        (12.0, "NATS server n1 back", nats_back),
+        (3.0, "writes to every stream begin", nats_kill.start),
+        (5.0, f"kill -9 NATS server {nats_kill.name}", nats_kill.kill),
+        (12.0, f"NATS server {nats_kill.name} back", nats_back),
         (16.0, "kill -9 placement replica a", lambda: stack.kill("placement-a")),
         (21.0, "placement replica a back", lambda: stack.start("placement-a")),
         (26.0, "kill -9 the executor of fr-h100", lambda: stack.kill("executor-fr-h100")),
