@@ -368,7 +368,7 @@ class Api:
                 done = await Store.fetchrow(conn, "cancel_pending", q.job_id, q.reason)
                 ranks = None
                 if done is not None:
-                    _, cascaded = await dependencies.release(conn, [(q.job_id, "cancelled")])
+                    await dependencies.release(conn, [(q.job_id, "cancelled")])
                     stopping = None
                 elif row.get("is_gang"):
                     # A distributed job: every rank still active is cancelled; the job ends
@@ -380,9 +380,10 @@ class Api:
             if done is not None:
                 self.forget(q.job_id)
                 cancelled = Cancelled(job_id=q.job_id, reason=q.reason, owner=owner)
-                # Committed: no other path says it, so it is retried through a failover.
-                items = [self.publisher.event_item(e) for e in (cancelled, *cascaded)]
-                await self.publisher.publish_committed(items, f"job {q.job_id}'s cancelled event")
+                # Committed: no other path says it, so it is retried through a failover (the
+                # jobs waiting for it that it cancelled are announced from the outbox).
+                item = self.publisher.event_item(cancelled)
+                await self.publisher.publish_committed([item], f"job {q.job_id}'s cancelled event")
                 return {"job_id": q.job_id, "state": "cancelled"}
             if ranks:
                 items = [

@@ -7,6 +7,8 @@ Parts (each in a file named for it, each taking its collaborators in its constru
   may have changed; outcomes persisted, one statement per batch. ``waiting`` says which jobs a
   batch takes and in which order.
 - ``publisher``: events, grants and job spans, pipelined; the resend of stale grants.
+- ``outbox``: events recorded in a change's transaction (jobs a dependency's end cancelled),
+  published after its commit by any replica.
 - ``status``: executor reports: job rows updated, devices released, waiting jobs reconsidered.
 - ``liveness``: capabilities and heartbeats into memory and PostgreSQL; silent nodes reaped;
   jobs on devices that vanished from a node's detection lost.
@@ -19,7 +21,7 @@ Parts (each in a file named for it, each taking its collaborators in its constru
 
 Tasks: ``ingest``, ``status``, ``schedule``, ``capabilities``, ``heartbeats``,
 ``observations``, ``reaper``,
-``resend``, ``thorough``, ``audit`` (and ``job-gauges``). One that dies stops the service, so that a
+``resend``, ``outbox``, ``thorough``, ``audit`` (and ``job-gauges``). One that dies stops the service, so that a
 supervisor restarts it rather than leave it half alive.
 """
 
@@ -48,6 +50,8 @@ from gpulayer_placement.liveness import Liveness
 from gpulayer_placement.loops import every, until_nats_answers
 from gpulayer_placement.metrics import Gauges
 from gpulayer_placement.observations import Observations
+from gpulayer_placement.outbox import CHANNEL as OUTBOX_CHANNEL
+from gpulayer_placement.outbox import Outbox
 from gpulayer_placement.policy import Policy, load_active, load_policy
 from gpulayer_placement.publisher import Publisher
 from gpulayer_placement.replica_sync import ReplicaSync
@@ -108,6 +112,8 @@ class PlacementService:
         self.sync = ReplicaSync(pool, fleet, wake, stop, self.replica_id, on_load=on_load)
         self.publisher = Publisher(js, pool, s, telemetry, self.signer)
         self.publisher.send_batch = PipelinedPublisher(nc).publish_many
+        self.outbox = Outbox(pool, self.publisher, stop)
+        self.sync.also[OUTBOX_CHANNEL] = self.outbox.on_notify
         self.auditor = Auditor(js, s.admins, publish_timeout_s=s.publish_timeout_s)
         self.scheduler = Scheduler(
             pool=pool,
@@ -239,6 +245,7 @@ class PlacementService:
         self._spawn("observations", self.observations.run())
         self._spawn("reaper", every(stop, max(s.node_timeout_s / 3, 0.2), self.liveness.reap))
         self._spawn("resend", every(stop, max(s.resend_after_s / 3, 0.5), self.publisher.resend))
+        self._spawn("outbox", self.outbox.run())
         self._spawn("thorough", every(stop, s.thorough_pass_s, self.wake.request_thorough))
         self._spawn("audit", self.auditor.run(stop))
         if self.tel.enabled:
