@@ -41,10 +41,8 @@ from gpulayer_contracts.subjects import (
     API_SERVICES,
     api_caller,
 )
-from gpulayer_matching import NodeView
 from gpulayer_matching.gang import explain_gang, is_gang
-from gpulayer_matching.resources import CPU, GB, MEMORY, SLOTS
-from gpulayer_placement import dependencies, quotas
+from gpulayer_placement import dependencies, node_report, quotas
 from gpulayer_placement.audit import Auditor, audited
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.limits import RateLimit
@@ -106,28 +104,6 @@ class _CancelQuery(msgspec.Struct, frozen=True):
 
 def _iso(value: Any) -> Any:
     return value.isoformat() if hasattr(value, "isoformat") else value
-
-
-def _executor_state(fleet: Fleet, node_id: str) -> str:
-    """``up`` (heartbeats coming), ``down`` (they stopped) or ``unknown`` (none heard yet)."""
-    view = fleet.get(node_id)
-    if view is not None and view.executor_down:
-        return "down"
-    return "up" if node_id in fleet.executor_seen else "unknown"
-
-
-def _health(obs: NodeObservations | None, view: NodeView | None) -> dict[str, Any] | None:
-    """The node's health, its devices' latest observations, and which devices get no new
-    grants for their health (None before any observation arrived)."""
-    if obs is None:
-        return None
-    return {
-        "health": obs.health,
-        "observed_at": obs.observed_at.isoformat(),
-        "devices": msgspec.to_builtins(obs.devices),
-        "held_back": {str(i): why for i, why in sorted(view.health.items())} if view else {},
-        "notes": obs.notes,
-    }
 
 
 class Api:
@@ -251,13 +227,13 @@ class Api:
                     "node_id": r["node_id"],
                     "online": r["online"],
                     "last_seen": _iso(r["last_seen"]),
-                    "executor": _executor_state(self.fleet, r["node_id"]),
+                    "executor": node_report.executor_state(self.fleet, r["node_id"]),
                     "active_jobs": r["active_jobs"],
                     "busy_devices": sorted(view.exclusive | view.shared) if view else [],
-                    "resources": _resources(self.fleet, view) if view else None,
+                    "resources": node_report.resources(self.fleet, view) if view else None,
                     "report_rejected": self.fleet.report_errors.get(r["node_id"]),
                     "capabilities": msgspec.to_builtins(caps),
-                    "health": _health(self.observations.get(r["node_id"]), view),
+                    "health": node_report.health(self.observations.get(r["node_id"]), view),
                 }
             )
         return out
@@ -481,20 +457,3 @@ class Api:
             }
             for r in rows
         ]
-
-
-def _resources(fleet: Fleet, view: NodeView) -> dict[str, Any]:
-    """Cores, RAM (GB) and job slots: what the node offers jobs and what they hold, as this
-    replica knows it; ``enforcement``: how its executor enforces job limits (None: not said)."""
-    used = fleet.used(view.node_id)
-    offer = fleet.offer(view.node_id)
-    return {
-        "cores": view.cpu_total / 1000 if view.cpu_total is not None else None,
-        "cores_used": used[CPU] / 1000,
-        "memory_gb": view.memory_total / GB if view.memory_total is not None else None,
-        "memory_gb_used": used[MEMORY] / GB,
-        "slots": view.slots_total,
-        "slots_used": used[SLOTS],
-        "gpu_memory_reserved_mib": {str(k): v for k, v in sorted(view.gpu_reserved.items())},
-        "enforcement": offer.enforcement if offer is not None else None,
-    }
