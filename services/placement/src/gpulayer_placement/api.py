@@ -23,7 +23,7 @@ from nats.js import JetStreamContext
 
 import gpulayer_matching as matcher
 from gpulayer_contracts import CancelJob, Cancelled, encode
-from gpulayer_contracts.bounds import clip_text
+from gpulayer_contracts.bounds import clip_text, node_id_errors
 from gpulayer_contracts.codec import capabilities_decoder, job_request_decoder
 from gpulayer_contracts.health import NodeObservations
 from gpulayer_contracts.matrix import SUPPORT_MATRIX
@@ -35,6 +35,7 @@ from gpulayer_contracts.subjects import (
     API_JOB,
     API_JOBS,
     API_MATRIX,
+    API_NODE,
     API_NODES,
     API_PROFILES,
     API_QUOTA,
@@ -97,6 +98,11 @@ class _QuotaQuery(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     jobs: int | None = None
 
 
+class _NodeQuery(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    op: Literal["forget"]
+    node_id: str
+
+
 class _CancelQuery(msgspec.Struct, frozen=True):
     job_id: str
     reason: str = "cancelled by user"
@@ -121,8 +127,11 @@ class Api:
         policy: Policy | None = None,
         limit: RateLimit | None = None,
         auditor: Auditor | None = None,
+        forget_node: Callable[[str, str], Awaitable[dict[str, Any]]] | None = None,
     ) -> None:
         self.auditor = auditor
+        # (node, who asks) -> what was released: forget.NodeForget's (service.py wires it).
+        self.forget_node = forget_node
         self.policy = policy if policy is not None else Policy()
         self.limit = limit
         self.nc = nc
@@ -149,6 +158,7 @@ class Api:
             API_PROFILES: self.profile_fit,
             API_SERVICES: self.services,
             API_QUOTA: audited(self.auditor, "quota", self.quota),
+            API_NODE: audited(self.auditor, "node", self.node),
         }
         return [
             await self.nc.subscribe(subject, queue=QUEUE, cb=self._wrap(handler))
@@ -237,6 +247,20 @@ class Api:
                 }
             )
         return out
+
+    async def node(self, data: bytes, caller: str = ANONYMOUS) -> Any:
+        """Admins only: ``{"op": "forget", "node_id": name}`` releases what a node that never
+        comes back still holds, refused while it still heartbeats (``forget.NodeForget``)."""
+        if not self.privileged(caller):
+            log.warning("refused: %s tried to change a node", caller)
+            raise ApiDenied("only admins may forget a node (placement's GPULAYER_ADMINS)")
+        q = msgspec.json.decode(data or b"{}", type=_NodeQuery)
+        errors = node_id_errors(q.node_id)
+        if errors:
+            raise ApiError("; ".join(errors))
+        if self.forget_node is None:
+            raise ApiError("this placement replica can't forget nodes")
+        return await self.forget_node(q.node_id, caller)
 
     async def jobs(self, data: bytes, caller: str = ANONYMOUS) -> Any:
         q = msgspec.json.decode(data or b"{}", type=_JobsQuery)

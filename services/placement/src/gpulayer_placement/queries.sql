@@ -91,6 +91,19 @@ SELECT grant_id, node_id, kind, resource, amount,
         FROM gone HAVING count(*) > 0) AS notified
 FROM gone;
 
+-- name: lock_node
+-- A node to forget (gpulayer node forget), locked against its heartbeats' touch_nodes until the
+-- forgetting commits; silent_s: seconds since its last heartbeat (or capabilities) was stored.
+SELECT node_id, online, extract(epoch FROM now() - last_seen)::float8 AS silent_s
+FROM nodes WHERE node_id = $1
+FOR UPDATE;
+
+-- name: forget_fences
+-- Every fence of a node forgotten: what its lost jobs held there is free, whether or not its
+-- executor ever reports those grants' ends (release_fences then finds nothing).
+DELETE FROM fences WHERE node_id = $1
+RETURNING grant_id, job_id, kind, resource, amount;
+
 -- name: insert_jobs
 -- $6: owners; NULL is 'anonymous'. $7 priorities and $8 preemptible: a waiting job's, from
 -- its decoded request (validated: within bounds); 0 / false otherwise. Passed rather than read

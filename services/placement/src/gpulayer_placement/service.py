@@ -11,7 +11,8 @@ Parts (each in a file named for it, each taking its collaborators in its constru
   published after its commit by any replica.
 - ``status``: executor reports: job rows updated, devices released, waiting jobs reconsidered.
 - ``liveness``: capabilities and heartbeats into memory and PostgreSQL; silent nodes reaped;
-  jobs on devices that vanished from a node's detection lost.
+  jobs on devices that vanished from a node's detection lost. ``forget``: a node that never
+  comes back released for good, at an admin's word.
 - ``observations``: the probes' device health into the fleet; warnings to jobs on devices
   that turned unhealthy.
 - ``replica_sync``: other replicas' allocation changes (PostgreSQL LISTEN), allocation reloads.
@@ -43,6 +44,7 @@ from gpulayer_placement.api import Api
 from gpulayer_placement.audit import Auditor
 from gpulayer_placement.dead_letters import DeadLetters
 from gpulayer_placement.fleet import Fleet
+from gpulayer_placement.forget import NodeForget
 from gpulayer_placement.intake import Intake
 from gpulayer_placement.lifecycle import Lifecycle
 from gpulayer_placement.limits import api_limit
@@ -142,10 +144,11 @@ class PlacementService:
         self.lifecycle = Lifecycle(
             publisher=self.publisher, wake=wake, prefer=self.scheduler.prefer
         )
-        self._wire_reports(telemetry, max_payload)
+        self._wire_reports(telemetry)
+        self._wire_api(telemetry, max_payload)
 
-    def _wire_reports(self, telemetry: Telemetry, max_payload: int) -> None:
-        """The parts that take what nodes report and what the CLI asks."""
+    def _wire_reports(self, telemetry: Telemetry) -> None:
+        """The parts that take what nodes report, and forget a node that never will again."""
         nc, js, pool, s = self.nc, self.js, self.pool, self.settings
         fleet, stop, wake = self.fleet, self.stop, self.wake
         self.status = ExecutorStatus(
@@ -175,6 +178,14 @@ class PlacementService:
             telemetry=telemetry,
             lifecycle=self.lifecycle,
         )
+        self.node_forget = NodeForget(
+            pool=pool, fleet=fleet, sync=self.sync, liveness=self.liveness, settings=s
+        )
+
+    def _wire_api(self, telemetry: Telemetry, max_payload: int) -> None:
+        """What the CLI asks, and the device observations it is answered with."""
+        nc, js, pool, s = self.nc, self.js, self.pool, self.settings
+        fleet, stop, wake = self.fleet, self.stop, self.wake
         self.api = Api(
             nc=nc,
             js=js,
@@ -187,6 +198,7 @@ class PlacementService:
             policy=self.policy,
             limit=api_limit(s.api_rate, s.api_burst, s.admins),
             auditor=self.auditor,
+            forget_node=self.node_forget.forget,
         )
         self.observations = Observations(
             nc=nc,
