@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -354,13 +354,18 @@ async def running_placement(
     nc: Client,
     database_url: str,
     settings: Settings | None = None,
+    *,
+    before_start: Callable[[PlacementService], None] | None = None,
 ) -> AsyncIterator[PlacementService]:
     """The streams and an in-process placement on the test's own ``nc``, started (migrated);
-    closed with its pool on exit. ``settings``: a 5 s node timeout by default."""
+    closed with its pool on exit. ``settings``: a 5 s node timeout by default;
+    ``before_start``: what a test changes of the service before it starts."""
     await ensure_streams(nc.jetstream())
     pool = await create_pool(database_url)
     settings = settings or Settings(node_timeout_s=5, resend_after_s=60)
     svc = PlacementService(nc, pool, settings)
+    if before_start is not None:
+        before_start(svc)
     await svc.start()
     try:
         yield svc

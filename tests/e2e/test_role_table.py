@@ -13,9 +13,11 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 from nats.aio.client import Client
 from tests.helpers import Postgres, SecureNats, gpulayer, secure_server, secure_stack
@@ -23,7 +25,7 @@ from tests.helpers import Postgres, SecureNats, gpulayer, secure_server, secure_
 from gpulayer_cli.client import ApiDenied, ApiFailed, api, follow_events, submit
 from gpulayer_cli.denials import Denials, PermissionDenied, watch
 from gpulayer_cli.role_table import ROLES_SHOWN, TABLE, Row
-from gpulayer_contracts import JobRequest
+from gpulayer_contracts import HostInfo, JobRequest, WorkerCapabilities, __version__, encode
 from gpulayer_contracts.subjects import ANONYMOUS, API_VERBS, api_subject
 from gpulayer_runtime.auth import AuthStore
 from gpulayer_runtime.nats import connect
@@ -38,6 +40,8 @@ NAMES = {"user": "alice", "viewer": "eve", "admin": "root", "node": NODE}
 SECRET = "hf_role_table_secret"
 SLEEPERS = {o: (f"{o}-sleep", f"{o}-sleep-api") for o in ("alice", "bob", "root")}
 DENIED = 4
+# A node placement knows, silent for an hour: what `node forget` may release (nothing held).
+GHOST = "roles-ghost"
 # Long enough that a user's doctor waiting for the probe's answer (before issue 31: it waited
 # this long, then said "no probe answered") is told from one refused at once.
 DOCTOR_TIMEOUT_S = 45
@@ -60,11 +64,34 @@ async def stack(
         secure_server(folder, auth_store) as nats,
         secure_stack(nats, db, folder, NODE) as stack,
     ):
+        await _ghost(db)
         await _jobs(stack)
         try:
             yield stack
         finally:
             await _cancel_sleepers(stack)
+
+
+async def _ghost(database_url: str) -> None:
+    """A node that reported once, an hour ago, and was never heard from again (placement has
+    migrated the database by now)."""
+    caps = WorkerCapabilities(
+        node_id=GHOST,
+        agent_version=__version__,
+        detected_at=datetime.now(UTC) - timedelta(hours=1),
+        host=HostInfo(platform="linux-x86_64", os="linux", cpu_cores=2),
+    )
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.execute(
+            "INSERT INTO nodes (node_id, capabilities, platform, detected_at, last_seen, online) "
+            "VALUES ($1, $2::jsonb, 'linux-x86_64', $3, $3, false)",
+            GHOST,
+            encode(caps).decode(),
+            caps.detected_at,
+        )
+    finally:
+        await conn.close()
 
 
 async def _jobs(stack: SecureNats) -> None:
@@ -127,6 +154,7 @@ def _argv(row: Row, role: str, folder: Path) -> list[str]:
         "logs-other": ["logs", "bob-done"],
         "quota-list": ["quota", "list"],
         "quota-set": ["quota", "set", "roles-somebody", "--jobs", "100"],
+        "node-forget": ["node", "forget", GHOST],
         "dlq": ["dlq"],
         "audit": ["audit"],
         "profiles": ["profiles"],
@@ -228,8 +256,11 @@ def _check_details(row: Row, by_role: dict[str, tuple[int, str, str]]) -> None:
         assert "out of bob" in by_role["admin"][1]
         # Its events come first (a distributed job's ranks are named there): either refusal.
         assert ".gpulayer.job.bob.bob-done." in by_role["user"][2]
-    if row.case in ("cancel-other", "quota-set"):
+    if row.case in ("cancel-other", "quota-set", "node-forget"):
         assert "permission denied" in by_role["user"][2]
+    if row.case == "node-forget":  # an admin's: released (nothing was held), said in one line
+        assert f"node {GHOST} forgotten after" in by_role["admin"][1]
+        assert "only admins may forget a node" in by_role["user"][2]
     for rc, _, err in by_role.values():
         if rc == DENIED:  # the line names who lacks what
             assert "may not" in err or "only" in err, err
@@ -260,6 +291,7 @@ async def test_each_api_verb_for_each_role(stack: SecureNats, row: Row) -> None:
             "explain": {"job_id": "bob-done"},
             "cancel": {"job_id": f"{job}-sleep-api"},
             "quota": {"op": "list"},
+            "node": {"op": "forget", "node_id": GHOST},
         }.get(verb, {})
         caller = NAMES[role] if role != "node" else ANONYMOUS
         try:

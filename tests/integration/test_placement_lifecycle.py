@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import random
+import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
@@ -17,12 +18,14 @@ from nats.aio.client import Client
 from tests.helpers import running_placement, subscribed
 from tests.unit.placement.placement_fakes import gpu_node
 
-from gpulayer_cli.client import api
+from gpulayer_cli.client import ApiDenied, ApiFailed, api
 from gpulayer_contracts import Grant, Heartbeat, JobStatus, encode
+from gpulayer_contracts.audit import audit_decoder, audit_subject
 from gpulayer_contracts.codec import cancel_decoder, event_decoder, grant_decoder
 from gpulayer_contracts.subjects import (
     API_CANCEL,
     API_JOB,
+    API_NODE,
     JOBS_SUBMIT,
     MSG_ID_HEADER,
     NODE_WILDCARD_CONTROL,
@@ -159,8 +162,26 @@ class Cluster:
 
 @pytest.fixture
 async def cluster(nc: Client, database_url: str) -> AsyncIterator[Cluster]:
+    async with _cluster(nc, database_url) as c:
+        yield c
+
+
+@pytest.fixture
+async def unreaped(nc: Client, database_url: str) -> AsyncIterator[Cluster]:
+    """A cluster whose placement never reaps silent nodes."""
+    async with _cluster(nc, database_url, reap=False) as c:
+        yield c
+
+
+def _no_reaping(svc: PlacementService) -> None:
+    svc.liveness.reap = _never  # type: ignore[method-assign]
+
+
+@contextlib.asynccontextmanager
+async def _cluster(nc: Client, database_url: str, *, reap: bool = True) -> AsyncIterator[Cluster]:
     settings = Settings(node_timeout_s=1.0, resend_after_s=60)
-    async with running_placement(nc, database_url, settings) as svc:
+    before = None if reap else _no_reaping
+    async with running_placement(nc, database_url, settings, before_start=before) as svc:
         c = Cluster(nc, svc)
         await c.start()
         yield c
@@ -508,3 +529,109 @@ async def test_a_node_cut_off_keeps_its_lost_jobs_devices_fenced_until_its_execu
     assert (await cluster.row("held"))["state"] == "placed"
     assert cluster.types("held").count("lost") == 1
     assert "cancelled" not in cluster.types("held")
+
+
+async def test_a_node_that_never_comes_back_is_forgotten_by_an_admin_alone(
+    cluster: Cluster,
+) -> None:
+    """`gpulayer node forget`: refused while the node heartbeats, for an unknown node and for a
+    plain user; once it is silent, an admin's releases the fence of the job it lost, so the
+    node, should it report again, takes new work on that device at once. Each request is in the
+    audit trail. docs/operations.md, "Forgetting a node"."""
+    audit: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def on_audit(msg: Any) -> None:
+        for rec in audit_decoder.decode(msg.data):
+            await audit.put(rec)
+
+    await cluster.nc.subscribe(audit_subject("node-forget"), cb=on_audit)
+    await subscribed(cluster.nc)
+    await cluster.node("gone", gpus=1)
+    await cluster.submit("held", requirements={"gpu_count": 1})
+    first = await cluster.grant()
+    await cluster.report(first, "running")
+    await cluster.until_state("held", "running")
+
+    with pytest.raises(ApiFailed, match=r"^node gone still heartbeats: seen \d+ s ago; "):
+        await forget(cluster, "gone")
+    with pytest.raises(ApiDenied, match=r"only admins may forget a node"):
+        await forget(cluster, "gone", caller="alice")
+    with pytest.raises(ApiFailed, match=r"no node 'nowhere'"):
+        await forget(cluster, "nowhere")
+    with pytest.raises(ApiFailed, match=r"is not a subject token"):
+        await forget(cluster, "gone.*")
+    with pytest.raises(ApiFailed, match=r"Invalid enum value .drain. - at `\$.op`"):
+        await api(cluster.nc, API_NODE, {"op": "drain", "node_id": "gone"}, caller="admin")
+    assert (await cluster.row("held"))["state"] == "running"  # nothing changed
+
+    cluster.alive.discard("gone")  # never heard from again: lost, its device fenced
+    await cluster.event("held", "lost")
+    fenced = await cluster.db("SELECT DISTINCT grant_id FROM fences WHERE node_id = 'gone'")
+    assert [r["grant_id"] for r in fenced] == [first.grant_id]
+    done = await forget(cluster, "gone")
+    assert (done["jobs_lost"], done["grants_released"]) == ([], [first.grant_id])
+    assert done["devices_released"] == [0]
+    assert done["summary"].endswith("no job lost; 1 grant(s) released (devices 0)")
+    assert await cluster.db("SELECT * FROM fences") == []
+    view = cluster.svc.fleet.get("gone")
+    assert view is not None
+    assert (view.online, view.exclusive) == (False, frozenset())
+    again = await forget(cluster, "gone")  # nothing more to release, and it says so
+    assert again["summary"].endswith("no job lost; nothing was held there")
+
+    await cluster.node("gone", gpus=1)  # it reports after all: its device is free
+    await cluster.submit("next", requirements={"gpu_count": 1})
+    nxt = await cluster.grant()
+    assert (nxt.job.job_id, nxt.node_id, nxt.devices) == ("next", "gone", [0])
+    assert cluster.types("held").count("lost") == 1
+
+    records = [await asyncio.wait_for(audit.get(), 10) for _ in range(7)]
+    seen = [(r.identity, r.target, r.outcome) for r in records]
+    assert seen == [
+        ("admin", "gone", "failed"),
+        ("alice", "gone", "denied"),
+        ("admin", "nowhere", "failed"),
+        ("admin", "gone.*", "failed"),
+        ("admin", "gone", "failed"),
+        ("admin", "gone", "ok"),
+        ("admin", "gone", "ok"),
+    ]
+    assert records[5].detail == done["summary"]
+
+
+async def test_forgetting_a_node_loses_the_jobs_it_still_has_as_a_reaping_would(
+    unreaped: Cluster,
+) -> None:
+    """Silent past the timeout but not reaped yet (no reaper here): its running job is lost by
+    the forget itself, with one `lost` event and its retry, and nothing stays fenced."""
+    c = unreaped
+    await c.node("quiet", gpus=1)
+    await c.submit("busy", retries=1, requirements={"gpu_count": 1})
+    first = await c.grant()
+    await c.report(first, "running")
+    await c.until_state("busy", "running")
+    c.alive.discard("quiet")
+    fleet, timeout = c.svc.fleet, c.svc.settings.node_timeout_s
+    while True:  # a time, not an event: the timeout since its last beat (one in flight may land)
+        heard = max(fleet.last_seen["quiet"], fleet.executor_seen["quiet"])
+        left = timeout - (time.monotonic() - heard)
+        if left < 0:
+            break
+        await asyncio.sleep(left + 0.05)
+    done = await forget(c, "quiet")
+    assert (done["jobs_lost"], done["grants_released"]) == (["busy"], [first.grant_id])
+    lost = await c.event("busy", "lost")
+    assert lost.reason == "node forgotten by admin"
+    await c.event("busy", "requeued")
+    assert (await c.row("busy"))["state"] == "pending"
+    assert await c.db("SELECT * FROM fences") == []
+    assert c.types("busy").count("lost") == 1
+
+
+async def _never() -> None:
+    """A reaper that never runs: the forget alone gives the node's jobs up."""
+
+
+async def forget(cluster: Cluster, node: str, caller: str = "admin") -> dict[str, Any]:
+    body = {"op": "forget", "node_id": node}
+    return dict(await api(cluster.nc, API_NODE, body, caller=caller))

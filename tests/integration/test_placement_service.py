@@ -14,11 +14,12 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from tests.helpers import linux_node, running_placement
+from tests.helpers import linux_node, running_placement, subscribed
 
 from gpulayer_cli.client import ApiFailed, api
 from gpulayer_contracts import (
     AcceleratorDevice,
+    Cancelled,
     Grant,
     Heartbeat,
     JobStatus,
@@ -36,6 +37,7 @@ from gpulayer_contracts.subjects import (
     node_heartbeat,
     node_status,
 )
+from gpulayer_placement import outbox
 from gpulayer_placement.service import PlacementService, Settings
 from gpulayer_placement.store import create_pool
 from gpulayer_runtime.nats import ensure_streams
@@ -465,6 +467,91 @@ async def test_a_cancel_asked_again_says_what_a_stopped_replica_did_not(
         await psub.unsubscribe()
         assert [e["type"] for e in stored].count("cancelled") == 1, stored
         assert [e["reason"] for e in stored if e["type"] == "cancelled"] == ["by alice"]
+    finally:
+        await svc.close()
+        await pool.close()
+
+
+async def test_jobs_a_cancel_cascades_to_are_announced_when_the_replica_that_cancelled_stops(
+    nc: Client, database_url: str, events: Events
+) -> None:
+    """A replica cancels a waiting job and stops before it could publish anything: the jobs that
+    waited for it (after), cancelled in the same transaction, were announced by it alone and
+    lost. The next replica announces them from the outbox, each once, under its own id."""
+    js = nc.jetstream()
+    await ensure_streams(js)
+    await subscribed(nc)
+    settings = Settings(node_timeout_s=30, resend_after_s=60)
+    pool = await create_pool(database_url)
+    first = PlacementService(nc, pool, settings)
+    await first.start()
+    try:
+        for job_id, after in (("root-1", []), ("mid-1", ["root-1"]), ("leaf-1", ["mid-1"])):
+            body = {"job_id": job_id, "command": ["true"], "after": after}
+            await js.publish(
+                JOBS_SUBMIT, json.dumps(body).encode(), headers={MSG_ID_HEADER: job_id}
+            )
+            await events.wait_for(job_id, "accepted")  # a dependency must be stored first
+        tried = asyncio.Event()
+
+        async def stopped(items: object, timeout: float) -> None:
+            tried.set()  # what it publishes from now on never arrives: it is gone
+            await asyncio.Future()
+
+        first.publisher.send_batch = stopped
+        await nc.publish(API_CANCEL, encode({"job_id": "root-1"}))  # no reply wanted
+        await asyncio.wait_for(tried.wait(), 10)  # committed, its publish under way
+        async with pool.acquire() as db:
+            rows = await db.fetch("SELECT job_id, state FROM jobs")
+    finally:
+        await first.close()
+        await pool.close()
+    assert {r["job_id"]: r["state"] for r in rows} == dict.fromkeys(
+        ("root-1", "mid-1", "leaf-1"), "cancelled"
+    )
+    assert "cancelled" not in events.types("mid-1")
+
+    pool = await create_pool(database_url)
+    second = PlacementService(nc, pool, settings)
+    await second.start()
+    try:
+        await events.wait_for("mid-1", "cancelled")
+        await events.wait_for("leaf-1", "cancelled")
+        async with pool.acquire() as conn, asyncio.timeout(10):
+            while True:  # deleted in the transaction that published them, once that commits
+                if not await conn.fetchval("SELECT count(*) FROM event_outbox"):
+                    break
+                await asyncio.sleep(0.02)
+    finally:
+        await second.close()
+        await pool.close()
+    for job_id, why in (("mid-1", "root-1 ended cancelled"), ("leaf-1", "mid-1 ended cancelled")):
+        psub = await js.pull_subscribe(
+            f"gpulayer.job.anonymous.{job_id}.events", stream="JOB_EVENTS"
+        )
+        stored = [(json.loads(m.data), m.headers) for m in await psub.fetch(10, timeout=2)]
+        await psub.unsubscribe()
+        ended = [
+            (e["reason"], (h or {})[MSG_ID_HEADER]) for e, h in stored if e["type"] == "cancelled"
+        ]
+        assert ended == [(f"dependency {why} (after)", f"{job_id}:cancelled")], stored
+
+
+async def test_a_commit_to_the_outbox_wakes_a_running_replica_at_once(
+    nc: Client, database_url: str, events: Events
+) -> None:
+    """Another replica's commit NOTIFYs: this one publishes what it put in the outbox without
+    waiting for its next look (set far off here)."""
+    await ensure_streams(nc.jetstream())
+    await subscribed(nc)
+    pool = await create_pool(database_url)
+    svc = PlacementService(nc, pool, Settings(node_timeout_s=30, resend_after_s=60))
+    svc.outbox.period_s = 3600.0
+    await svc.start()
+    try:
+        async with pool.acquire() as conn, conn.transaction():
+            await outbox.record(conn, [Cancelled(job_id="told-1", reason="dependency x")])
+        await events.wait_for("told-1", "cancelled")
     finally:
         await svc.close()
         await pool.close()

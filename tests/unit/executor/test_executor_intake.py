@@ -63,7 +63,9 @@ class Parts:
         self.fake = FakeJetStream()
         self.store = st.StateStore(tmp_path)
         self.writer = DurableWriter(self.store)
-        reporter = Reporter(self.fake.js, NODE, self.writer, asyncio.Event())
+        # Set: the executor is stopping, and a report it can't publish is given up on.
+        self.stopping = asyncio.Event()
+        reporter = Reporter(self.fake.js, NODE, self.writer, self.stopping)
         self.launch = FakeLaunch(self.store)
         config = ExecutorConfig(node_id=NODE, workdir=tmp_path, base_env={"PATH": os.defpath})
         self.runner = JobRunner(
@@ -288,3 +290,38 @@ async def test_a_given_up_grant_that_never_came_is_reported_ended_and_never_star
     stop = CancelJob(job_id="job-g8", reason="lost: node cut off", grant_id="g8", given_up=True)
     await p.intake.on_cancel(FakeMsg(encode(stop), signed=("cancel", "g8")).msg)
     assert p.fake.msg_ids(node_status(NODE)).count("g8:cancelled") == 0
+
+
+async def test_a_never_came_report_is_stored_before_its_cancel_is_acked(tmp_path: Path) -> None:
+    # Nothing on this node would say it again (it has no record of the grant): acked first, a
+    # crash before the report lost it, and placement kept the grant's fence for good.
+    p = Parts(tmp_path, VERIFIER)
+    stop = CancelJob(job_id="job-g9", reason="lost: node cut off", grant_id="g9", given_up=True)
+    told_at_ack: list[list[str]] = []
+    msg = FakeMsg(
+        encode(stop),
+        on_ack=lambda: told_at_ack.append(p.fake.msg_ids(node_status(NODE))),
+        signed=("cancel", "g9"),
+    )
+    await p.intake.on_cancel(msg.msg)
+    assert told_at_ack == [["g9:cancelled"]]
+
+
+async def test_a_never_came_report_not_stored_leaves_its_cancel_to_be_redelivered(
+    tmp_path: Path,
+) -> None:
+    # The executor stopping while NATS refuses the report: the cancel stays unacked, so the
+    # next start gets it again and tells placement then, once.
+    p = Parts(tmp_path, VERIFIER)
+    stop = CancelJob(job_id="job-g9", reason="lost: node cut off", grant_id="g9", given_up=True)
+    p.stopping.set()
+    p.fake.fail[node_status(NODE)] = 3
+    first = FakeMsg(encode(stop), signed=("cancel", "g9"))
+    await p.intake.on_cancel(first.msg)
+    assert (first.acks, p.fake.msg_ids(node_status(NODE))) == (0, [])
+    again = FakeMsg(encode(stop), signed=("cancel", "g9"))
+    await p.intake.on_cancel(again.msg)
+    assert (again.acks, p.fake.msg_ids(node_status(NODE))) == (1, ["g9:cancelled"])
+    mark = p.store.cancel_mark("job-g9", "g9")
+    assert mark is not None
+    assert mark.given_up

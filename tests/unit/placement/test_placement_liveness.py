@@ -125,7 +125,8 @@ async def test_a_probe_heartbeat_brings_an_offline_node_back() -> None:
 
 async def test_a_job_lost_with_its_vanished_device_releases_its_dependents() -> None:
     """A job lost because its device vanished is an end like any other: the jobs waiting for it
-    (``after``) are cancelled naming it, in the same transaction, and their events go out."""
+    (``after``) are cancelled naming it, their events put in the outbox, in the same
+    transaction."""
     lost = [
         {
             "job_id": "trainer",
@@ -157,6 +158,7 @@ async def test_a_job_lost_with_its_vanished_device_releases_its_dependents() -> 
     names = conn.names()
     assert names[0] == "lose_device_jobs"
     assert ("cancel_dependents", (["trainer"], ["lost"])) in conn.calls
+    (recorded,) = [args for name, args in conn.calls if name == "record_outbox"]
+    assert recorded[:2] == (["eval:cancelled"], ["gpulayer.job.alice.eval.events"])
     sent = [subject for subject, _, _ in js.sent]
-    assert "gpulayer.job.alice.eval.events" in sent
     assert "gpulayer.job.alice.trainer.events" in sent

@@ -250,21 +250,24 @@ class _OnceConn(FakeConn):
 
 async def test_jobs_waiting_for_a_job_that_cannot_be_matched_are_cancelled() -> None:
     """A job the matcher fails on is failed; the jobs that waited for it (``after``) are
-    cancelled naming it in the same transaction, and their events go out with the batch."""
+    cancelled naming it in the same transaction, their events put in the outbox there."""
     dependent = {"job_id": "b", "reason": "dependency a ended failed (after)", "owner": "o"}
     conn = _OnceConn({"cancel_dependents": [dependent]})
-    scheduler, _, _, js = build(conn)
+    scheduler, _, _, _ = build(conn)
     outcome = Outcome()
     outcome.failed.append(("a", "placement could not match this job: boom"))
     await scheduler.persist(conn, outcome)
-    assert conn.names() == ["fail_pending", "cancel_dependents", "cancel_dependents"]
+    assert conn.names() == [
+        "fail_pending",
+        "cancel_dependents",
+        "cancel_dependents",
+        "record_outbox",
+    ]
     assert conn.calls[1][1] == (["a"], ["failed"])
     assert conn.calls[2][1] == (["b"], ["cancelled"])  # and b's own dependents after it
-    assert [(c.job_id, c.reason) for c in outcome.cancelled] == [
-        ("b", "dependency a ended failed (after)")
-    ]
-    await scheduler.publisher.publish_outcome(outcome)
-    assert any(b'"cancelled"' in payload and b'"b"' in payload for _, payload, _ in js.sent)
+    msg_ids, subjects, payloads = conn.calls[3][1]
+    assert (msg_ids, subjects) == (["b:cancelled"], ["gpulayer.job.o.b.events"])
+    assert json.loads(payloads[0])["reason"] == "dependency a ended failed (after)"
 
 
 def _decoded(scheduler: Scheduler, *rows: dict[str, Any]) -> None:

@@ -1,5 +1,6 @@
 """The commands of whoever runs gpulayer: ``keys`` (grant signing), ``quota`` (per-owner
-limits) and ``dlq`` (the dead letters). ``auth`` has a module of its own (``auth_cmd``)."""
+limits), ``dlq`` (the dead letters) and ``node forget`` (a node that never comes back). ``auth``
+has a module of its own (``auth_cmd``)."""
 
 from __future__ import annotations
 
@@ -108,6 +109,29 @@ def add_quota(sub: Any) -> None:
             p.add_argument("--jobs", type=int, default=None)
         p.add_argument("--json", action="store_true")
         p.set_defaults(fn=common.api_command(API_QUOTA, _quota_body, _render_quotas))
+
+
+def _render_forgotten(console: Console, data: Any) -> None:
+    console.print(data["summary"], markup=False)
+
+
+def add_node(sub: Any) -> None:
+    from gpulayer_contracts.subjects import API_NODE
+
+    np_ = sub.add_parser("node", help="admins: operate on one node")
+    ns = np_.add_subparsers(dest="node_op", required=True)
+    nf = ns.add_parser(
+        "forget",
+        help="release what a node that never comes back still holds (its fences, its jobs); "
+        "refused while it heartbeats",
+    )
+    nf.add_argument("node_id", metavar="NAME")
+    nf.add_argument("--json", action="store_true")
+    nf.set_defaults(
+        fn=common.api_command(
+            API_NODE, lambda args: {"op": "forget", "node_id": args.node_id}, _render_forgotten
+        )
+    )
 
 
 def add_dlq(sub: Any) -> None:

@@ -152,8 +152,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
 def add_audit(sub: Any) -> None:
     au = sub.add_parser(
         "audit",
-        help="the audit trail (admins): who submitted, cancelled, changed a quota, minted or "
-        "revoked a credential, and when",
+        help="the audit trail (admins): who submitted, cancelled, changed a quota, forgot a "
+        "node, minted or revoked a credential, and when",
     )
     au.add_argument("--who", help="one identity's records only")
     au.add_argument("--action", choices=ACTIONS)

@@ -6,7 +6,7 @@ denied (the credential's role may not do this: docs/security.md, the role table)
 
 This module only builds the parser and dispatches; each command group lives in a module of
 its own: ``submit_cmd``, ``jobs_cmd`` (jobs, services, job, explain, cancel, logs),
-``fleet_cmd`` (nodes, doctor, matrix, profiles), ``admin_cmd`` (keys, quota, dlq),
+``fleet_cmd`` (nodes, doctor, matrix, profiles), ``admin_cmd`` (keys, quota, dlq, node),
 ``audit_cmd`` (audit), ``auth_cmd`` and ``local_cmd`` (dev, schema, check, conform); what they share is in ``common``.
 """
 
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     submit_cmd.add_submit(sub)
     fleet_cmd.add_nodes(sub)
     fleet_cmd.add_doctor(sub)
+    admin_cmd.add_node(sub)
     jobs_cmd.add_jobs(sub)
     jobs_cmd.add_services(sub)
     jobs_cmd.add_job(sub)

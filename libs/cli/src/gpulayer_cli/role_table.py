@@ -183,6 +183,14 @@ TABLE: tuple[Row, ...] = (
         "denied",
         "the audit trail is for admins",
     ),
+    _cli(
+        "node-forget",
+        "node forget NAME",
+        "API node",
+        "denied",
+        "denied",
+        "placement refuses a user: only admins (GPULAYER_ADMINS) may forget a node",
+    ),
     _cli("profiles", "profiles", "API profiles", "works", "works"),
     _local("matrix", "matrix", "this version's support matrix"),
     _local("schema", "schema [NAME]"),
@@ -203,6 +211,7 @@ TABLE: tuple[Row, ...] = (
     _api("profiles", "works", "works"),
     _api("services", "works", "works"),
     _api("quota", "works", "works", note="the list; set and delete: admins only (as quota set)"),
+    _api("node", "denied", "denied", note="placement refuses a user; a viewer may not ask it"),
 )
 
 

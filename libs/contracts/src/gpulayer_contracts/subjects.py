@@ -55,6 +55,10 @@ API_VERBS: tuple[str, ...] = (
 # Queue policy (issue 15 part A): quotas, set and listed by admins only.
 API_QUOTA = f"{PREFIX}.api.quota"
 API_VERBS += (API_QUOTA,)
+# Operating on one node (admins only): ``{"op": "forget", "node_id": ...}`` releases what a node
+# that never comes back still holds (gpulayer node forget).
+API_NODE = f"{PREFIX}.api.node"
+API_VERBS += (API_NODE,)
 
 # Header names. Nats-Msg-Id is JetStream's own dedupe header.
 MSG_ID_HEADER = "Nats-Msg-Id"

@@ -3,7 +3,9 @@
 A grant is acked only once its ``received`` record is on disk (group commit), so a grant is
 never lost between the ack and a crash; a redelivered grant finds its record and is acked and
 ignored, never started twice. A cancel is recorded durably before its ack, so a grant for the
-job that arrives later (the two streams are not ordered with each other) never starts.
+job that arrives later (the two streams are not ordered with each other) never starts; a
+cancel of a grant placement gave up that never reached this node is acked only once placement
+was told so (it holds what the grant would have used until then).
 
 With a ``Verifier`` (the default outside tests of other parts), grants and cancels must carry
 placement's signature for this node: anything unsigned, forged, tampered, for another node, or
@@ -266,21 +268,27 @@ class GrantIntake:
             )
         # Unsigned (signing off): it stops what runs now, but leaves no mark that would stop a
         # job submitted later under that id.
-        await msg.ack()
         # Only asks the jobs to stop (nothing runs before the next await): logged after.
         stopped = self._runner.cancel(
             cancel.job_id, cancel.reason, cancel.grant_id, given_up=cancel.given_up
         )
         log.info("cancel for job %s (%s): %d active grants", cancel.job_id, cancel.reason, stopped)
-        if given_up and not stopped:
-            await self._never_came(cancel.job_id, cancel.grant_id, cancel.reason)
+        # Acked only once placement was told: nothing else on this node would say it (no record
+        # of the grant), so a crash or a report given up on first leaves the cancel in CONTROL,
+        # redelivered and reported then (the same message id, so told once).
+        told = not (given_up and not stopped) or await self._never_came(
+            cancel.job_id, cancel.grant_id, cancel.reason
+        )
+        if told:
+            await msg.ack()
 
-    async def _never_came(self, job_id: str, grant_id: str, reason: str) -> None:
+    async def _never_came(self, job_id: str, grant_id: str, reason: str) -> bool:
         """A grant placement gave up (lost with this node) that this node has no record of:
         placement, which holds what the grant would have used fenced until this node reports
         its end, is told it ended here. The mark written before stops it should it still come
-        (a grant placement could not publish before the loss is never resent)."""
+        (a grant placement could not publish before the loss is never resent). False when the
+        report was not stored (the executor stopping)."""
         if await asyncio.to_thread(self._store.load, grant_id) is not None:
-            return  # received and ended already: its own end was (or will be) reported
+            return True  # received and ended already: its own end was (or will be) reported
         log.info("grant %s of job %s never reached this node: reported ended", grant_id, job_id)
-        await self._reporter.report_never_came(job_id, grant_id, reason)
+        return await self._reporter.report_never_came(job_id, grant_id, reason)

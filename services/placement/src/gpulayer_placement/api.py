@@ -23,7 +23,7 @@ from nats.js import JetStreamContext
 
 import gpulayer_matching as matcher
 from gpulayer_contracts import CancelJob, Cancelled, encode
-from gpulayer_contracts.bounds import clip_text
+from gpulayer_contracts.bounds import clip_text, node_id_errors
 from gpulayer_contracts.codec import capabilities_decoder, job_request_decoder
 from gpulayer_contracts.health import NodeObservations
 from gpulayer_contracts.matrix import SUPPORT_MATRIX
@@ -35,16 +35,15 @@ from gpulayer_contracts.subjects import (
     API_JOB,
     API_JOBS,
     API_MATRIX,
+    API_NODE,
     API_NODES,
     API_PROFILES,
     API_QUOTA,
     API_SERVICES,
     api_caller,
 )
-from gpulayer_matching import NodeView
 from gpulayer_matching.gang import explain_gang, is_gang
-from gpulayer_matching.resources import CPU, GB, MEMORY, SLOTS
-from gpulayer_placement import dependencies, quotas
+from gpulayer_placement import dependencies, node_report, quotas
 from gpulayer_placement.audit import Auditor, audited
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.limits import RateLimit
@@ -99,6 +98,11 @@ class _QuotaQuery(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     jobs: int | None = None
 
 
+class _NodeQuery(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    op: Literal["forget"]
+    node_id: str
+
+
 class _CancelQuery(msgspec.Struct, frozen=True):
     job_id: str
     reason: str = "cancelled by user"
@@ -106,28 +110,6 @@ class _CancelQuery(msgspec.Struct, frozen=True):
 
 def _iso(value: Any) -> Any:
     return value.isoformat() if hasattr(value, "isoformat") else value
-
-
-def _executor_state(fleet: Fleet, node_id: str) -> str:
-    """``up`` (heartbeats coming), ``down`` (they stopped) or ``unknown`` (none heard yet)."""
-    view = fleet.get(node_id)
-    if view is not None and view.executor_down:
-        return "down"
-    return "up" if node_id in fleet.executor_seen else "unknown"
-
-
-def _health(obs: NodeObservations | None, view: NodeView | None) -> dict[str, Any] | None:
-    """The node's health, its devices' latest observations, and which devices get no new
-    grants for their health (None before any observation arrived)."""
-    if obs is None:
-        return None
-    return {
-        "health": obs.health,
-        "observed_at": obs.observed_at.isoformat(),
-        "devices": msgspec.to_builtins(obs.devices),
-        "held_back": {str(i): why for i, why in sorted(view.health.items())} if view else {},
-        "notes": obs.notes,
-    }
 
 
 class Api:
@@ -145,8 +127,11 @@ class Api:
         policy: Policy | None = None,
         limit: RateLimit | None = None,
         auditor: Auditor | None = None,
+        forget_node: Callable[[str, str], Awaitable[dict[str, Any]]] | None = None,
     ) -> None:
         self.auditor = auditor
+        # (node, who asks) -> what was released: forget.NodeForget's (service.py wires it).
+        self.forget_node = forget_node
         self.policy = policy if policy is not None else Policy()
         self.limit = limit
         self.nc = nc
@@ -173,6 +158,7 @@ class Api:
             API_PROFILES: self.profile_fit,
             API_SERVICES: self.services,
             API_QUOTA: audited(self.auditor, "quota", self.quota),
+            API_NODE: audited(self.auditor, "node", self.node),
         }
         return [
             await self.nc.subscribe(subject, queue=QUEUE, cb=self._wrap(handler))
@@ -251,16 +237,30 @@ class Api:
                     "node_id": r["node_id"],
                     "online": r["online"],
                     "last_seen": _iso(r["last_seen"]),
-                    "executor": _executor_state(self.fleet, r["node_id"]),
+                    "executor": node_report.executor_state(self.fleet, r["node_id"]),
                     "active_jobs": r["active_jobs"],
                     "busy_devices": sorted(view.exclusive | view.shared) if view else [],
-                    "resources": _resources(self.fleet, view) if view else None,
+                    "resources": node_report.resources(self.fleet, view) if view else None,
                     "report_rejected": self.fleet.report_errors.get(r["node_id"]),
                     "capabilities": msgspec.to_builtins(caps),
-                    "health": _health(self.observations.get(r["node_id"]), view),
+                    "health": node_report.health(self.observations.get(r["node_id"]), view),
                 }
             )
         return out
+
+    async def node(self, data: bytes, caller: str = ANONYMOUS) -> Any:
+        """Admins only: ``{"op": "forget", "node_id": name}`` releases what a node that never
+        comes back still holds, refused while it still heartbeats (``forget.NodeForget``)."""
+        if not self.privileged(caller):
+            log.warning("refused: %s tried to change a node", caller)
+            raise ApiDenied("only admins may forget a node (placement's GPULAYER_ADMINS)")
+        q = msgspec.json.decode(data or b"{}", type=_NodeQuery)
+        errors = node_id_errors(q.node_id)
+        if errors:
+            raise ApiError("; ".join(errors))
+        if self.forget_node is None:
+            raise ApiError("this placement replica can't forget nodes")
+        return await self.forget_node(q.node_id, caller)
 
     async def jobs(self, data: bytes, caller: str = ANONYMOUS) -> Any:
         q = msgspec.json.decode(data or b"{}", type=_JobsQuery)
@@ -368,7 +368,7 @@ class Api:
                 done = await Store.fetchrow(conn, "cancel_pending", q.job_id, q.reason)
                 ranks = None
                 if done is not None:
-                    _, cascaded = await dependencies.release(conn, [(q.job_id, "cancelled")])
+                    await dependencies.release(conn, [(q.job_id, "cancelled")])
                     stopping = None
                 elif row.get("is_gang"):
                     # A distributed job: every rank still active is cancelled; the job ends
@@ -380,9 +380,10 @@ class Api:
             if done is not None:
                 self.forget(q.job_id)
                 cancelled = Cancelled(job_id=q.job_id, reason=q.reason, owner=owner)
-                # Committed: no other path says it, so it is retried through a failover.
-                items = [self.publisher.event_item(e) for e in (cancelled, *cascaded)]
-                await self.publisher.publish_committed(items, f"job {q.job_id}'s cancelled event")
+                # Committed: no other path says it, so it is retried through a failover (the
+                # jobs waiting for it that it cancelled are announced from the outbox).
+                item = self.publisher.event_item(cancelled)
+                await self.publisher.publish_committed([item], f"job {q.job_id}'s cancelled event")
                 return {"job_id": q.job_id, "state": "cancelled"}
             if ranks:
                 items = [
@@ -480,20 +481,3 @@ class Api:
             }
             for r in rows
         ]
-
-
-def _resources(fleet: Fleet, view: NodeView) -> dict[str, Any]:
-    """Cores, RAM (GB) and job slots: what the node offers jobs and what they hold, as this
-    replica knows it; ``enforcement``: how its executor enforces job limits (None: not said)."""
-    used = fleet.used(view.node_id)
-    offer = fleet.offer(view.node_id)
-    return {
-        "cores": view.cpu_total / 1000 if view.cpu_total is not None else None,
-        "cores_used": used[CPU] / 1000,
-        "memory_gb": view.memory_total / GB if view.memory_total is not None else None,
-        "memory_gb_used": used[MEMORY] / GB,
-        "slots": view.slots_total,
-        "slots_used": used[SLOTS],
-        "gpu_memory_reserved_mib": {str(k): v for k, v in sorted(view.gpu_reserved.items())},
-        "enforcement": offer.enforcement if offer is not None else None,
-    }

@@ -1,4 +1,5 @@
-"""Audit: placement's records of submits, cancels and quota changes, sent in the background.
+"""Audit: placement's records of submits, cancels, quota changes and nodes forgotten, sent in
+the background.
 
 ``record`` only queues (the submit path never waits for the audit stream); the ``audit`` task
 sends what is queued, up to MAX_RECORDS_PER_MESSAGE records a message, pipelined, and retries
@@ -119,17 +120,29 @@ class _Target(msgspec.Struct, frozen=True):
 
     job_id: str | None = None
     owner: str | None = None
+    node_id: str | None = None
     op: str = "list"
 
 
 _target_decoder = msgspec.json.Decoder(_Target)
 Handler = Callable[[bytes, str], Awaitable[Any]]
+Verb = Literal["cancel", "quota", "node"]
 
 
-def audited(auditor: Auditor | None, verb: Literal["cancel", "quota"], handler: Handler) -> Handler:
-    """``handler`` (the API's cancel or quota), recording who asked, what for, and how it
-    ended: ``denied`` for a right the caller lacks, ``failed`` with the error, else the
-    job's state (cancel) or ``ok``. Listing quotas changes nothing and is not recorded."""
+def _action(verb: Verb, t: _Target) -> Action | None:
+    """The action an API request is recorded as; None: not recorded (a quota list)."""
+    if verb == "cancel":
+        return "cancel"
+    if verb == "node":
+        return "node-forget"  # the verb's one operation (any other is refused as invalid)
+    return "quota-set" if t.op == "set" else "quota-delete" if t.op == "delete" else None
+
+
+def audited(auditor: Auditor | None, verb: Verb, handler: Handler) -> Handler:
+    """``handler`` (the API's cancel, quota or node), recording who asked, what for, and how
+    it ended: ``denied`` for a right the caller lacks, ``failed`` with the error, else the
+    job's state (cancel) or ``ok``, with the quota asked for or what forgetting the node
+    released. Listing quotas changes nothing and is not recorded."""
     if auditor is None:
         return handler
 
@@ -138,19 +151,21 @@ def audited(auditor: Auditor | None, verb: Literal["cancel", "quota"], handler: 
             t = _target_decoder.decode(data or b"{}")
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             t = _Target()
-        if verb == "quota" and t.op not in ("set", "delete"):
+        action = _action(verb, t)
+        if action is None:
             return await handler(data, caller)
-        action: Action = "cancel" if verb == "cancel" else f"quota-{t.op}"  # type: ignore[assignment]
-        target = (t.job_id if verb == "cancel" else t.owner or "default") or "?"
+        target = {"cancel": t.job_id, "quota": t.owner or "default", "node": t.node_id}[verb]
         try:
             result = await handler(data, caller)
         except Exception as err:
             outcome = "denied" if getattr(err, "denied", False) else "failed"
-            auditor.record(caller, action, target, outcome, str(err))
+            auditor.record(caller, action, target or "?", outcome, str(err))
             raise
-        detail = "" if verb == "cancel" else data.decode("utf-8", "replace")
-        state = result.get("state", "ok") if isinstance(result, dict) else "ok"
-        auditor.record(caller, action, target, state, detail)
+        said = result if isinstance(result, dict) else {}
+        detail = {"cancel": "", "quota": data.decode("utf-8", "replace")}.get(
+            verb, str(said.get("summary", ""))
+        )
+        auditor.record(caller, action, target or "?", said.get("state", "ok"), detail)
         return result
 
     return run

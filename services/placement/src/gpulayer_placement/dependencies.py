@@ -17,6 +17,7 @@ from typing import Any
 
 from gpulayer_contracts import Cancelled, JobRequest
 from gpulayer_contracts.subjects import ANONYMOUS
+from gpulayer_placement import outbox
 from gpulayer_placement.store import Store
 
 ENDED_BADLY = frozenset({"failed", "cancelled", "lost", "rejected"})
@@ -146,9 +147,11 @@ async def record(conn: Any, checked: Checked, new: set[str]) -> None:
     )
 
 
-async def release(conn: Any, ended: list[tuple[str, str]]) -> tuple[list[str], list[Cancelled]]:
-    """Jobs that had ``ended`` (id, final state) as a dependency: those now free to be matched,
-    and those cancelled because one ended without succeeding (their own dependents too)."""
+async def release(conn: Any, ended: list[tuple[str, str]]) -> list[str]:
+    """Jobs that had ``ended`` (id, final state) as a dependency: returns those now free to be
+    matched. Those cancelled because one ended without succeeding (their own dependents too)
+    have their ``cancelled`` put in the outbox, in the caller's transaction: nothing would say
+    it again if the replica stopped before publishing it (``outbox``)."""
     succeeded = [j for j, state in ended if state == "succeeded"]
     unblocked: list[str] = []
     if succeeded:
@@ -164,4 +167,5 @@ async def release(conn: Any, ended: list[tuple[str, str]]) -> tuple[list[str], l
             Cancelled(job_id=r["job_id"], reason=r["reason"], owner=r["owner"]) for r in rows
         ]
         badly = [(r["job_id"], "cancelled") for r in rows]
-    return unblocked, cancelled
+    await outbox.record(conn, cancelled)
+    return unblocked

@@ -146,6 +146,5 @@ async def settle(conn: Any, rows: Iterable[Row]) -> GangSettled:
             out.cancels.append((rk["node_id"], cancel))
     if ended:
         out.ended = [j for j, _ in ended]
-        out.unblocked, cascaded = await dependencies.release(conn, ended)
-        out.events += cascaded
+        out.unblocked = await dependencies.release(conn, ended)
     return out

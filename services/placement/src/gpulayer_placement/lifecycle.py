@@ -30,7 +30,7 @@ from typing import Any
 import asyncpg
 import msgspec
 
-from gpulayer_contracts import Cancelled, JobEvent, Requeued, Restart
+from gpulayer_contracts import JobEvent, Requeued, Restart
 from gpulayer_contracts.subjects import ANONYMOUS
 from gpulayer_placement import dependencies, gang_status
 from gpulayer_placement.publisher import Publisher
@@ -121,13 +121,13 @@ class Settled:
     """What ``settle`` did in the caller's transaction, to announce once it commits."""
 
     requeued: list[Requeue] = field(default_factory=list)
-    cancelled: list[Cancelled] = field(default_factory=list)
+    # Released dependents; those it cancelled are announced from the outbox.
     unblocked: list[str] = field(default_factory=list)
     # Distributed jobs whose ranks decided their state (gang_status).
     gangs: gang_status.GangSettled = field(default_factory=gang_status.GangSettled)
 
     def events(self) -> list[JobEvent]:
-        return [*(r.event for r in self.requeued), *self.cancelled]
+        return [r.event for r in self.requeued]
 
 
 class Lifecycle:
@@ -169,7 +169,7 @@ class Lifecycle:
             (j, r["state"]) for j, r in ended.items() if j not in again and r.get("has_dependents")
         ]
         if final:
-            out.unblocked, out.cancelled = await dependencies.release(conn, final)
+            out.unblocked = await dependencies.release(conn, final)
         return out
 
     async def announce(self, settled: Settled) -> None:

@@ -37,7 +37,7 @@ from gpulayer_contracts.subjects import (
     node_from_subject,
 )
 from gpulayer_placement.fleet import Fleet, Offer
-from gpulayer_placement.lifecycle import Lifecycle
+from gpulayer_placement.lifecycle import Lifecycle, Settled
 from gpulayer_placement.publisher import Publisher
 from gpulayer_placement.replica_sync import ReplicaSync
 from gpulayer_placement.settings import Settings
@@ -317,6 +317,13 @@ class Liveness:
             self.fleet.set_online(node, False)
             log.warning("node %s is offline: %s", node, reason, extra=job_context(node_id=node))
         await self.sync.reload(stale)
+        await self.announce_lost(lost, reason, settled)
+
+    async def announce_lost(
+        self, lost: list[asyncpg.Record], reason: str, settled: Settled
+    ) -> None:
+        """After the commit that gave up ``lost`` (lose_node_jobs rows) with their node: their
+        ``lost`` events, what their ends settled, and a stop for each grant."""
         # The node may be cut off rather than down, its jobs still running: what they held
         # stays fenced until the executor reports each grant's end (release_fences), and each
         # is asked to stop (CONTROL keeps the stop until the executor is back). Each `lost` is

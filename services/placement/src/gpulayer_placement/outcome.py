@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpulayer_contracts import Cancelled, Grant, JobRequest
+from gpulayer_contracts import Grant, JobRequest
 from gpulayer_contracts.capabilities import MIG_INDEX_BASE, AcceleratorDevice, grant_devices
 from gpulayer_contracts.events import GangRank, Placed, RankPlacement
 from gpulayer_contracts.subjects import ANONYMOUS
@@ -36,8 +36,6 @@ class Outcome:
     waiting: list[tuple[str, NoPlacement]] = field(default_factory=list)
     # Jobs whose matching raised (job id, reason): failed, so a pass goes on without them.
     failed: list[tuple[str, str]] = field(default_factory=list)
-    # Jobs that waited for a failed one (``after``), cancelled in the same transaction.
-    cancelled: list[Cancelled] = field(default_factory=list)
     commit_ns: tuple[int, int] = (0, 0)
     owners: dict[str, str] = field(default_factory=dict)  # of waiting jobs; absent: anonymous
     # Preemptions chosen (queue policy): (waiting job, its priority, victims), and the victims

@@ -51,10 +51,9 @@ async def persist(
         await Store.execute(
             conn, "fail_pending", [j for j, _ in outcome.failed], [r for _, r in outcome.failed]
         )
-        # Jobs waiting for one that failed here are cancelled naming it, as for any failure.
-        _, outcome.cancelled = await dependencies.release(
-            conn, [(j, "failed") for j, _ in outcome.failed]
-        )
+        # Jobs waiting for one that failed here are cancelled naming it, as for any failure
+        # (announced from the outbox).
+        await dependencies.release(conn, [(j, "failed") for j, _ in outcome.failed])
     if outcome.waiting:
         await Store.execute(
             conn,

@@ -468,5 +468,4 @@ def _waiting_events(outcome: Outcome) -> list[JobEvent]:
         for j, d in outcome.waiting
     ]
     events += [Failed(job_id=j, reason=why, owner=owner(j, ANONYMOUS)) for j, why in outcome.failed]
-    events += outcome.cancelled
     return events

@@ -91,6 +91,19 @@ SELECT grant_id, node_id, kind, resource, amount,
         FROM gone HAVING count(*) > 0) AS notified
 FROM gone;
 
+-- name: lock_node
+-- A node to forget (gpulayer node forget), locked against its heartbeats' touch_nodes until the
+-- forgetting commits; silent_s: seconds since its last heartbeat (or capabilities) was stored.
+SELECT node_id, online, extract(epoch FROM now() - last_seen)::float8 AS silent_s
+FROM nodes WHERE node_id = $1
+FOR UPDATE;
+
+-- name: forget_fences
+-- Every fence of a node forgotten: what its lost jobs held there is free, whether or not its
+-- executor ever reports those grants' ends (release_fences then finds nothing).
+DELETE FROM fences WHERE node_id = $1
+RETURNING grant_id, job_id, kind, resource, amount;
+
 -- name: insert_jobs
 -- $6: owners; NULL is 'anonymous'. $7 priorities and $8 preemptible: a waiting job's, from
 -- its decoded request (validated: within bounds); 0 / false otherwise. Passed rather than read
@@ -507,3 +520,27 @@ WHERE r.state IN ('placed', 'running');
 -- Every rank of gang $1, for gpulayer job.
 SELECT rank, job_id, state, node_id, devices, exit_code, reason, gang::text AS gang
 FROM jobs WHERE gang_id = $1 ORDER BY rank;
+
+-- --- The outbox (migrations/0024): events announced after their transaction commits ---------
+
+-- name: record_outbox
+-- Events to publish once the caller's transaction commits. The NOTIFY, sent at the commit,
+-- wakes every replica's outbox (outbox.CHANNEL).
+WITH added AS (
+    INSERT INTO event_outbox (msg_id, subject, payload)
+    SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[])
+    ON CONFLICT (msg_id) DO NOTHING
+    RETURNING msg_id
+)
+SELECT pg_notify('gpulayer_outbox', '') FROM (SELECT 1 FROM added LIMIT 1) AS any_added;
+
+-- name: take_outbox
+-- The oldest events not published yet, locked until the transaction publishing them deletes
+-- them: replicas draining at once take different ones (SKIP LOCKED).
+SELECT msg_id, subject, payload FROM event_outbox
+ORDER BY added_at, msg_id
+LIMIT $1
+FOR UPDATE SKIP LOCKED;
+
+-- name: delete_outbox
+DELETE FROM event_outbox WHERE msg_id = ANY($1::text[]);

@@ -46,6 +46,9 @@ class ReplicaSync:
         # Tags this replica's NOTIFYs, so it skips its own.
         self.replica_id = replica_id
         self._notified: set[str] = set()
+        # Other channels LISTENed on the same connection (channel -> asyncpg listener): the
+        # outbox's.
+        self.also: dict[str, Callable[[Any, int, str, object], None]] = {}
         self._listen_conn: Any = None
         self._relisten_task: asyncio.Task[None] | None = None
 
@@ -54,6 +57,8 @@ class ReplicaSync:
         conn = await self.pool.acquire()
         try:
             await conn.add_listener(NOTIFY_CHANNEL, self.on_notify)
+            for channel, listener in self.also.items():
+                await conn.add_listener(channel, listener)
         except BaseException:
             await self.pool.release(conn)
             raise
@@ -66,6 +71,8 @@ class ReplicaSync:
             conn, self._listen_conn = self._listen_conn, None
             with contextlib.suppress(Exception):
                 await conn.remove_listener(NOTIFY_CHANNEL, self.on_notify)
+                for channel, listener in self.also.items():
+                    await conn.remove_listener(channel, listener)
             with contextlib.suppress(Exception):
                 await self.pool.release(conn)
         if self._relisten_task is not None:

@@ -7,9 +7,12 @@ Parts (each in a file named for it, each taking its collaborators in its constru
   may have changed; outcomes persisted, one statement per batch. ``waiting`` says which jobs a
   batch takes and in which order.
 - ``publisher``: events, grants and job spans, pipelined; the resend of stale grants.
+- ``outbox``: events recorded in a change's transaction (jobs a dependency's end cancelled),
+  published after its commit by any replica.
 - ``status``: executor reports: job rows updated, devices released, waiting jobs reconsidered.
 - ``liveness``: capabilities and heartbeats into memory and PostgreSQL; silent nodes reaped;
-  jobs on devices that vanished from a node's detection lost.
+  jobs on devices that vanished from a node's detection lost. ``forget``: a node that never
+  comes back released for good, at an admin's word.
 - ``observations``: the probes' device health into the fleet; warnings to jobs on devices
   that turned unhealthy.
 - ``replica_sync``: other replicas' allocation changes (PostgreSQL LISTEN), allocation reloads.
@@ -19,7 +22,7 @@ Parts (each in a file named for it, each taking its collaborators in its constru
 
 Tasks: ``ingest``, ``status``, ``schedule``, ``capabilities``, ``heartbeats``,
 ``observations``, ``reaper``,
-``resend``, ``thorough``, ``audit`` (and ``job-gauges``). One that dies stops the service, so that a
+``resend``, ``outbox``, ``thorough``, ``audit`` (and ``job-gauges``). One that dies stops the service, so that a
 supervisor restarts it rather than leave it half alive.
 """
 
@@ -41,6 +44,7 @@ from gpulayer_placement.api import Api
 from gpulayer_placement.audit import Auditor
 from gpulayer_placement.dead_letters import DeadLetters
 from gpulayer_placement.fleet import Fleet
+from gpulayer_placement.forget import NodeForget
 from gpulayer_placement.intake import Intake
 from gpulayer_placement.lifecycle import Lifecycle
 from gpulayer_placement.limits import api_limit
@@ -48,6 +52,8 @@ from gpulayer_placement.liveness import Liveness
 from gpulayer_placement.loops import every, until_nats_answers
 from gpulayer_placement.metrics import Gauges
 from gpulayer_placement.observations import Observations
+from gpulayer_placement.outbox import CHANNEL as OUTBOX_CHANNEL
+from gpulayer_placement.outbox import Outbox
 from gpulayer_placement.policy import Policy, load_active, load_policy
 from gpulayer_placement.publisher import Publisher
 from gpulayer_placement.replica_sync import ReplicaSync
@@ -108,6 +114,8 @@ class PlacementService:
         self.sync = ReplicaSync(pool, fleet, wake, stop, self.replica_id, on_load=on_load)
         self.publisher = Publisher(js, pool, s, telemetry, self.signer)
         self.publisher.send_batch = PipelinedPublisher(nc).publish_many
+        self.outbox = Outbox(pool, self.publisher, stop)
+        self.sync.also[OUTBOX_CHANNEL] = self.outbox.on_notify
         self.auditor = Auditor(js, s.admins, publish_timeout_s=s.publish_timeout_s)
         self.scheduler = Scheduler(
             pool=pool,
@@ -136,10 +144,11 @@ class PlacementService:
         self.lifecycle = Lifecycle(
             publisher=self.publisher, wake=wake, prefer=self.scheduler.prefer
         )
-        self._wire_reports(telemetry, max_payload)
+        self._wire_reports(telemetry)
+        self._wire_api(telemetry, max_payload)
 
-    def _wire_reports(self, telemetry: Telemetry, max_payload: int) -> None:
-        """The parts that take what nodes report and what the CLI asks."""
+    def _wire_reports(self, telemetry: Telemetry) -> None:
+        """The parts that take what nodes report, and forget a node that never will again."""
         nc, js, pool, s = self.nc, self.js, self.pool, self.settings
         fleet, stop, wake = self.fleet, self.stop, self.wake
         self.status = ExecutorStatus(
@@ -169,6 +178,14 @@ class PlacementService:
             telemetry=telemetry,
             lifecycle=self.lifecycle,
         )
+        self.node_forget = NodeForget(
+            pool=pool, fleet=fleet, sync=self.sync, liveness=self.liveness, settings=s
+        )
+
+    def _wire_api(self, telemetry: Telemetry, max_payload: int) -> None:
+        """What the CLI asks, and the device observations it is answered with."""
+        nc, js, pool, s = self.nc, self.js, self.pool, self.settings
+        fleet, stop, wake = self.fleet, self.stop, self.wake
         self.api = Api(
             nc=nc,
             js=js,
@@ -181,6 +198,7 @@ class PlacementService:
             policy=self.policy,
             limit=api_limit(s.api_rate, s.api_burst, s.admins),
             auditor=self.auditor,
+            forget_node=self.node_forget.forget,
         )
         self.observations = Observations(
             nc=nc,
@@ -239,6 +257,7 @@ class PlacementService:
         self._spawn("observations", self.observations.run())
         self._spawn("reaper", every(stop, max(s.node_timeout_s / 3, 0.2), self.liveness.reap))
         self._spawn("resend", every(stop, max(s.resend_after_s / 3, 0.5), self.publisher.resend))
+        self._spawn("outbox", self.outbox.run())
         self._spawn("thorough", every(stop, s.thorough_pass_s, self.wake.request_thorough))
         self._spawn("audit", self.auditor.run(stop))
         if self.tel.enabled:
