@@ -146,12 +146,16 @@ class WriteProbe:
         self._written = {s: asyncio.Event() for s in self.targets}
         self._first = {s: asyncio.Event() for s in self.targets}
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopped = False
 
     async def __aenter__(self) -> WriteProbe:
         self._tasks = [asyncio.create_task(self._run(s)) for s in self.targets]
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        # The flag too: Python 3.11's wait_for (inside nats-py's publish) drops a cancel that
+        # comes as the ack does, and the loop would go on publishing, never to be gathered.
+        self._stopped = True
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -208,7 +212,7 @@ class WriteProbe:
     async def _run(self, stream: str) -> None:
         target = self.targets[stream]
         headers = dict(_REFUSED) if target.refused else None
-        while True:
+        while not self._stopped:
             sent = time.monotonic()
             outcome = await self._publish(target.subject, headers)
             done = time.monotonic()
