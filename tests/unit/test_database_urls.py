@@ -45,6 +45,9 @@ def test_redact_hides_the_password_and_shows_the_passfile() -> None:
     )
     plain = "postgresql://gpulayer@db/gpulayer?passfile=/etc/gpulayer/pgpass"
     assert redact(plain) == plain
+    assert redact("postgresql://gpulayer@db/gpulayer?sslmode=require&password=s3cret") == (
+        "postgresql://gpulayer@db/gpulayer?sslmode=require&password=***"
+    )
 
 
 @pytest.mark.parametrize(

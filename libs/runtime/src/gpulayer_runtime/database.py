@@ -52,14 +52,17 @@ def replace_url(
 
 
 def redact(url: str) -> str:
-    """``url`` with its password, if any, shown as ``***`` (a passfile's path stays: it is no
-    secret, and says where the password is)."""
+    """``url`` with its password, if any (in the user part or a ``password`` parameter), shown
+    as ``***``; a passfile's path stays: it is no secret, and says where the password is."""
     parts = urllib.parse.urlsplit(url)
     userinfo, at, hosts = parts.netloc.rpartition("@")
-    if not at or ":" not in userinfo:
-        return url
-    user = userinfo.split(":", 1)[0]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{hosts}"))
+    if at and ":" in userinfo:
+        parts = parts._replace(netloc=f"{userinfo.split(':', 1)[0]}:***@{hosts}")
+    if "password=" in parts.query:
+        query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+        shown = [(k, "***" if k == "password" else v) for k, v in query]
+        parts = parts._replace(query=urllib.parse.urlencode(shown, safe="/*"))
+    return urllib.parse.urlunsplit(parts)
 
 
 def _has_password(url: str) -> bool:
