@@ -23,6 +23,8 @@ from gpulayer_detection.registry import (
 )
 from gpulayer_detection.runner import RunResult, with_tool_dirs
 from gpulayer_detection.wsl import WslProbe, is_wsl1, is_wsl2, judge, read_layout
+from gpulayer_probe.__main__ import read_settings
+from gpulayer_runtime.settings import ConfigError
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 
@@ -269,3 +271,15 @@ def test_the_host_root_setting(tmp_path: Path) -> None:
     for bad in ("relative/host", str(tmp_path / "missing")):
         with pytest.raises(ValueError, match="GPULAYER_PROBE_HOST_ROOT="):
             host_root_from_env({"GPULAYER_PROBE_HOST_ROOT": bad})
+
+
+def test_the_service_reads_the_host_root_and_its_dev_folder(tmp_path: Path) -> None:
+    _, _, settings = read_settings({"GPULAYER_PROBE_HOST_ROOT": str(tmp_path)})
+    assert (settings.host_root, settings.dev_dir) == (str(tmp_path), str(tmp_path / "dev"))
+    _, _, own = read_settings(
+        {"GPULAYER_PROBE_HOST_ROOT": str(tmp_path), "GPULAYER_PROBE_DEVICE_DIR": "/srv/dev"}
+    )
+    assert own.dev_dir == "/srv/dev"
+    assert read_settings({})[2].dev_dir == "/dev"
+    with pytest.raises(ConfigError, match="GPULAYER_PROBE_HOST_ROOT="):
+        read_settings({"GPULAYER_PROBE_HOST_ROOT": "host"})
