@@ -1,5 +1,5 @@
 """Host roots laid out as WSL2 lays out a Linux's GPU files (Microsoft's DirectX blog post
-"DirectX heart Linux" and WSL's GPU compute docs), for the probe's host root, the executor's
+"DirectX ❤ Linux" and WSL's GPU compute docs), for the probe's host root, the executor's
 device folder and ``gpulayer check``. tests/fixtures/README.md ("wsl/") says where each name
 comes from.
 

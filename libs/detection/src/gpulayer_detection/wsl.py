@@ -1,6 +1,6 @@
 """WSL2: whether the probe runs in it, and DirectML through its GPU paravirtualization.
 
-Microsoft's layout (the DirectX blog post "DirectX heart Linux", WSL's GPU compute docs):
+Microsoft's layout (the DirectX blog post "DirectX ❤ Linux", WSL's GPU compute docs):
 
 - ``/dev/dxg``: the character device of ``dxgkrnl``, through which Linux reaches the GPU driver
   on Windows;
