@@ -137,7 +137,7 @@ def device_args(
     kind = kind or DEFAULT_CDI_KINDS.get(grant.accelerator)
     out: list[str] = []
     fallback: list[str] = []
-    wsl: bool | None = None
+    wsl = False
     uuids = list(grant.instance_uuids)
     for pos, index in enumerate(grant.devices):
         mig = uuids[pos] if pos < len(uuids) else None
@@ -150,9 +150,16 @@ def device_args(
         if found is not None:
             out += ["--device", found.qualified]
             continue
-        wsl = is_wsl(device_dir) if wsl is None else wsl
-        if not wsl:
+        if wsl:
+            continue
+        try:
             fallback += _device_nodes(grant.accelerator, index, device_dir)
+        except ContainerError:
+            # No /dev/nvidia<N>: in WSL2 every GPU is behind /dev/dxg. (Looked at only then, so
+            # a Linux node's launch costs nothing more.)
+            wsl = is_wsl(device_dir)
+            if not wsl:
+                raise
     if fallback:
         fallback += _control_nodes(grant.accelerator, device_dir)
     for node in dict.fromkeys(fallback):
