@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from tests.wsl_roots import AMD_PACKAGE, NVIDIA_PACKAGE, char_device, kernel_text, wsl_root
 
+from gpulayer_contracts.bounds import validate_capabilities
 from gpulayer_detection.base import Finding, ProbeContext
 from gpulayer_detection.host import HostProbe
 from gpulayer_detection.registry import (
@@ -283,3 +284,21 @@ def test_the_service_reads_the_host_root_and_its_dev_folder(tmp_path: Path) -> N
     assert read_settings({})[2].dev_dir == "/dev"
     with pytest.raises(ConfigError, match="GPULAYER_PROBE_HOST_ROOT="):
         read_settings({"GPULAYER_PROBE_HOST_ROOT": "host"})
+
+
+async def test_odd_driver_store_names_still_make_a_report_placement_takes(tmp_path: Path) -> None:
+    """Folder names are the host's: long ones and undecodable bytes stay within the bounds a
+    capabilities report must keep (placement refuses one that doesn't)."""
+    root = wsl_root(tmp_path, "none")
+    store = root / "usr" / "lib" / "wsl" / "drivers"
+    for i in range(5):
+        (store / f"{'x' * 200}{i}.inf_amd64_0a1b2c3d").mkdir()
+    os.mkdir(os.path.join(os.fsencode(store), b"bad\xff.inf_amd64_0a1b2c3d"))
+    found = await wsl(root)
+    caps = build_capabilities("n", [found])
+    assert validate_capabilities(caps) == []
+    assert "hold no driver library" in found.evidence["directml"]
+    (store / f"{'x' * 200}0.inf_amd64_0a1b2c3d" / "libvendor.so").touch()
+    found = await wsl(root)
+    assert validate_capabilities(build_capabilities("n", [found])) == []
+    assert "(1 library)" in found.host_apis["directml"]

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
+from gpulayer_contracts.bounds import MAX_NOTE_BYTES
 from gpulayer_detection.base import Finding, ProbeContext, under_root
 
 __all__ = [
@@ -67,6 +68,15 @@ MAX_PACKAGES: Final = 64
 MAX_LIBRARIES: Final = 32
 _MAX_ENTRIES: Final = 4096
 _SHOWN: Final = 3
+
+
+def fit(text: str, most: int = MAX_NOTE_BYTES) -> str:
+    """``text`` as a report may carry it: at most ``most`` UTF-8 bytes, a file name's
+    undecodable bytes (surrogates) replaced. A driver store's folder names are the host's."""
+    data = text.encode("utf-8", "replace")
+    if len(data) <= most:
+        return data.decode("utf-8", "replace")
+    return data[: most - 3].decode("utf-8", "ignore") + "..."
 
 
 def is_wsl2(*texts: str) -> bool:
@@ -311,9 +321,9 @@ class WslProbe:
             found.note(f"WSL1 (kernel {kernel[0] or '?'}): no GPU reaches it; WSL 2 shares it")
         verdict = judge(layout, wsl2)
         if verdict.host is not None:
-            found.host_apis["directml"] = verdict.host
+            found.host_apis["directml"] = fit(verdict.host)
         else:
-            found.evidence["directml"] = verdict.evidence
-        found.container_apis.update(verdict.containers)
-        found.notes.extend(f"{self.name}: {n}" for n in verdict.notes)
+            found.evidence["directml"] = fit(verdict.evidence)
+        found.container_apis.update({k: fit(v) for k, v in verdict.containers.items()})
+        found.notes.extend(fit(f"{self.name}: {n}") for n in verdict.notes)
         return found
