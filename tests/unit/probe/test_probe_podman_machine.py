@@ -5,11 +5,13 @@ qemu (a note says which), metal never."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
+from gpulayer_contracts.bounds import validate_capabilities
 from gpulayer_detection.base import Finding, ProbeContext
 from gpulayer_detection.containers import ContainerRuntimeProbe, ContainerSettings
 from gpulayer_detection.podman_machine import (
@@ -142,3 +144,16 @@ async def test_on_linux_no_machine_is_asked_for() -> None:
     found = await probe_mac("libkrun.json", calls, system="linux")
     assert found.container_apis == {}
     assert not any(c[1:3] == ["machine", "inspect"] for c in calls)
+
+
+async def test_a_huge_machine_name_keeps_the_report_within_bounds(tmp_path: Path) -> None:
+    doc = json.loads((INSPECT / "applehv.json").read_text())
+    doc[0]["Name"] = "m\x00" + "x" * 5000
+    (tmp_path / "huge.json").write_text(json.dumps(doc))
+    probe = ContainerRuntimeProbe(
+        ContainerSettings(podman=FAKE, oci_runtime="krun"), ulimits=lambda: list(LIMITS)
+    )
+    run = mac_podman(str(tmp_path / "huge.json"), [])
+    found = await probe.probe(ProbeContext(run=run, timeout=5, system="darwin", machine="arm64"))
+    assert any("runs on applehv" in n for n in found.notes)
+    assert validate_capabilities(build_capabilities("mac", [found])) == []

@@ -287,20 +287,20 @@ class ContainerRuntimeProbe:
     @staticmethod
     async def _machine(ctx: ProbeContext, exe: str, found: Finding) -> str | None:
         """On macOS, containers run in a podman machine: its provider, and the GPU APIs that
-        gives them (``podman_machine``)."""
+        gives them (``podman_machine``). Texts are clipped: the machine's name is the user's."""
+        most = MAX_NOTE_BYTES - len(found.source) - 2
         result = await ctx.run([exe, *INSPECT_ARGV], ctx.timeout)
-        if not result.ok:
-            found.note(f"podman machine unknown: podman machine inspect: {_describe(result)}")
-            return None
         try:
+            if not result.ok:
+                raise MachineInspectError(_describe(result))
             info = parse_machine_inspect(result.stdout)
         except MachineInspectError as err:
-            found.note(f"podman machine unknown: podman machine inspect: {err}")
+            found.note(_clip(f"podman machine unknown: podman machine inspect: {err}", most))
             return None
         apis, note = machine_container_apis(info)
-        found.container_apis.update(apis)
+        found.container_apis.update({k: _clip(v, MAX_NOTE_BYTES) for k, v in apis.items()})
         if note is not None:
-            found.note(note)
+            found.note(_clip(note, most))
         return None if info.provider is None else _clip(info.provider, MAX_SHORT_TEXT_BYTES)
 
     @staticmethod

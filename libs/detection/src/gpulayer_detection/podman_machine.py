@@ -33,6 +33,7 @@ GPU_PROVIDERS: Final = frozenset({"libkrun", "krunkit"})
 NO_GPU_PROVIDERS: Final = frozenset({"applehv", "vfkit", "qemu"})
 _KNOWN: Final = GPU_PROVIDERS | NO_GPU_PROVIDERS | {"wsl", "hyperv"}
 _MAX_PROVIDER: Final = 32
+_MAX_NAME: Final = 128  # podman's default is podman-machine-default; a name is the user's
 
 
 class MachineInspectError(ValueError):
@@ -90,7 +91,8 @@ def parse_machine_inspect(stdout: str) -> MachineInfo:
             provider = provider_from_path(config_dir, is_file=False)
         elif config_file is not None:
             provider = provider_from_path(config_file, is_file=True)
-    return MachineInfo(_text(first, "Name"), provider, _text(first, "State"))
+    name = _text(first, "Name")
+    return MachineInfo(name and name[:_MAX_NAME], provider, _text(first, "State"))
 
 
 def machine_container_apis(info: MachineInfo) -> tuple[dict[str, str], str | None]:
