@@ -423,7 +423,10 @@ gpu = "compute"
   node (the owner's uid, as bare jobs), with no capabilities and no new privileges; its folder
   on the node is mounted at the same path and is its working directory and `HOME`.
 - **GPUs.** Only the granted devices, each by its CDI name in the node's spec
-  (`nvidia.com/gpu=1`), else its device nodes; a job that asked for no GPU gets none.
+  (`nvidia.com/gpu=1`), else its device nodes; in WSL2 `/dev/dxg` and `/usr/lib/wsl`
+  read-only (an image that uses them finds the libraries with
+  `LD_LIBRARY_PATH=/usr/lib/wsl/lib` in its `env`, as Microsoft's examples set it); a job
+  that asked for no GPU gets none.
 - **Limits.** `memory_gb`, `cpu_cores` and the node's process limit hold inside; a job past its
   `memory_gb` is `failed` with `out of memory: ...` as a bare job.
 - **Pull.** `never`: the node must hold the image, else the job fails at once with

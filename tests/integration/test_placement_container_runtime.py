@@ -63,6 +63,7 @@ async def test_the_runtime_is_stored_and_a_report_out_of_bounds_is_refused(
         "works": True,
         "notes": [],
         "cdi_devices": ["nvidia.com/gpu=0"],
+        "machine_provider": None,  # a Mac's podman machine: none on Linux
     }
     view = placement.fleet.get("ctr-node")
     assert view is not None

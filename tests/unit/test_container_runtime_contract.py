@@ -53,6 +53,10 @@ def test_a_runtime_survives_the_wire_and_a_newer_field_is_ignored() -> None:
         (rt(works=True), "podman 4.3.1/runc"),
         (rt(oci_runtime=None, works=True), "podman 4.3.1"),
         (rt(), "podman 4.3.1/runc (self-test failed)"),
+        (
+            rt(oci_runtime="crun", works=True, machine_provider="libkrun"),
+            "podman 4.3.1/crun (machine: libkrun)",
+        ),
     ],
 )
 def test_describe(runtime: ContainerRuntime, text: str) -> None:
@@ -77,6 +81,12 @@ OUTSIDE_INSIDE = [
         rt(oci_runtime="runc\ud800"),
         "$.container_runtime.oci_runtime: contains a lone surrogate",
         rt(oci_runtime="runc"),
+    ),
+    (
+        "huge machine provider",
+        rt(machine_provider="k" * (b.MAX_SHORT_TEXT_BYTES + 1)),
+        "$.container_runtime.machine_provider: 257 bytes, over the limit of 256 bytes",
+        rt(machine_provider="libkrun"),
     ),
     (
         "notes count",
@@ -128,6 +138,7 @@ _text = st.one_of(
     name=_text,
     version=st.one_of(st.none(), _text),
     oci=st.one_of(st.none(), _text),
+    provider=st.one_of(st.none(), _text),
     notes=st.lists(_text, max_size=3),
     cdi=st.one_of(
         st.lists(_text, max_size=3),
@@ -139,11 +150,17 @@ def test_the_fast_check_agrees_with_the_detailed_one(
     name: str,
     version: str | None,
     oci: str | None,
+    provider: str | None,
     notes: list[str],
     cdi: list[str],
 ) -> None:
     runtime = ContainerRuntime(
-        name=name, version=version, oci_runtime=oci, notes=notes, cdi_devices=cdi
+        name=name,
+        version=version,
+        oci_runtime=oci,
+        notes=notes,
+        cdi_devices=cdi,
+        machine_provider=provider,
     )
     report = caps(runtime if present else None)
     detailed = list(bounds_nodes._capabilities(report))

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import io
+import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import pytest
 from rich.console import Console
 
 from gpulayer_cli.render import ago, device_groups, jobs_table, nodes_table
@@ -199,3 +201,47 @@ def test_doctor_shows_the_runtime_and_why_its_self_test_failed() -> None:
     render_report(Console(width=200, file=out), DoctorReport(node_id="n1", capabilities=caps))
     assert "containers: podman 4.3.1 (self-test failed)" in out.getvalue()
     assert "container note: self-test failed: exit 126" in out.getvalue()
+
+
+def test_nodes_show_wsl2_directml_and_a_macs_podman_machine() -> None:
+    def node(node_id: str, caps: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "node_id": node_id,
+            "online": True,
+            "last_seen": NOW.isoformat(),
+            "capabilities": caps,
+        }
+
+    wsl = {
+        "host": {"platform": "linux-x86_64", "wsl2": True},
+        "gpu_apis": {"host": ["cuda", "directml"], "containers": ["cuda", "directml"]},
+    }
+    mac = {
+        "host": {"platform": "darwin-arm64"},
+        "gpu_apis": {"host": ["metal"], "containers": ["vulkan"]},
+        "container_runtime": {"name": "podman", "version": "5.6.1", "works": True,
+                              "machine_provider": "libkrun"},
+    }  # fmt: skip
+    text = " ".join(
+        _text(nodes_table([node("wsl-01", wsl), node("mac-01", mac)]), width=400).split()
+    )
+    assert "│ wsl-01 │ linux-x86_64 (WSL2) │ cpu only │ cuda, directml │ cuda, directml │" in text
+    assert "│ metal │ vulkan │ podman 5.6.1 (machine: libkrun) │" in text
+
+
+def test_gpulayer_matrix_shows_the_gpu_api_levels(capsys: pytest.CaptureFixture[str]) -> None:
+    from gpulayer_cli.main import main
+
+    assert main(["matrix", "--apis", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {
+        "cuda": "implemented",
+        "rocm": "implemented",
+        "vulkan": "implemented",
+        "opencl": "implemented",
+        "metal": "implemented",
+        "directml": "detection-only",
+    }
+    assert main(["matrix"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["│", "directml", "│", "detection-only", "│"] in rows
+    assert ["│", "rocm", "│", "detection-only", "│", "detection-only", "│"] in rows

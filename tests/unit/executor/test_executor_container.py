@@ -10,9 +10,17 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from tests.wsl_roots import wsl_root
 
 from gpulayer_contracts.events import Grant
-from gpulayer_contracts.jobs import Container, JobRequest, Sandbox, SandboxDevices
+from gpulayer_contracts.jobs import (
+    Container,
+    GpuUsage,
+    JobRequest,
+    Requirements,
+    Sandbox,
+    SandboxDevices,
+)
 from gpulayer_detection.cdi import parse_cdi_devices
 from gpulayer_executor import container as ctr
 from gpulayer_executor.config import ExecutorConfig
@@ -276,3 +284,79 @@ def test_a_container_job_without_podman_or_without_a_shim_fails_naming_why(
 )
 def test_a_monitor_is_found_by_the_containers_name_alone(argv: list[str], named: bool) -> None:
     assert ctr._named(argv, "gpulayer-aa") is named
+
+
+def wsl2_devices(tmp_path: Path) -> tuple[Path, Path]:
+    """A WSL2 machine's device folder (``dxg`` a character device) and its ``/usr/lib/wsl``."""
+    root = wsl_root(tmp_path / "host", "nvidia")
+    return root / "dev", root / "usr" / "lib" / "wsl"
+
+
+def test_in_wsl2_a_granted_gpu_is_dxg_and_the_wsl_folder_read_only(tmp_path: Path) -> None:
+    dev, wsl = wsl2_devices(tmp_path)
+    exactly = ["--device", str(dev / "dxg"), "--volume", f"{wsl}:{wsl}:ro"]
+    assert ctr.device_args(grant([0]), [], dev, wsl_dir=wsl) == exactly
+    # Every GPU is behind the one device: two granted GPUs pass it once.
+    assert ctr.device_args(grant([0, 1]), [], dev, wsl_dir=wsl) == exactly
+    # nvidia-ctk's WSL spec names "all" alone: no device of its own for GPU 0.
+    spec = Path(__file__).resolve().parents[2] / "fixtures" / "cdi" / "wsl" / "nvidia-wsl.yaml"
+    cdi = parse_cdi_devices(spec.read_text())
+    assert ctr.device_args(grant([0]), cdi, dev, wsl_dir=wsl) == exactly
+    # No GPU asked for, or none granted to the sandbox: nothing.
+    assert ctr.device_args(grant([]), [], dev, wsl_dir=wsl) == []
+    assert ctr.device_args(grant([0], compute=False), [], dev, wsl_dir=wsl) == []
+
+
+def test_in_wsl2_a_job_placed_on_directml_alone_gets_dxg(tmp_path: Path) -> None:
+    """An AMD machine's GPU is tracked by no device: a job placed on its API alone holds none,
+    and still gets /dev/dxg (placement's pool placement, docs/placement-rules.md)."""
+    dev, wsl = wsl2_devices(tmp_path)
+    g = grant([])
+    job = msgspec.structs.replace(g.job, gpu=GpuUsage(use="shared", apis_any=["directml"]))
+    assert ctr.device_args(msgspec.structs.replace(g, job=job), [], dev, wsl_dir=wsl) == [
+        "--device",
+        str(dev / "dxg"),
+        "--volume",
+        f"{wsl}:{wsl}:ro",
+    ]
+
+
+def test_a_dxg_that_is_no_device_is_not_wsl2(tmp_path: Path) -> None:
+    dev, wsl = wsl2_devices(tmp_path)
+    (dev / "dxg").unlink()
+    (dev / "dxg").write_text("")
+    with pytest.raises(ctr.ContainerError, match="device 0: neither a CDI device nor"):
+        ctr.device_args(grant([0]), [], dev, wsl_dir=wsl)
+    dev2, _ = wsl2_devices(tmp_path / "b")
+    with pytest.raises(ctr.ContainerError, match="is not \\(WSL2's libraries\\)"):
+        ctr.device_args(grant([0]), [], dev2, wsl_dir=tmp_path / "no-wsl")
+
+
+def test_the_podman_argv_of_a_wsl2_container_job(tmp_path: Path) -> None:
+    dev, wsl = wsl2_devices(tmp_path)
+    job = JobRequest(
+        job_id="j",
+        command=["python", "train.py"],
+        container=Container(image="localhost/dml:1"),
+        sandbox=Sandbox(devices=SandboxDevices(gpu="compute")),
+        requirements=Requirements(gpu_count=1),
+    )
+    g = Grant(grant_id="g", job=job, node_id="n", accelerator="cuda", devices=[0])
+    config = ExecutorConfig(
+        node_id="n",
+        workdir=tmp_path,
+        base_env={"PATH": "/usr/bin"},
+        podman="/usr/bin/podman",
+        device_dir=dev,
+        wsl_dir=wsl,
+        cdi_dirs=(),
+    )
+    _, extra = launch_argv(config, tmp_path, g, None, tmp_path / "jobs" / "g", {})
+    argv = extra["container"].argv
+    image = argv.index("localhost/dml:1")
+    devices = [argv[i + 1] for i, a in enumerate(argv[:image]) if a == "--device"]
+    volumes = [argv[i + 1] for i, a in enumerate(argv[:image]) if a == "--volume"]
+    assert devices == [str(dev / "dxg")]
+    assert volumes == [f"{tmp_path / 'jobs' / 'g'}:{tmp_path / 'jobs' / 'g'}:rw", f"{wsl}:{wsl}:ro"]
+    assert argv[image - 4 : image] == ["--device", str(dev / "dxg"), "--volume", f"{wsl}:{wsl}:ro"]
+    assert argv[image:] == ["localhost/dml:1", "python", "train.py"]

@@ -13,6 +13,7 @@ from gpulayer_contracts import matrix
 from gpulayer_contracts.capabilities import (
     AcceleratorDevice,
     ContainerRuntime,
+    GpuApis,
     HostInfo,
     WorkerCapabilities,
 )
@@ -120,6 +121,10 @@ EXAMPLES: dict[str, Example] = {
     "driver_unknown": lambda mp: (job(driver=">=550"), node([gpu(driver_version=None)])),
     "driver": lambda mp: (job(driver=">=560"), node([gpu()])),
     "apis": lambda mp: (job(gpu_section=GpuUsage(apis_any=["vulkan"])), node()),
+    "apis_matrix": lambda mp: (
+        job(gpu_section=GpuUsage(apis_any=["directml"])),
+        node(gpu_apis=GpuApis(host=["directml"])),
+    ),
     "python_unknown": lambda mp: (job(python=">=3.10"), node()),
     "python": lambda mp: (job(python=">=3.13"), node(workload_python_version="3.11.9")),
     "framework_unknown": lambda mp: (job(frameworks={"torch": ">=2"}), node()),

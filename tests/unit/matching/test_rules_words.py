@@ -11,6 +11,10 @@ from gpulayer_matching import explain
 
 WORDS = [
     ("apis", "1 has none of the GPU APIs vulkan on the host"),
+    (
+        "apis_matrix",
+        "1 has only GPU APIs the support matrix doesn't schedule: directml detection-only on the host",
+    ),
     ("backend", "1 lacks the nccl distributed backend"),
     ("busy_cores", "1 has 0.5/8 free cores (need 2)"),
     ("busy_exclusive", "1 has too few free devices (need a GPU device, most free: n1 0)"),

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import yaml
 
 from gpulayer_detection.base import ProbeContext
 from gpulayer_detection.gpu_apis import (
@@ -65,6 +67,27 @@ def test_cdi_compute_only_spec_gives_only_cuda() -> None:
     assert sorted(spec.apis) == ["cuda"]
 
 
+def test_cdi_nvidia_wsl_spec_gives_cuda_not_directml() -> None:
+    """nvidia-ctk's WSL spec passes /dev/dxg but mounts CUDA's files alone: no D3D12 runtime
+    and no user-mode driver, so no DirectML."""
+    spec = parse_cdi_spec(read("cdi/wsl/nvidia-wsl.yaml"))
+    assert sorted(spec.apis) == ["cuda"]
+
+
+def test_cdi_spec_passing_dxg_and_the_wsl_folder_gives_directml() -> None:
+    spec = parse_cdi_spec(read("cdi/wsl/dxg.yaml"))
+    assert spec.apis == {
+        "directml": "CDI kind microsoft.com/dxg passes /dev/dxg and mounts /usr/lib/wsl"
+    }
+    as_json = json.dumps(yaml.safe_load(read("cdi/wsl/dxg.yaml")), indent=2)
+    assert sorted(parse_cdi_spec(as_json).apis) == ["directml"]
+    # /dev/dxg with only some of /usr/lib/wsl mounted: not the whole folder, no DirectML.
+    partial = read("cdi/wsl/dxg.yaml").replace(
+        "hostPath: /usr/lib/wsl", "hostPath: /usr/lib/wsl/lib"
+    )
+    assert parse_cdi_spec(partial).apis == {}
+
+
 def test_cdi_unknown_kind_gives_nothing() -> None:
     assert parse_cdi_spec("cdiVersion: 0.5.0\nkind: vendor.example/fpga\n").apis == {}
     assert parse_cdi_spec("not a spec").kind is None
@@ -118,7 +141,7 @@ async def test_probe_host_and_container_apis(tmp_path: Path) -> None:
     assert "CPU" in found.evidence["opencl"]
     assert sorted(found.container_apis) == ["cuda", "opencl", "vulkan"]
     assert str(cdi / "nvidia.yaml") in found.container_apis["cuda"]
-    assert found.evidence["directml"].startswith("not available")
+    assert "directml" not in found.evidence  # the WSL2 source's (test_probe_wsl.py)
 
 
 async def test_probe_without_tools_or_specs_says_so(tmp_path: Path) -> None:

@@ -126,6 +126,43 @@ def test_matrix_lists_each_platform_of_the_fleet_with_its_levels() -> None:
     assert [a["name"] for a in linux["accelerators"]] == ["cpu", "cuda"]
 
 
+def wsl2_node() -> dict[str, Any]:
+    """A WSL2 machine with an NVIDIA GPU, as its probe reports it (tests/wsl_roots.py)."""
+    caps = node()["capabilities"] | {
+        "host": {"platform": "linux-x86_64", "wsl2": True},
+        "gpu_apis": {
+            "host": ["cuda", "directml"],
+            "containers": ["cuda", "directml"],
+            "evidence": {"directml": "/dev/dxg (character device); /usr/lib/wsl/lib: ..."},
+        },
+    }
+    return node("wsl-01", capabilities=caps)
+
+
+def test_a_wsl2_node_and_directml_show_like_any_other() -> None:
+    row = views.fleet_row(wsl2_node(), NOW)
+    assert row["platform"] == "linux-x86_64 (WSL2)"
+    assert (row["host_apis"], row["container_apis"]) == (["cuda", "directml"], ["cuda", "directml"])
+    rows = views.fleet_rows([node(), wsl2_node()], api="directml")
+    assert [r["node_id"] for r in rows] == ["wsl-01"]
+    assert "directml" in views.fleet_filters(views.fleet_rows([wsl2_node()]))["api"]
+    assert {r["api"]: r["host"] for r in views.api_rows(wsl2_node())}["directml"] == "yes"
+    m = views.matrix([node(), wsl2_node()])
+    assert {"api": "directml", "level": "detection-only"} in m["api_levels"]
+    assert {"api": "vulkan", "level": "implemented"} in m["api_levels"]
+    wsl = next(p for p in m["platforms"] if p["platform"] == "linux-x86_64 (WSL2)")
+    assert {"name": "directml", "level": "detection-only"} in wsl["apis"]
+
+
+def test_a_macs_runtime_names_its_podman_machine() -> None:
+    runtime = {"name": "podman", "version": "5.6.1", "works": True, "machine_provider": "libkrun"}
+    caps = {"host": {"platform": "darwin-arm64"}, "container_runtime": runtime,
+            "gpu_apis": {"host": ["metal"], "containers": ["vulkan"]}}  # fmt: skip
+    row = views.fleet_row(node("mac-01", capabilities=caps), NOW)
+    assert row["container_runtime"] == "podman 5.6.1 (machine: libkrun)"
+    assert (row["host_apis"], row["container_apis"]) == (["metal"], ["vulkan"])
+
+
 def test_sparklines_draw_each_device_measure_on_its_full_scale() -> None:
     start = datetime(2026, 12, 1, 10, 0, tzinfo=UTC)
     samples = [

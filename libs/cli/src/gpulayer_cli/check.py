@@ -24,6 +24,7 @@ from gpulayer_contracts import (
 from gpulayer_contracts.profiles import expand_profile, load_profiles
 from gpulayer_detection import detect_capabilities
 from gpulayer_detection.containers import ContainerSettings, settings_from_env
+from gpulayer_detection.registry import host_root_from_env
 from gpulayer_matching import NodeView, Placement, explain, match
 from gpulayer_runtime.settings import node_id
 
@@ -69,6 +70,21 @@ def load_checked_job(file: str, profiles: str | None, command: str) -> JobReques
     return None if errors else job
 
 
+def detect_here(
+    python: str | None, containers: ContainerSettings, console: Console
+) -> WorkerCapabilities | None:
+    """This machine's capabilities, the host's files read under GPULAYER_PROBE_HOST_ROOT;
+    None, the reason printed, when that setting is bad."""
+    try:
+        root = host_root_from_env(os.environ)
+    except ValueError as err:
+        console.print(f"[red]{err}[/]")
+        return None
+    return asyncio.run(
+        detect_capabilities(node_id(), python=python, containers=containers, host_root=root)
+    )
+
+
 def local_view(caps: WorkerCapabilities) -> NodeView:
     """This machine as placement would see it idle, with nothing running: every core and all
     the RAM the probe found (an executor's reserve for the system, if it has one, is not known
@@ -99,7 +115,9 @@ def run_check(
     containers = container_settings_for(job, console)
     if containers is None:
         return 2
-    caps = asyncio.run(detect_capabilities(node_id(), python=python, containers=containers))
+    caps = detect_here(python, containers, console)
+    if caps is None:
+        return 2
     view = local_view(caps)
     decision = match(job, [view])
     if isinstance(decision, Placement):

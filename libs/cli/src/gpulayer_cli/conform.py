@@ -15,7 +15,6 @@ Exit 0 passed (or skipped, or ``--update`` recorded the golden), 1 a mismatch or
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import difflib
 import getpass
@@ -33,12 +32,10 @@ from typing import IO, Any
 
 from rich.console import Console
 
-from gpulayer_cli.check import container_settings_for, load_checked_job, local_view
+from gpulayer_cli.check import container_settings_for, detect_here, load_checked_job, local_view
 from gpulayer_contracts import JobRequest, WorkerCapabilities
 from gpulayer_contracts.jobenv import base_environment, job_environment
-from gpulayer_detection import detect_capabilities
 from gpulayer_matching import Placement, explain, match
-from gpulayer_runtime.settings import node_id
 
 __all__ = ["DEFAULT_GOLDEN", "golden_dir", "node_class", "run_conform"]
 
@@ -99,7 +96,9 @@ def run_conform(
     containers = container_settings_for(job, console)
     if containers is None:
         return 2
-    caps = asyncio.run(detect_capabilities(node_id(), python=python, containers=containers))
+    caps = detect_here(python, containers, console)
+    if caps is None:
+        return 2
     outcome = conform(job, caps, golden_dir(file, golden), update=update, environ=environ)
     _report(outcome, as_json, console)
     return outcome.status

@@ -83,20 +83,19 @@ async def _last_health(nc: Any, node_id: str, as_json: bool) -> int:
     return 1 if health in ("degraded", "unhealthy") else 0
 
 
-def _render_matrix(console: Console, data: Any) -> None:
-    from gpulayer_cli.render import matrix_table
-
-    console.print(matrix_table(data))
-
-
 def cmd_matrix(args: argparse.Namespace) -> int:
-    """The matrix is part of this version's contracts: no running service needed."""
-    from gpulayer_contracts.matrix import SUPPORT_MATRIX
+    """The matrix is part of this version's contracts: no running service needed. ``--json``
+    prints the accelerator table, ``--apis --json`` the GPU API table."""
+    from gpulayer_cli.render import api_matrix_table, matrix_table
+    from gpulayer_contracts.matrix import API_SUPPORT, SUPPORT_MATRIX
 
     if args.json:
-        print(json.dumps(SUPPORT_MATRIX, indent=2))
-    else:
-        _render_matrix(common.console(), SUPPORT_MATRIX)
+        print(json.dumps(API_SUPPORT if args.apis else SUPPORT_MATRIX, indent=2))
+        return 0
+    console = common.console()
+    if not args.apis:
+        console.print(matrix_table(SUPPORT_MATRIX))
+    console.print(api_matrix_table(API_SUPPORT))
     return 0
 
 
@@ -147,8 +146,11 @@ def add_doctor(sub: Any) -> None:
 
 
 def add_matrix(sub: Any) -> None:
-    m = sub.add_parser("matrix", help="what gpulayer may schedule, per accelerator")
-    m.add_argument("--json", action="store_true")
+    m = sub.add_parser("matrix", help="what gpulayer may schedule, per accelerator and per GPU API")
+    m.add_argument("--json", action="store_true", help="the accelerator table as JSON")
+    m.add_argument(
+        "--apis", action="store_true", help="the GPU API table alone (with --json: as JSON)"
+    )
     m.set_defaults(fn=cmd_matrix)
 
 

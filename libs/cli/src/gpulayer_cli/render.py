@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -207,7 +208,17 @@ def container_runtime_label(caps: dict[str, Any]) -> str:
     text = " ".join(str(rt[k]) for k in ("name", "version") if rt.get(k))
     if rt.get("oci_runtime"):
         text += f"/{rt['oci_runtime']}"
+    if rt.get("machine_provider"):
+        text += f" (machine: {rt['machine_provider']})"
     return text if rt.get("works") else f"{text} (self-test failed)"
+
+
+def platform_label(caps: dict[str, Any]) -> str:
+    """A node's platform, with ``(WSL2)`` where its probe runs in WSL2 (the CLI's column and
+    the fleet page's)."""
+    host = caps.get("host") or {}
+    platform = str(host.get("platform") or "?")
+    return f"{platform} (WSL2)" if host.get("wsl2") else platform
 
 
 def container_runtime_text(caps: dict[str, Any]) -> str:
@@ -225,9 +236,7 @@ def container_runtime_text(caps: dict[str, Any]) -> str:
 def nodes_table(nodes: list[dict[str, Any]]) -> Table:
     t = Table(title="nodes")
     _id_column(t, "node", [n["node_id"] for n in nodes])
-    _id_column(
-        t, "platform", [n["capabilities"].get("host", {}).get("platform") or "?" for n in nodes]
-    )
+    _id_column(t, "platform", [platform_label(n["capabilities"]) for n in nodes])
     t.add_column("accelerators", min_width=20)
     for col in ("host APIs", "container APIs", "containers"):
         t.add_column(col)
@@ -241,7 +250,7 @@ def nodes_table(nodes: list[dict[str, Any]]) -> Table:
         res = n.get("resources") or {}
         t.add_row(
             n["node_id"],
-            caps.get("host", {}).get("platform") or "?",
+            platform_label(caps),
             "\n".join(device_groups(caps.get("accelerators", []))) or "cpu only",
             ", ".join(caps.get("gpu_apis", {}).get("host", [])) or "-",
             ", ".join(caps.get("gpu_apis", {}).get("containers", [])) or "-",
@@ -364,13 +373,23 @@ def quotas_table(rows: list[dict[str, Any]]) -> Table:
     return t
 
 
-def matrix_table(matrix: dict[str, dict[str, str]]) -> Table:
+def matrix_table(matrix: Mapping[Any, Mapping[Any, str]]) -> Table:
     t = Table(title="support matrix")
     t.add_column("accelerator")
     t.add_column("independent")
     t.add_column("distributed")
     for acc, modes in matrix.items():
         t.add_row(acc, modes["independent"], modes["distributed"])
+    return t
+
+
+def api_matrix_table(levels: Mapping[str, str]) -> Table:
+    """The support matrix's GPU API table: the level of each API ``gpu.apis_any`` may name."""
+    t = Table(title="GPU APIs (gpu.apis_any)")
+    t.add_column("API")
+    t.add_column("level")
+    for api, level in levels.items():
+        t.add_row(api, level)
     return t
 
 

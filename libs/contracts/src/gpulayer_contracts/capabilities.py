@@ -76,6 +76,9 @@ class HostInfo(Wire, frozen=True):
     # The address other nodes reach this one at: rank 0 of a distributed job placed here hosts
     # its rendezvous there (MASTER_ADDR). GPULAYER_ADVERTISE_ADDRESS, else detected.
     advertise_address: str | None = None
+    # The probe runs in WSL2 (its kernel names microsoft-standard-WSL2): a Linux on Windows,
+    # whose GPUs it reaches through /dev/dxg.
+    wsl2: bool = False
 
 
 class GpuApis(Wire, frozen=True):
@@ -89,7 +92,9 @@ class GpuApis(Wire, frozen=True):
 class ContainerRuntime(Wire, frozen=True):
     """The node's container runtime as its probe found it. ``works``: its self-test started a
     container (placement places container jobs only where it did); ``notes`` say why not.
-    ``cdi_devices``: the devices the node's CDI specs name, qualified (``nvidia.com/gpu=0``)."""
+    ``cdi_devices``: the devices the node's CDI specs name, qualified (``nvidia.com/gpu=0``).
+    ``machine_provider``: on macOS, the provider of the podman machine containers run in
+    (``libkrun``, ``applehv``, ``qemu``), from ``podman machine inspect``."""
 
     name: str  # podman
     version: str | None = None
@@ -97,12 +102,15 @@ class ContainerRuntime(Wire, frozen=True):
     works: bool = False
     notes: list[str] = []
     cdi_devices: list[str] = []
+    machine_provider: str | None = None
 
     def describe(self) -> str:
         """``podman 4.3.1/runc``, with ``(self-test failed)`` when it did not start one."""
         text = " ".join(p for p in (self.name, self.version) if p)
         if self.oci_runtime:
             text += f"/{self.oci_runtime}"
+        if self.machine_provider:
+            text += f" (machine: {self.machine_provider})"
         return text if self.works else f"{text} (self-test failed)"
 
 

@@ -1,5 +1,9 @@
 """The support matrix: what gpulayer may schedule at all. Edited by hand.
 
+Two tables: accelerators (the devices a job is granted) per mode, and GPU APIs (what
+``gpu.apis_any`` asks for). A node that offers an API the matrix doesn't schedule is no match
+for a job that asks for that API alone.
+
 Levels, strongest first:
 - ``tested``: exercised end to end by the test suite on every CI run.
 - ``hardware-validated``: passed ``tests/hardware/`` on real hardware (see docs/hardware-validation.md).
@@ -34,6 +38,32 @@ SUPPORT_MATRIX: dict[Accelerator, dict[Mode, Level]] = {
     "mps": {"independent": "implemented", "distributed": "unsupported"},
     "rocm": {"independent": "detection-only", "distributed": "detection-only"},
 }
+
+
+# The GPU APIs a node reports (host or containers) and ``gpu.apis_any`` names. Matching a job on
+# one is tested by the unit suite; no node with these APIs has run in CI, so none is "tested".
+API_SUPPORT: dict[str, Level] = {
+    "cuda": "implemented",
+    "rocm": "implemented",
+    "vulkan": "implemented",
+    "opencl": "implemented",
+    "metal": "implemented",
+    # Detected in WSL2 (/dev/dxg, the D3D12 libraries, a vendor driver in the driver store) and
+    # passed to containers, but no WSL2 machine has run the suite or a DirectML job.
+    "directml": "detection-only",
+}
+
+
+def api_level(api: str) -> Level | None:
+    """The level of a GPU API; None for a name the matrix doesn't know (no detector reports it)."""
+    return API_SUPPORT.get(api)
+
+
+def api_schedulable(api: str) -> bool:
+    """Whether a node offering ``api`` may take a job for it. An API the matrix doesn't know is
+    left to the node's report (no detector reports one, so no node offers it)."""
+    level = API_SUPPORT.get(api)
+    return level is None or level in SCHEDULABLE
 
 
 def support_level(accelerator: Accelerator, mode: Mode) -> Level:

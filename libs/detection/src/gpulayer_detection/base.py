@@ -7,6 +7,7 @@ registry merges findings into one ``WorkerCapabilities``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -29,6 +30,19 @@ class ProbeContext:
     cdi_dirs: Sequence[str] = DEFAULT_CDI_DIRS
     dev_dir: str = "/dev"
     advertise_address: str | None = None
+    # Where the host's /proc, /sys, /dev and /usr/lib/wsl are read (GPULAYER_PROBE_HOST_ROOT):
+    # "/" on the host itself, the host's mount point for a probe in a container. Tools still
+    # come from PATH.
+    host_root: str = "/"
+
+    def host_path(self, path: str) -> str:
+        """``path`` (absolute, as on the host) under ``host_root``."""
+        return under_root(self.host_root, path)
+
+
+def under_root(root: str, path: str) -> str:
+    """``/proc/version`` under ``/host`` is ``/host/proc/version``; under ``/`` itself."""
+    return os.path.join(root, path.lstrip("/"))
 
 
 @dataclass(slots=True)

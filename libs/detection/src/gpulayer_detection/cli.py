@@ -1,7 +1,8 @@
 """``gpulayer probe``: what this machine can do, as JSON, for a person at the node.
 
 This is an edge: it reads GPULAYER_NODE_ID (default: the hostname), GPULAYER_PROBE_PODMAN (none: don't
-look for a container runtime) and GPULAYER_OCI_RUNTIME, and passes plain values in.
+look for a container runtime), GPULAYER_OCI_RUNTIME and GPULAYER_PROBE_HOST_ROOT (where the host's
+/proc, /sys, /dev and /usr/lib/wsl are read), and passes plain values in.
 """
 
 from __future__ import annotations
@@ -72,13 +73,14 @@ def main(argv: list[str]) -> int:
     except SystemExit as exc:  # --help, or a usage error already printed by argparse
         return exc.code if isinstance(exc.code, int) else 2
     from gpulayer_detection.containers import ContainerSettings, settings_from_env
-    from gpulayer_detection.registry import detect_capabilities
+    from gpulayer_detection.registry import detect_capabilities, host_root_from_env
 
     try:
         # --gpu-apis answers about GPU APIs alone: no container self-test for it.
         containers = (
             ContainerSettings(podman=None) if args.gpu_apis else settings_from_env(os.environ)
         )
+        root = host_root_from_env(os.environ)
     except ValueError as err:
         print(f"gpulayer probe: {err}", file=sys.stderr)
         return 2
@@ -93,6 +95,7 @@ def main(argv: list[str]) -> int:
             torch_timeout=args.torch_timeout,
             advertise_address=os.environ.get("GPULAYER_ADVERTISE_ADDRESS") or None,
             containers=containers,
+            host_root=root,
         )
     )
     data = encode(gpu_apis_view(caps) if args.gpu_apis else caps)

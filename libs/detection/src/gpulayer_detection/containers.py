@@ -34,6 +34,12 @@ from gpulayer_contracts.bounds import (
 from gpulayer_contracts.capabilities import ContainerRuntime
 from gpulayer_detection.base import Finding, ProbeContext
 from gpulayer_detection.cdi import read_cdi_devices
+from gpulayer_detection.podman_machine import (
+    INSPECT_ARGV,
+    MachineInspectError,
+    machine_container_apis,
+    parse_machine_inspect,
+)
 from gpulayer_detection.runner import RunResult, resolve
 from gpulayer_runtime.settings import env_float
 
@@ -230,9 +236,9 @@ class ContainerRuntimeProbe:
         self._verdicts = {}
 
     def time_limit(self, ctx: ProbeContext) -> float:
-        """Its commands' bounds in a row: version (twice at worst), info, the self-test, and
-        removing a self-test container that outlived it."""
-        return 4 * ctx.timeout + self.settings.test_timeout
+        """Its commands' bounds in a row: version (twice at worst), info, a Mac's machine
+        inspect, the self-test, and removing a self-test container that outlived it."""
+        return 5 * ctx.timeout + self.settings.test_timeout
 
     async def probe(self, ctx: ProbeContext) -> Finding:
         found = Finding(self.name)
@@ -257,6 +263,7 @@ class ContainerRuntimeProbe:
             reported_oci = await self._default_oci(ctx, exe, notes)
         cdi, cdi_notes = await asyncio.to_thread(_cdi_names, ctx.cdi_dirs)
         notes += cdi_notes
+        provider = await self._machine(ctx, exe, found) if ctx.system == "darwin" else None
         key = (exe, version, oci)
         verdict = self._verdicts.get(key)
         if verdict is None or (
@@ -273,8 +280,28 @@ class ContainerRuntimeProbe:
             works=verdict.works,
             notes=[_clip(n, MAX_NOTE_BYTES) for n in notes[:MAX_NOTES]],
             cdi_devices=cdi,
+            machine_provider=provider,
         )
         return found
+
+    @staticmethod
+    async def _machine(ctx: ProbeContext, exe: str, found: Finding) -> str | None:
+        """On macOS, containers run in a podman machine: its provider, and the GPU APIs that
+        gives them (``podman_machine``). Texts are clipped: the machine's name is the user's."""
+        most = MAX_NOTE_BYTES - len(found.source) - 2
+        result = await ctx.run([exe, *INSPECT_ARGV], ctx.timeout)
+        try:
+            if not result.ok:
+                raise MachineInspectError(_describe(result))
+            info = parse_machine_inspect(result.stdout)
+        except MachineInspectError as err:
+            found.note(_clip(f"podman machine unknown: podman machine inspect: {err}", most))
+            return None
+        apis, note = machine_container_apis(info)
+        found.container_apis.update({k: _clip(v, MAX_NOTE_BYTES) for k, v in apis.items()})
+        if note is not None:
+            found.note(_clip(note, most))
+        return None if info.provider is None else _clip(info.provider, MAX_SHORT_TEXT_BYTES)
 
     @staticmethod
     def _runc() -> str | None:

@@ -1,5 +1,5 @@
-"""GPU APIs beyond the vendor tools: Vulkan, OpenCL, DirectML, container APIs from CDI specs,
-and device files this user can't open.
+"""GPU APIs beyond the vendor tools: Vulkan, OpenCL, container APIs from CDI specs, and device
+files this user can't open. (DirectML and WSL2: ``wsl.py``.)
 
 Vulkan and OpenCL count only when their runtime reports a real GPU: llvmpipe, SwiftShader and
 PoCL report CPU devices, and a CPU device is no GPU API. The device type the runtime reports
@@ -26,6 +26,12 @@ _VK_TYPE = re.compile(r"^\s*deviceType\s*=\s*(?:VK_)?PHYSICAL_DEVICE_TYPE_(?P<ty
 _VK_GPU_TYPES = frozenset({"DISCRETE_GPU", "INTEGRATED_GPU", "VIRTUAL_GPU"})
 _CL_TYPE = re.compile(r"^\s+Device Type\s+(?P<type>.+?)\s*$", re.M)
 _CDI_KIND = re.compile(r"""^\s*["']?kind["']?\s*:\s*["']?(?P<kind>[\w.\-/]+)["']?""", re.M)
+# A spec that passes WSL2's /dev/dxg and mounts /usr/lib/wsl whole (the D3D12 libraries and the
+# driver store with the vendor's user-mode driver) gives containers DirectML.
+_CDI_DXG = re.compile(r"""["']?path["']?\s*:\s*["']?/dev/dxg["']?\s*(?:[,}\]]|$)""", re.M)
+_CDI_WSL_MOUNT = re.compile(
+    r"""["']?hostPath["']?\s*:\s*["']?/usr/lib/wsl/?["']?\s*(?:[,}\]]|$)""", re.M
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,14 +71,17 @@ def parse_cdi_spec(text: str) -> CdiSpec:
     """Container APIs an injected CDI spec provides (YAML or JSON, read as text).
 
     An NVIDIA spec (kind ``nvidia.com/gpu``) gives cuda; vulkan when it mounts the Vulkan ICD
-    file; opencl when it mounts the NVIDIA OpenCL library. An AMD spec gives rocm. Metal never
-    reaches a container.
+    file; opencl when it mounts the NVIDIA OpenCL library. An AMD spec gives rocm. Any spec
+    that passes ``/dev/dxg`` and mounts ``/usr/lib/wsl`` whole gives directml (nvidia-ctk's WSL
+    spec mounts CUDA's files alone: cuda only). Metal never reaches a container.
     """
     m = _CDI_KIND.search(text)
     kind = m["kind"] if m else None
     apis: dict[str, str] = {}
     if kind is None:
         return CdiSpec(None, apis)
+    if _CDI_DXG.search(text) and _CDI_WSL_MOUNT.search(text):
+        apis["directml"] = f"CDI kind {kind} passes /dev/dxg and mounts /usr/lib/wsl"
     if kind == "nvidia.com/gpu" or kind.endswith(".nvidia.com/gpu"):
         apis["cuda"] = f"CDI kind {kind}"
         if "nvidia_icd.json" in text:
@@ -162,17 +171,12 @@ class GpuApisProbe:
             opencl.describe(),
             parse_clinfo(opencl.stdout) if opencl.ok else None,
         )
-        if ctx.system == "windows":
-            found.evidence["directml"] = "unknown: DirectML detection is not implemented yet"
-            found.note("directml unknown: detection not implemented")
-        else:
-            found.evidence["directml"] = "not available: DirectML exists only on Windows"
-
         for path, text in await asyncio.to_thread(_read_cdi_specs, ctx.cdi_dirs):
             spec = parse_cdi_spec(text)
             for api, why in spec.apis.items():
                 found.container_apis.setdefault(api, f"{why} ({path})")
-        if not found.container_apis:
+        if not found.container_apis and ctx.system == "linux":
+            # A Mac's containers get GPUs from its podman machine (containers.py), not CDI.
             found.note(f"no container GPU APIs: no usable CDI spec in {', '.join(ctx.cdi_dirs)}")
         if ctx.system == "linux":
             hint = device_file_hint(await asyncio.to_thread(scan_device_files, ctx.dev_dir))

@@ -1,4 +1,4 @@
-"""Host facts: OS, platform, CPU, memory, disk, Python, advertise address."""
+"""Host facts: OS, platform, CPU, memory, disk, Python, advertise address, WSL2."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import psutil
 
 from gpulayer_contracts.capabilities import HostInfo
 from gpulayer_detection.base import Finding, ProbeContext
+from gpulayer_detection.wsl import kernel_is_wsl2
 
 _ARCH = {"amd64": "x86_64", "x64": "x86_64", "aarch64": "arm64"}
 
@@ -32,7 +33,8 @@ def platform_tag(system: str, machine: str) -> str:
 
 
 def detect_host(disk_path: str = "/") -> HostInfo:
-    """Host facts that need no subprocess. A fact that can't be read is None."""
+    """Host facts that need no subprocess. A fact that can't be read is None. ``disk_path``:
+    where free disk is measured (the host root)."""
     system = platform.system()
     machine = platform.machine()
     cores: int | None = None
@@ -84,9 +86,11 @@ class HostProbe:
     name = "host"
 
     async def probe(self, ctx: ProbeContext) -> Finding:
-        found = Finding(self.name, host=detect_host())
+        found = Finding(self.name, host=detect_host(ctx.host_root))
         host = found.host
         assert host is not None
+        if ctx.system == "linux" and kernel_is_wsl2(ctx.host_root):
+            host = msgspec.structs.replace(host, wsl2=True)
         for fact in ("cpu_cores", "memory_bytes", "disk_free_bytes"):
             if getattr(host, fact) is None:
                 found.note(f"{fact} could not be read; unknown")

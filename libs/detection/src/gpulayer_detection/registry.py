@@ -8,28 +8,42 @@ outside them.)
 from __future__ import annotations
 
 import asyncio
+import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 
 from gpulayer_contracts import __version__
 from gpulayer_contracts.capabilities import GpuApis, HostInfo, WorkerCapabilities
 from gpulayer_detection.apple import AppleProbe
-from gpulayer_detection.base import DEFAULT_CDI_DIRS, Finding, Probe, ProbeContext
+from gpulayer_detection.base import DEFAULT_CDI_DIRS, Finding, Probe, ProbeContext, under_root
 from gpulayer_detection.containers import ContainerRuntimeProbe, ContainerSettings
 from gpulayer_detection.frameworks import FrameworksProbe, query_torch
 from gpulayer_detection.gpu_apis import GpuApisProbe
 from gpulayer_detection.host import HostProbe
 from gpulayer_detection.nvidia import NvidiaProbe
 from gpulayer_detection.rocm import RocmProbe
-from gpulayer_detection.runner import Runner, run_command
+from gpulayer_detection.runner import Runner, run_command, with_tool_dirs
+from gpulayer_detection.wsl import LIB_DIR, WslProbe
 
 Timing = Callable[[str, float], None]
 
 # Extra time a probe gets beyond its command timeout before the guard gives up on it.
 _GUARD_GRACE_S = 5.0
+# Where a program not on PATH is looked for too: WSL2's NVIDIA library holds nvidia-smi.
+TOOL_DIRS: tuple[str, ...] = (LIB_DIR,)
+HOST_ROOT_VARIABLE = "GPULAYER_PROBE_HOST_ROOT"
+
+
+def host_root_from_env(env: Mapping[str, str]) -> str:
+    """GPULAYER_PROBE_HOST_ROOT (default ``/``): an absolute path to an existing folder.
+    Raises ValueError naming the variable otherwise."""
+    root = env.get(HOST_ROOT_VARIABLE, "").strip() or "/"
+    if not os.path.isabs(root) or not os.path.isdir(root):
+        raise ValueError(f"{HOST_ROOT_VARIABLE}={root!r} is not an absolute path to a folder")
+    return root
 
 
 def default_probes(
@@ -43,7 +57,14 @@ def default_probes(
     probe, which a caller that detects again and again keeps (its self-test is cached in it);
     None: a fresh one with the default settings. ``include_containers=False``: left out (the
     probe service runs it on its own, so that a slow podman never delays the others)."""
-    probes: list[Probe] = [HostProbe(), NvidiaProbe(), RocmProbe(), AppleProbe(), GpuApisProbe()]
+    probes: list[Probe] = [
+        HostProbe(),
+        NvidiaProbe(),
+        RocmProbe(),
+        AppleProbe(),
+        GpuApisProbe(),
+        WslProbe(),
+    ]
     if include_containers:
         probes.append(containers if containers is not None else ContainerRuntimeProbe())
     if frameworks:
@@ -147,18 +168,23 @@ def make_context(
     timeout: float = 10.0,
     python: str | None = None,
     cdi_dirs: Sequence[str] = DEFAULT_CDI_DIRS,
-    dev_dir: str = "/dev",
+    dev_dir: str | None = None,
     advertise_address: str | None = None,
+    host_root: str = "/",
+    tool_dirs: Sequence[str] = TOOL_DIRS,
 ) -> ProbeContext:
+    """This machine's context. ``dev_dir``: where device files are looked for (default: the
+    host root's ``/dev``); ``tool_dirs``: where a program missing from PATH is looked for."""
     return ProbeContext(
-        run=run,
+        run=with_tool_dirs(run, tool_dirs),
         timeout=timeout,
         system=platform.system().lower(),
         machine=platform.machine().lower(),
         python=python,
         cdi_dirs=tuple(cdi_dirs),
-        dev_dir=dev_dir,
+        dev_dir=dev_dir if dev_dir is not None else under_root(host_root, "/dev"),
         advertise_address=advertise_address,
+        host_root=host_root,
     )
 
 
@@ -182,12 +208,15 @@ async def detect_capabilities(
     advertise_address: str | None = None,
     path: str | None = None,
     containers: ContainerSettings | None = None,
+    host_root: str = "/",
+    tool_dirs: Sequence[str] = TOOL_DIRS,
 ) -> WorkerCapabilities:
     """Detect this machine's capabilities once.
 
     ``python`` is the workload interpreter (default: this one). ``timeout`` bounds each source;
     the torch query (only where torch is installed) is bounded by ``torch_timeout``;
-    ``containers``: how the container runtime is looked for (default: podman on PATH).
+    ``containers``: how the container runtime is looked for (default: podman on PATH);
+    ``host_root``: where the host's /proc, /sys, /dev and /usr/lib/wsl are read.
     """
     if python is None:
         python = sys.executable
@@ -197,6 +226,8 @@ async def detect_capabilities(
         python=python,
         cdi_dirs=cdi_dirs,
         advertise_address=advertise_address,
+        host_root=host_root,
+        tool_dirs=tool_dirs,
     )
     runtime_probe = ContainerRuntimeProbe(containers or ContainerSettings())
     probes = default_probes(frameworks=include_frameworks, path=path, containers=runtime_probe)

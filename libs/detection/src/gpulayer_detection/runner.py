@@ -58,6 +58,28 @@ def resolve(program: str, path: str | None = None) -> str | None:
     return shutil.which(program, path=path)
 
 
+def with_tool_dirs(run: Runner, dirs: Sequence[str]) -> Runner:
+    """``run``, with a program that is not on PATH looked for in ``dirs`` too, in order.
+
+    WSL2 puts the NVIDIA driver's ``nvidia-smi`` in ``/usr/lib/wsl/lib``, which a login shell
+    has on PATH and a service usually has not.
+    """
+    if not dirs:
+        return run
+
+    async def run_there(argv: Sequence[str], timeout: float) -> RunResult:
+        args = list(argv)
+        if args and os.sep not in args[0] and resolve(args[0]) is None:
+            for d in dirs:
+                candidate = os.path.join(d, args[0])
+                if resolve(candidate) is not None:
+                    args[0] = candidate
+                    break
+        return await run(args, timeout)
+
+    return run_there
+
+
 def _kill(proc: asyncio.subprocess.Process) -> None:
     # The tool runs in its own session, so killing the group also ends whatever it started
     # (a shell script's children would otherwise keep the pipes open).

@@ -41,6 +41,8 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
     job_pids_max: int = 4096
     # Where the /dev/nvidia<N> nodes are read from (tests point it at mknod'd nodes).
     device_dir: Path = Path("/dev")
+    # WSL2's libraries and driver store, mounted read-only into a container job given /dev/dxg.
+    wsl_dir: Path = Path("/usr/lib/wsl")
     # Host cores and RAM (GB) kept for the system, announced in the heartbeat: placement
     # offers the probe's figures minus these.
     reserved_cores: float = 0.0

@@ -6,7 +6,8 @@ podman (``run``: an argv and a timeout, never a shell) and read the machine's li
 The shim runs podman as the executor's user (root: rootful podman) and podman runs the job as
 its account (``--user``), with no new privileges and no capabilities, its folder mounted at
 the same path as its working directory and HOME, and only its granted devices: each by its CDI
-name where the node's CDI spec names it, else the device nodes themselves.
+name where the node's CDI spec names it, else the device nodes themselves; in WSL2, where every
+GPU is behind ``/dev/dxg``, that device and ``/usr/lib/wsl`` read-only.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import itertools
 import os
 import platform
 import resource
+import stat
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -26,6 +28,7 @@ import msgspec
 
 from gpulayer_contracts.events import Grant
 from gpulayer_contracts.jobenv import DEFAULT_PATH
+from gpulayer_contracts.validation import effective_gpu, effective_use
 from gpulayer_executor.env import RunAs
 from gpulayer_executor.limits import CPU_PERIOD_US, JobLimits
 
@@ -42,6 +45,10 @@ ENV_FILE = "container.env"
 # Control nodes a CUDA process opens besides its GPU's own node, passed where they exist.
 NVIDIA_CONTROL = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
 DEFAULT_CDI_KINDS = {"cuda": "nvidia.com/gpu", "rocm": "amd.com/gpu"}
+# WSL2: the one device every GPU is reached through, and the D3D12/DXCore libraries, the NVIDIA
+# WSL library and the driver store (the vendor's user-mode driver) it needs.
+DXG = "dxg"
+WSL_DIR = Path("/usr/lib/wsl")
 # podman's own exit codes for a container it could not run (its error is on the job's stderr).
 PODMAN_CODES = {
     125: "podman could not run the container",
@@ -109,18 +116,28 @@ def machine_ulimits() -> list[str]:
 
 
 def device_args(
-    grant: Grant, cdi: Sequence[CdiDevice], device_dir: Path, kind: str | None = None
+    grant: Grant,
+    cdi: Sequence[CdiDevice],
+    device_dir: Path,
+    kind: str | None = None,
+    wsl_dir: Path = WSL_DIR,
 ) -> list[str]:
     """``--device`` options for the granted devices alone (none for a job that asked for no
-    GPU): each by its CDI name, else its device nodes. Raises ContainerError. Pure but for
-    looking at which nodes exist."""
+    GPU): each by its CDI name, else its device nodes; in WSL2 (``device_dir/dxg`` is a
+    character device) ``--device`` that and ``wsl_dir`` read-only, also for a job placed on a
+    GPU API alone (no device tracked). Raises ContainerError. Pure but for looking at which
+    nodes exist."""
     from gpulayer_detection.cdi import device_for
 
-    if grant.job.sandbox.devices.gpu != "compute" or not grant.devices:
+    if grant.job.sandbox.devices.gpu != "compute":
         return []
+    if not grant.devices:
+        wants = effective_use(grant.job, effective_gpu(grant.job, "linux")) != "none"
+        return wsl_args(device_dir, wsl_dir) if wants and is_wsl(device_dir) else []
     kind = kind or DEFAULT_CDI_KINDS.get(grant.accelerator)
     out: list[str] = []
     fallback: list[str] = []
+    wsl = False
     uuids = list(grant.instance_uuids)
     for pos, index in enumerate(grant.devices):
         mig = uuids[pos] if pos < len(uuids) else None
@@ -133,12 +150,38 @@ def device_args(
         if found is not None:
             out += ["--device", found.qualified]
             continue
-        fallback += _device_nodes(grant.accelerator, index, device_dir)
+        if wsl:
+            continue
+        try:
+            fallback += _device_nodes(grant.accelerator, index, device_dir)
+        except ContainerError:
+            # No /dev/nvidia<N>: in WSL2 every GPU is behind /dev/dxg. (Looked at only then, so
+            # a Linux node's launch costs nothing more.)
+            wsl = is_wsl(device_dir)
+            if not wsl:
+                raise
     if fallback:
         fallback += _control_nodes(grant.accelerator, device_dir)
     for node in dict.fromkeys(fallback):
         out += ["--device", node]
-    return out
+    return out + (wsl_args(device_dir, wsl_dir) if wsl else [])
+
+
+def is_wsl(device_dir: Path) -> bool:
+    """Is ``device_dir/dxg`` a character device (WSL2's GPU paravirtualization)?"""
+    try:
+        return stat.S_ISCHR((device_dir / DXG).stat().st_mode)
+    except OSError:
+        return False
+
+
+def wsl_args(device_dir: Path, wsl_dir: Path = WSL_DIR) -> list[str]:
+    """WSL2's GPU for a container: ``/dev/dxg``, which reaches every GPU of the machine (CUDA
+    still sees only the granted ones, by ``CUDA_VISIBLE_DEVICES``), and ``/usr/lib/wsl``
+    read-only. Raises ContainerError without that folder."""
+    if not wsl_dir.is_dir():
+        raise ContainerError(f"{device_dir / DXG} is here but {wsl_dir} is not (WSL2's libraries)")
+    return ["--device", str(device_dir / DXG), "--volume", f"{wsl_dir}:{wsl_dir}:ro"]
 
 
 def _device_nodes(accelerator: str, index: int, device_dir: Path) -> list[str]:

@@ -82,7 +82,7 @@ def container_run(
             user=ctr.job_user(run_as),
             cwd=cwd,
             env_file=run_root / grant_key(grant.grant_id) / ctr.ENV_FILE,
-            devices=ctr.device_args(grant, cdi, config.device_dir, config.cdi_kind),
+            devices=ctr.device_args(grant, cdi, config.device_dir, config.cdi_kind, config.wsl_dir),
             limits=ctr.limit_args(limits),
             ulimit=ctr.machine_ulimits(),
             network=config.container_network,

@@ -5,7 +5,9 @@ interpreter), GPULAYER_PROBE_REFRESH_S (60), GPULAYER_PROBE_REPUBLISH_S (600),
 GPULAYER_HEARTBEAT_S (5), GPULAYER_PROBE_TIMEOUT_S
 (10, each source), GPULAYER_PROBE_TORCH_TIMEOUT_S (60), GPULAYER_ADVERTISE_ADDRESS (an IP address or host name;
 default: detected), GPULAYER_PROBE_OBSERVE_S (5), GPULAYER_PROBE_RECOVER_AFTER (3
-clean observations before a device is healthy again), GPULAYER_PROBE_DEVICE_DIR (/dev),
+clean observations before a device is healthy again), GPULAYER_PROBE_HOST_ROOT (/: where the
+host's /proc, /sys, /dev and /usr/lib/wsl are read), GPULAYER_PROBE_DEVICE_DIR (the host root's
+/dev),
 GPULAYER_PROBE_PODMAN (podman: the container runtime looked for, a name on PATH or a path; none: don't
 look), GPULAYER_OCI_RUNTIME (what podman starts containers with; default runc when installed),
 GPULAYER_PROBE_CONTAINER_TEST_S (20, the container self-test's bound),
@@ -22,7 +24,9 @@ import sys
 from collections.abc import Mapping
 
 from gpulayer_contracts.bounds import address_error
+from gpulayer_detection.base import under_root
 from gpulayer_detection.containers import ContainerSettings, settings_from_env
+from gpulayer_detection.registry import host_root_from_env
 from gpulayer_probe.service import ProbeService, ProbeSettings
 from gpulayer_runtime.nats import connect, let_go, wait_for_streams
 from gpulayer_runtime.settings import (
@@ -59,9 +63,18 @@ def container_settings(env: Mapping[str, str]) -> ContainerSettings:
         raise ConfigError(str(err)) from None
 
 
+def host_root(env: Mapping[str, str]) -> str:
+    """GPULAYER_PROBE_HOST_ROOT: an absolute path to a folder, default ``/``."""
+    try:
+        return host_root_from_env(env)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 def read_settings(env: Mapping[str, str]) -> tuple[NatsSettings, str, ProbeSettings]:
     """NATS settings, node id and probe settings from ``env``. Raises ConfigError on bad
     values."""
+    root = host_root(env)
     settings = ProbeSettings(
         python=env_str(env, "GPULAYER_WORKLOAD_PYTHON", sys.executable),
         refresh_s=env_float(env, "GPULAYER_PROBE_REFRESH_S", 60.0),
@@ -72,7 +85,8 @@ def read_settings(env: Mapping[str, str]) -> tuple[NatsSettings, str, ProbeSetti
         advertise_address=advertise_address(env),
         observe_s=env_float(env, "GPULAYER_PROBE_OBSERVE_S", 5.0),
         recover_after=env_int(env, "GPULAYER_PROBE_RECOVER_AFTER", 3),
-        dev_dir=env_str(env, "GPULAYER_PROBE_DEVICE_DIR", "/dev"),
+        dev_dir=env_str(env, "GPULAYER_PROBE_DEVICE_DIR", under_root(root, "/dev")),
+        host_root=root,
         containers=container_settings(env),
         doctor_rate=env_float(env, "GPULAYER_DOCTOR_RATE", 0.2),
         doctor_burst=env_int(env, "GPULAYER_DOCTOR_BURST", 3),

@@ -35,13 +35,14 @@ from gpulayer_detection.base import DEFAULT_CDI_DIRS, Finding, ProbeContext
 from gpulayer_detection.containers import ContainerRuntimeProbe, ContainerSettings, runtime_pending
 from gpulayer_detection.frameworks import query_torch
 from gpulayer_detection.registry import (
+    TOOL_DIRS,
     build_capabilities,
     collect,
     default_probes,
     make_context,
     torch_unknown,
 )
-from gpulayer_detection.runner import Runner, run_command
+from gpulayer_detection.runner import Runner, run_command, with_tool_dirs
 from gpulayer_probe.observer import Observer
 from gpulayer_runtime.ratelimit import Buckets
 from gpulayer_runtime.telemetry import DISABLED, Telemetry, inject
@@ -92,7 +93,10 @@ class ProbeSettings:
     # again (hysteresis). 0 turns observations off.
     observe_s: float = 5.0
     recover_after: int = 3
-    dev_dir: str = "/dev"  # where GPU device files (nvidia<N>) are looked for
+    dev_dir: str = "/dev"  # where GPU device files (nvidia<N>, dxg) are looked for
+    # Where the host's /proc, /sys, /dev and /usr/lib/wsl are read (a probe in a container
+    # sees the host where it is mounted).
+    host_root: str = "/"
     # The container runtime: podman, its OCI runtime, the self-test's bound.
     containers: ContainerSettings = field(default_factory=ContainerSettings)
     # Doctor requests this probe answers: a bucket of ``doctor_burst`` refilled at
@@ -116,7 +120,9 @@ class ProbeService:
         self._tel = telemetry
         self._node = node_id
         self._s = settings
-        self._run = run
+        # nvidia-smi in WSL2's /usr/lib/wsl/lib is found off PATH too, by detection and the
+        # observer alike.
+        self._run = with_tool_dirs(run, TOOL_DIRS)
         # Kept across refreshes: its self-test runs again only when podman changes.
         self.containers = ContainerRuntimeProbe(settings.containers)
         self._runtime: Finding | None = None  # its last answer
@@ -138,7 +144,7 @@ class ProbeService:
         self.observer = Observer(
             nc,
             node_id,
-            run=run,
+            run=self._run,
             timeout=settings.timeout,
             interval_s=settings.observe_s,
             recover_after=settings.recover_after,
@@ -178,7 +184,10 @@ class ProbeService:
             timeout=self._s.timeout,
             python=self._s.python,
             cdi_dirs=self._s.cdi_dirs,
+            dev_dir=self._s.dev_dir,
             advertise_address=self._s.advertise_address,
+            host_root=self._s.host_root,
+            tool_dirs=(),  # self._run looks there already
         )
 
     @property

@@ -9,9 +9,9 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
-from gpulayer_cli.render import ago, container_runtime_label
+from gpulayer_cli.render import ago, container_runtime_label, platform_label
 from gpulayer_contracts.health import NodeObservations
-from gpulayer_contracts.matrix import SUPPORT_MATRIX
+from gpulayer_contracts.matrix import API_SUPPORT, SUPPORT_MATRIX
 
 T = TypeVar("T")
 PAGE_SIZE = 100
@@ -90,7 +90,7 @@ def fleet_row(node: dict[str, Any], now: datetime | None = None) -> dict[str, An
     containers = list(apis.get("containers") or [])
     return {
         "node_id": node["node_id"],
-        "platform": (caps.get("host") or {}).get("platform") or "?",
+        "platform": platform_label(caps),
         "host_apis": list(apis.get("host") or []),
         "container_apis": containers,
         "container_gpu": _container_gpu(caps, containers),
@@ -134,24 +134,35 @@ def fleet_rows(
 
 
 def matrix(nodes: list[dict[str, Any]]) -> dict[str, Any]:
-    """The support matrix, and per platform in the fleet which accelerators its nodes have."""
+    """The support matrix (accelerators and GPU APIs), and per platform in the fleet which
+    accelerators and GPU APIs its nodes have, with their levels."""
     platforms: dict[str, set[str]] = {}
+    apis: dict[str, set[str]] = {}
     for n in nodes:
         caps = n.get("capabilities") or {}
-        platform = (caps.get("host") or {}).get("platform") or "?"
+        platform = platform_label(caps)
         accs = {str(d.get("accelerator")) for d in _devices(n)} or {"cpu"}
         platforms.setdefault(platform, set()).update(accs | {"cpu"})
+        offered = caps.get("gpu_apis") or {}
+        apis.setdefault(platform, set()).update(
+            str(a) for a in (*(offered.get("host") or []), *(offered.get("containers") or []))
+        )
     return {
         "levels": [
             {"accelerator": acc, "independent": m["independent"], "distributed": m["distributed"]}
             for acc, m in SUPPORT_MATRIX.items()
         ],
+        "api_levels": [{"api": api, "level": level} for api, level in API_SUPPORT.items()],
         "platforms": [
             {
                 "platform": p,
                 "accelerators": [
                     {"name": a, "level": SUPPORT_MATRIX.get(a, {}).get("independent", "unknown")}  # type: ignore[call-overload]
                     for a in sorted(accs)
+                ],
+                "apis": [
+                    {"name": a, "level": API_SUPPORT.get(a, "unknown")}
+                    for a in sorted(apis.get(p, ()))
                 ],
             }
             for p, accs in sorted(platforms.items())

@@ -121,7 +121,11 @@ def _capabilities_within_bounds(caps: WorkerCapabilities) -> bool:
     if runtime is not None:
         short += [
             runtime.name,
-            *(v for v in (runtime.version, runtime.oci_runtime) if v is not None),
+            *(
+                v
+                for v in (runtime.version, runtime.oci_runtime, runtime.machine_provider)
+                if v is not None
+            ),
             *runtime.cdi_devices,
         ]
         notes += runtime.notes
@@ -301,6 +305,9 @@ def _runtime_errors(runtime: ContainerRuntime) -> Iterator[str]:
     yield from text_errors(f"{p}.name", runtime.name, MAX_SHORT_TEXT_BYTES)
     yield from opt_text_errors(f"{p}.version", runtime.version, MAX_SHORT_TEXT_BYTES)
     yield from opt_text_errors(f"{p}.oci_runtime", runtime.oci_runtime, MAX_SHORT_TEXT_BYTES)
+    yield from opt_text_errors(
+        f"{p}.machine_provider", runtime.machine_provider, MAX_SHORT_TEXT_BYTES
+    )
     yield from texts_errors(f"{p}.notes", runtime.notes, MAX_NOTES, MAX_NOTE_BYTES)
     yield from texts_errors(
         f"{p}.cdi_devices", runtime.cdi_devices, MAX_CDI_DEVICES, MAX_SHORT_TEXT_BYTES
