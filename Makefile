@@ -14,7 +14,7 @@ endif
 VENV := .venv
 STAMP := $(VENV)/.synced
 
-.PHONY: run test test-durations test-repeat test-unit lint fmt bench bench-ab sync clean faults
+.PHONY: run test test-durations test-repeat test-unit lint fmt bench bench-ab sync clean faults image
 
 $(STAMP): uv.lock pyproject.toml $(wildcard libs/*/pyproject.toml services/*/pyproject.toml)
 	$(UV_INSTALL)
@@ -86,6 +86,11 @@ bench-ab: $(STAMP)
 	$(if $(BASE),,$(error make bench-ab needs BASE=<commit>, e.g. make bench-ab BASE=8d73258 ONLY=placement1k,loop))
 	UV="$(UV)" PYTHON="$(PYTHON)" $(VENV)/bin/python -m bench.ab --base $(BASE) \
 		$(if $(ONLY),--only $(ONLY),) $(if $(PAIRS),--pairs $(PAIRS),) $(if $(FULL),--full,)
+
+# One image for every service and the CLI: localhost/gpulayer:dev and :<version>, with podman
+# (or docker). BASE=, ENGINE=, CA=, FORCE=1: deploy/image/build says what each does.
+image:
+	bash deploy/image/build
 
 docs: $(STAMP)  # regenerate docs/jobs.md and docs/schemas/ from the contracts
 	$(VENV)/bin/python docs/gen_reference.py

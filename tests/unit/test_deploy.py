@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -791,3 +792,33 @@ def test_makefile_and_ci_call_the_readme_commands() -> None:
     makefile = (ROOT / "Makefile").read_text()
     for target in ("run:", "test:", "lint:", "bench:", "docs:"):
         assert f"\n{target}" in makefile
+
+
+def test_make_image_without_podman_or_docker_says_what_to_install(tmp_path: Path) -> None:
+    """deploy/image/build on a machine with neither engine: one line naming what to install,
+    before anything is built (PATH holds only what the script needs to get that far)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("dirname",):
+        (bin_dir / tool).symlink_to(shutil.which(tool) or f"/usr/bin/{tool}")
+    run = subprocess.run(
+        ["/bin/bash", str(ROOT / "deploy/image/build")],
+        env={"PATH": str(bin_dir)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 1, run
+    assert "neither podman nor a running docker engine found" in run.stderr
+    assert "apt-get install podman runc" in run.stderr
+    assert run.stdout == ""
+
+
+def test_the_image_is_built_on_a_chosen_base_with_the_ca_as_a_secret() -> None:
+    """The Dockerfile's base is a build argument and the CA bundle reaches only the RUN steps
+    that download, as a secret mount (no COPY of it, no layer keeps it)."""
+    text = (ROOT / "deploy/Dockerfile").read_text()
+    assert "ARG BASE=python:3.11-slim" in text
+    assert text.count("FROM ${BASE}") == 2
+    assert text.count("--mount=type=secret,id=ca") == 2
+    assert "uv sync --locked --no-dev" in text
