@@ -14,7 +14,7 @@ endif
 VENV := .venv
 STAMP := $(VENV)/.synced
 
-.PHONY: run test test-durations test-repeat test-unit lint fmt bench bench-ab sync clean faults image
+.PHONY: run test test-durations test-repeat test-unit lint fmt bench bench-ab sync clean faults image wheels
 
 $(STAMP): uv.lock pyproject.toml $(wildcard libs/*/pyproject.toml services/*/pyproject.toml)
 	$(UV_INSTALL)
@@ -91,6 +91,13 @@ bench-ab: $(STAMP)
 # (or docker). BASE=, ENGINE=, CA=, FORCE=1: deploy/image/build says what each does.
 image:
 	bash deploy/image/build
+
+# dist/wheels/: every gpulayer package and every locked dependency as wheels, for installing a
+# node with no index (deploy/install-node). Rebuilt only when the sources or uv.lock changed;
+# PYTHON= the interpreter whose platform the wheels are for, FORCE=1: deploy/wheels says more.
+wheels:
+	$(UV_INSTALL)
+	UV="$(UV)" PYTHON="$(PYTHON)" bash deploy/wheels
 
 docs: $(STAMP)  # regenerate docs/jobs.md and docs/schemas/ from the contracts
 	$(VENV)/bin/python docs/gen_reference.py
