@@ -8,11 +8,12 @@ import logging
 import math
 import os
 import socket
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 import msgspec
 
+from gpulayer_contracts.version import __version__
 from gpulayer_runtime.database import PassfileError, check_passfile, passfile_of
 from gpulayer_runtime.logs import setup_logging
 
@@ -203,9 +204,26 @@ def node_id(env: Mapping[str, str] | None = None) -> str:
     return value
 
 
-def run_service(service: str, amain: Callable[[], Coroutine[Any, Any, None]]) -> None:
-    """A service's entry point: logging as ``GPULAYER_LOG_FORMAT`` says, then ``amain``. A bad
+def service_arguments(service: str, doc: str = "", argv: Sequence[str] | None = None) -> None:
+    """A service's command line: ``--help`` and ``--version`` (``<service> <version>``), each
+    printed and exit 0; anything else is a usage error naming it, exit 2. Settings are never
+    options: they come from the environment alone, as under systemd or compose."""
+    parser = argparse.ArgumentParser(
+        prog=service,
+        description=doc or None,
+        epilog="Configured by GPULAYER_* environment variables only: see docs/operations.md.",
+    )
+    parser.add_argument("--version", action="version", version=f"{service} {__version__}")
+    parser.parse_args(argv)
+
+
+def run_service(
+    service: str, amain: Callable[[], Coroutine[Any, Any, None]], doc: str = ""
+) -> None:
+    """A service's entry point: its command line (``service_arguments``: ``doc`` is what
+    ``--help`` says it is), logging as ``GPULAYER_LOG_FORMAT`` says, then ``amain``. A bad
     setting (ConfigError, which names the variable) is one logged line and exit status 2."""
+    service_arguments(service, doc)
     setup_logging(service, env_str(os.environ, "GPULAYER_LOG_FORMAT", "text"))
     try:
         asyncio.run(amain())

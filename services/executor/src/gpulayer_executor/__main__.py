@@ -392,8 +392,15 @@ async def _amain() -> None:
         telemetry.shutdown()
 
 
+# What ``gpulayer-executor --help`` says it is.
+DESCRIPTION = (
+    "Runs the jobs placement grants to this node, each as an unprivileged account in a "
+    "cgroup that holds its limits, and reports their output and end."
+)
+
+
 def main() -> None:
-    run_service("gpulayer-executor", _amain)
+    run_service("gpulayer-executor", _amain, DESCRIPTION)
 
 
 if __name__ == "__main__":

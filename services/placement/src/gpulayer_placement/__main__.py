@@ -174,8 +174,16 @@ def _profiles(path: str) -> Profiles:
         raise ConfigError(f"GPULAYER_PROFILES: {err}") from None
 
 
+# What ``gpulayer-placement --help`` says it is.
+DESCRIPTION = (
+    "gpulayer's scheduler: takes submitted jobs, matches them to the fleet's nodes, signs "
+    "and sends their grants and keeps their state in PostgreSQL. Replicas may run side by "
+    "side."
+)
+
+
 def main() -> None:
-    run_service("gpulayer-placement", _amain)
+    run_service("gpulayer-placement", _amain, DESCRIPTION)
 
 
 if __name__ == "__main__":

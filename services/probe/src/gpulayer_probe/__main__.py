@@ -113,8 +113,15 @@ async def _amain() -> None:
     log.info("stopped")
 
 
+# What ``gpulayer-probe --help`` says it is.
+DESCRIPTION = (
+    "Detects this node's accelerators, frameworks and container runtime and publishes them, "
+    "its heartbeats and its devices' health."
+)
+
+
 def main() -> None:
-    run_service("gpulayer-probe", _amain)
+    run_service("gpulayer-probe", _amain, DESCRIPTION)
 
 
 if __name__ == "__main__":

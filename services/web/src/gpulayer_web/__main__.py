@@ -154,8 +154,12 @@ async def _amain() -> None:
     log.info("stopped")
 
 
+# What ``gpulayer-web --help`` says it is.
+DESCRIPTION = "The fleet page: nodes and jobs as placement reports them, read-only, over HTTP."
+
+
 def main() -> None:
-    run_service("gpulayer-web", _amain)
+    run_service("gpulayer-web", _amain, DESCRIPTION)
 
 
 if __name__ == "__main__":
