@@ -839,7 +839,8 @@ def test_the_tls_override_puts_every_service_on_tls_with_the_ca() -> None:
         env = tls[name]["environment"]
         assert env["GPULAYER_NATS_URL"].startswith("${GPULAYER_NATS_URL:-tls://nats:4222}"), name
         (ca,) = tls[name]["volumes"]
-        assert ca["source"] == "./tls/ca.pem" and ca["target"] == env["GPULAYER_NATS_TLS_CA"], name
+        assert ca["source"] == "./tls/ca.pem", name
+        assert ca["target"] == env["GPULAYER_NATS_TLS_CA"], name
         assert ca["read_only"] is True, name
 
 
