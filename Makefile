@@ -14,7 +14,7 @@ endif
 VENV := .venv
 STAMP := $(VENV)/.synced
 
-.PHONY: run test test-durations test-repeat test-unit lint fmt bench bench-ab sync clean faults image wheels
+.PHONY: run test test-durations test-repeat test-unit lint fmt bench bench-ab sync clean faults image wheels deploy-up deploy-down deploy-test deploy-test-clean
 
 $(STAMP): uv.lock pyproject.toml $(wildcard libs/*/pyproject.toml services/*/pyproject.toml)
 	$(UV_INSTALL)
@@ -98,6 +98,22 @@ image:
 wheels:
 	$(UV_INSTALL)
 	UV="$(UV)" PYTHON="$(PYTHON)" bash deploy/wheels
+
+# The compose stack (deploy/compose.yaml) with the image above: deploy/up does the documented
+# steps once (gen-env, credentials, signing key; TLS=1: a CA and NATS over TLS), then compose
+# up -d with podman-compose (or docker compose). deploy-down keeps the volumes; V=1 drops them.
+deploy-up: $(STAMP) image
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" deploy/up
+deploy-down: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" deploy/down $(if $(V),-v,)
+
+# gpulayer installed as a team would, with podman: the image, compose up for real, two nodes
+# running systemd joining over TLS, state across down/up (tests/deploy/run.py). KEEP=1 leaves
+# it up; deploy-test-clean removes what it left.
+deploy-test: $(STAMP)
+	$(VENV)/bin/python -m tests.deploy.run
+deploy-test-clean: $(STAMP)
+	$(VENV)/bin/python -m tests.deploy.run --clean
 
 docs: $(STAMP)  # regenerate docs/jobs.md and docs/schemas/ from the contracts
 	$(VENV)/bin/python docs/gen_reference.py

@@ -113,7 +113,9 @@ def test_every_service_command_is_a_console_script() -> None:
     scripts = _console_scripts()
     services = _services()
     ours = {
-        name: s for name, s in services.items() if str(s.get("image", "")).startswith("gpulayer")
+        name: s
+        for name, s in services.items()
+        if str(s.get("image", "")).startswith("localhost/gpulayer:")
     }
     assert {"placement", "probe", "executor"} <= set(ours)
     for name, svc in ours.items():
@@ -822,3 +824,49 @@ def test_the_image_is_built_on_a_chosen_base_with_the_ca_as_a_secret() -> None:
     assert text.count("FROM ${BASE}") == 2
     assert text.count("--mount=type=secret,id=ca") == 2
     assert "uv sync --locked --no-dev" in text
+
+
+def test_the_tls_override_puts_every_service_on_tls_with_the_ca() -> None:
+    """compose.tls.yaml: NATS serves TLS with the generated certificate; every service of ours
+    connects with tls:// and checks it against the mounted CA."""
+    tls = _yaml(DEPLOY / "compose.tls.yaml")["services"]
+    command = tls["nats"]["command"]
+    assert command[: len(_services()["nats"]["command"])] == _services()["nats"]["command"]
+    assert command[command.index("--tlscert") + 1] == "/etc/nats/tls/server.pem"
+    mounted = {v["target"]: v["source"] for v in tls["nats"]["volumes"]}
+    assert mounted["/etc/nats/tls/server.key"] == "./tls/server.key"
+    for name in (*OURS, "web"):
+        env = tls[name]["environment"]
+        assert env["GPULAYER_NATS_URL"].startswith("${GPULAYER_NATS_URL:-tls://nats:4222}"), name
+        (ca,) = tls[name]["volumes"]
+        assert ca["source"] == "./tls/ca.pem", name
+        assert ca["target"] == env["GPULAYER_NATS_TLS_CA"], name
+        assert ca["read_only"] is True, name
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
+def test_gen_tls_makes_a_ca_and_a_server_certificate_for_the_names_given(tmp_path: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin", "GPULAYER_TLS_DIR": str(tmp_path)}
+    subprocess.run([DEPLOY / "gen-tls", "ctl.example", "10.1.2.3"], env=env, check=True)
+    first_ca = (tmp_path / "ca.pem").read_bytes()
+    verify = subprocess.run(
+        ["openssl", "verify", "-CAfile", tmp_path / "ca.pem", tmp_path / "server.pem"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert verify.returncode == 0, verify.stderr
+    text = subprocess.run(
+        ["openssl", "x509", "-in", tmp_path / "server.pem", "-noout", "-ext", "subjectAltName"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for name in ("DNS:nats", "DNS:localhost", "IP Address:127.0.0.1", "DNS:ctl.example"):
+        assert name in text
+    assert "IP Address:10.1.2.3" in text
+    for key in ("ca.key", "server.key"):
+        assert stat.S_IMODE((tmp_path / key).stat().st_mode) == 0o600, key
+    # Run again for another name: the CA is kept (nodes already trust it).
+    subprocess.run([DEPLOY / "gen-tls", "other.example"], env=env, check=True)
+    assert (tmp_path / "ca.pem").read_bytes() == first_ca

@@ -21,6 +21,19 @@ from gpulayer_runtime.auth import identity_of
 
 log = logging.getLogger(__name__)
 
+
+class _StartTlsEofNote(logging.Filter):
+    """nats-py upgrades a connection to TLS after it is made (``loop.start_tls``), so asyncio's
+    stream protocol doesn't know it is over TLS, and at every close asyncio logs "returning true
+    from eof_received() has no effect when using ssl": a warning about nothing wrong, which
+    printed under every CLI command over ``tls://``. Only that line is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("returning true from eof_received()")
+
+
+logging.getLogger("asyncio").addFilter(_StartTlsEofNote())
+
 _RETENTION = {
     "limits": RetentionPolicy.LIMITS,
     "workqueue": RetentionPolicy.WORK_QUEUE,
