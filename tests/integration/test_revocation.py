@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import shutil
 import time
 import urllib.request
@@ -140,6 +141,44 @@ async def test_revoking_a_connected_user_closes_it_alone_without_a_restart(
     assert "revoked" in listed
     assert "alice" in listed
     assert "bob" in listed
+
+
+async def test_a_service_connection_revoked_says_so_in_its_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A service's connection (connect's own callbacks) whose credential is revoked: nats-py
+    gives up on it for good, and the log says the credential was refused, naming it."""
+    store = AuthStore(tmp_path / "auth").init()
+    creds = leaked(store, "node", "gpu-07", tmp_path)
+    with EmbeddedNats(tmp_path / "nats", auth_conf=store.server_conf) as server:
+        ended = asyncio.Event()
+        ending = EndSeen(ended)
+        logging.getLogger("gpulayer_runtime.nats").addHandler(ending)
+        nc = await connect(server.url, "gpulayer-probe", creds=str(creds))
+        try:
+            with caplog.at_level("INFO", logger="gpulayer_runtime.nats"):
+                assert await revoke(store.folder, server.url, monkeypatch, "node", "gpu-07") == 0
+                await asyncio.wait_for(ended.wait(), 15)
+            assert nc.is_closed
+            said = [r for r in caplog.records if r.name == "gpulayer_runtime.nats"]
+            closed = [r.getMessage() for r in said if r.levelname == "ERROR"]
+            assert len(closed) == 1, [r.getMessage() for r in said]
+            assert "connection closed for good" in closed[0]
+            assert f"refused the credential {creds}" in closed[0]
+        finally:
+            logging.getLogger("gpulayer_runtime.nats").removeHandler(ending)
+            await nc.close()
+
+
+class EndSeen(logging.Handler):
+    """Sets ``event`` at the first error logged (the connection's end, said)."""
+
+    def __init__(self, event: asyncio.Event) -> None:
+        super().__init__(logging.ERROR)
+        self.event = event
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.event.set()
 
 
 async def test_revoking_on_a_three_server_cluster_reaches_every_server(

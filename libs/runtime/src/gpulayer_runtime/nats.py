@@ -81,6 +81,28 @@ def tls_context(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLCon
     return ctx
 
 
+_REFUSALS = ("authorization violation", "authentication revoked", "authentication expired")
+
+
+def refusal_note(err: BaseException | None, creds: str | None) -> str:
+    """The words a log line adds to an error that is the server refusing this connection's
+    credential ('Authorization Violation' at connect, 'User Authentication Revoked' or
+    'Expired' on a live connection); "" for any other error. Pure."""
+    if err is None:
+        return ""
+    # nats-py's own error for 'Authorization Violation' reads "nats: authorization failed".
+    if not isinstance(err, nats.errors.AuthorizationError) and not any(
+        r in str(err).lower() for r in _REFUSALS
+    ):
+        return ""
+    if creds is None:
+        return " (no credential given: a secured server refuses anonymous connections)"
+    return (
+        f" (the server refused the credential {creds}: revoked, expired, or not minted for "
+        "this server's account; `gpulayer auth list` where the auth folder is says which)"
+    )
+
+
 async def connect(
     url: str,
     name: str,
@@ -98,7 +120,7 @@ async def connect(
     permissions let only it read there)."""
 
     async def on_error(err: Exception) -> None:
-        log.warning("nats error: %s", err)
+        log.warning("nats error: %s%s", err, refusal_note(err, creds))
 
     async def on_disconnect() -> None:
         # Also called on a deliberate close; a lost server shows up as errors and reconnects.
@@ -107,6 +129,16 @@ async def connect(
     async def on_reconnect() -> None:
         log.info("nats reconnected")
 
+    async def on_closed() -> None:
+        # nats-py gives up on a connection for good after the -ERR a server closes it with when
+        # its credential is revoked or expired, or refused at a reconnect, and reports that error
+        # here, not to the error callback: said, since the service goes on without NATS (each
+        # publish then fails with "connection closed" alone). A refusal at the first connect is
+        # the caller's to report: connect raises it.
+        note = refusal_note(nc.last_error, creds)
+        if note and established:
+            log.error("nats: connection closed for good: %s%s", nc.last_error, note)
+
     options: dict[str, object] = {
         "name": name,
         "max_reconnect_attempts": -1,
@@ -114,6 +146,7 @@ async def connect(
         "error_cb": on_error,
         "disconnected_cb": on_disconnect,
         "reconnected_cb": on_reconnect,
+        "closed_cb": on_closed,
     }
     if creds:
         options["user_credentials"] = creds
@@ -125,8 +158,10 @@ async def connect(
         options["inbox_prefix"] = inbox_prefix
     options.update(kwargs)
     nc = Client()
+    established = False
     try:
         await nc.connect(server_list(url), **options)  # type: ignore[arg-type]
+        established = True
     except BaseException:
         # nats-py leaves a refused connection's socket open (a ResourceWarning, and one fd
         # per failed try of a CLI that is told no).
