@@ -16,6 +16,7 @@ import msgspec
 from gpulayer_contracts.version import __version__
 from gpulayer_runtime.database import PassfileError, check_passfile, passfile_of
 from gpulayer_runtime.logs import setup_logging
+from gpulayer_runtime.stopping import Stopped
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_DATABASE_URL = "postgresql://gpulayer@127.0.0.1:5432/gpulayer"
@@ -222,7 +223,8 @@ def run_service(
 ) -> None:
     """A service's entry point: its command line (``service_arguments``: ``doc`` is what
     ``--help`` says it is), logging as ``GPULAYER_LOG_FORMAT`` says, then ``amain``. A bad
-    setting (ConfigError, which names the variable) is one logged line and exit status 2."""
+    setting (ConfigError, which names the variable) is one logged line and exit status 2; told
+    to stop while still waiting to start (``stopping.Stopped``), one line and exit status 0."""
     service_arguments(service, doc)
     setup_logging(service, env_str(os.environ, "GPULAYER_LOG_FORMAT", "text"))
     try:
@@ -230,3 +232,5 @@ def run_service(
     except ConfigError as err:
         logging.getLogger(service.replace("-", "_")).error("configuration: %s", err)
         raise SystemExit(2) from None
+    except Stopped as err:
+        logging.getLogger(service.replace("-", "_")).info("stopped while waiting for %s", err)

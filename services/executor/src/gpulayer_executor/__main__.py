@@ -39,6 +39,7 @@ from gpulayer_runtime.signing import (
     public_keys_from_env,
     signing_required,
 )
+from gpulayer_runtime.stopping import or_stop
 from gpulayer_runtime.telemetry import setup_telemetry
 
 log = logging.getLogger("gpulayer_executor")
@@ -381,11 +382,17 @@ async def _amain() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     telemetry = setup_telemetry("gpulayer-executor", env)
-    nc = await connect(nats.url, f"gpulayer-executor-{config.node_id}", **nats.connect_args())
+    nc = await or_stop(
+        connect(nats.url, f"gpulayer-executor-{config.node_id}", **nats.connect_args()),
+        stop,
+        "NATS",
+    )
     try:
         # Placement declares the streams (all at once); a node's credential may not, and may
         # look up only those it consumes (docs/security.md).
-        await wait_for_streams(nc.jetstream(), ["GRANTS", "CONTROL"])
+        await or_stop(
+            wait_for_streams(nc.jetstream(), ["GRANTS", "CONTROL"]), stop, "streams GRANTS, CONTROL"
+        )
         await Executor(nc, config, telemetry).run(stop)
     finally:
         await let_go(nc)

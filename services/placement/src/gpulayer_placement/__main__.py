@@ -36,6 +36,7 @@ from gpulayer_runtime.settings import (
     stream_replicas,
 )
 from gpulayer_runtime.signing import signer_from_env
+from gpulayer_runtime.stopping import or_stop
 from gpulayer_runtime.telemetry import setup_telemetry
 
 log = logging.getLogger("gpulayer_placement")
@@ -81,9 +82,13 @@ async def _amain() -> None:
         loop.add_signal_handler(sig, stop.set)
     async with AsyncExitStack() as stack:
         stack.callback(telemetry.shutdown)
-        nc = await connect(nats.url, "gpulayer-placement", **nats.connect_args())
+        nc = await or_stop(
+            connect(nats.url, "gpulayer-placement", **nats.connect_args()), stop, "NATS"
+        )
         stack.push_async_callback(let_go, nc)
-        await ensure_streams(nc.jetstream(), replicas=replicas, specs=streams)
+        await or_stop(
+            ensure_streams(nc.jetstream(), replicas=replicas, specs=streams), stop, "its streams"
+        )
         with _refused_as_setting(db):
             pool = await create_pool(db)
             stack.push_async_callback(pool.close)

@@ -39,6 +39,7 @@ from gpulayer_runtime.settings import (
     node_id,
     run_service,
 )
+from gpulayer_runtime.stopping import or_stop
 from gpulayer_runtime.telemetry import setup_telemetry
 
 log = logging.getLogger("gpulayer_probe")
@@ -102,10 +103,12 @@ async def _amain() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     telemetry = setup_telemetry("gpulayer-probe", os.environ)
-    nc = await connect(nats.url, f"gpulayer-probe-{node}", **nats.connect_args())
+    nc = await or_stop(
+        connect(nats.url, f"gpulayer-probe-{node}", **nats.connect_args()), stop, "NATS"
+    )
     try:
         # Placement declares the streams; a node's credential may not (docs/security.md).
-        await wait_for_streams(nc.jetstream(), ["NODES"])
+        await or_stop(wait_for_streams(nc.jetstream(), ["NODES"]), stop, "stream NODES")
         await ProbeService(nc, node, settings, telemetry=telemetry).run(stop)
     finally:
         await let_go(nc)

@@ -35,6 +35,7 @@ from gpulayer_runtime.settings import (
     nats_settings,
     run_service,
 )
+from gpulayer_runtime.stopping import or_stop
 from gpulayer_web.app import build_app
 from gpulayer_web.cache import FleetCache
 from gpulayer_web.reader import NatsReader
@@ -128,7 +129,9 @@ async def _amain() -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    nc = await connect(nats.url, f"gpulayer-web-{caller}", **nats.connect_args())
+    nc = await or_stop(
+        connect(nats.url, f"gpulayer-web-{caller}", **nats.connect_args()), stop, "NATS"
+    )
     reader = NatsReader(nc, caller)
     cache = FleetCache(reader.ask, reader.events, interval_s=web.refresh_s, jobs_limit=web.jobs)
     app = build_app(
