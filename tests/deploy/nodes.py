@@ -351,11 +351,16 @@ def install(
     return done.stdout + done.stderr
 
 
-def journal(node: Node, unit: str, *, lines: int | None = None) -> str:
-    """``journalctl -u UNIT --no-pager`` in the node (the last ``lines`` only, if given)."""
+def journal(node: Node, unit: str, *, lines: int | None = None, since: float | None = None) -> str:
+    """``journalctl -u UNIT --no-pager`` in the node: the last ``lines`` only, and only what
+    was logged from ``since`` on (a ``time.time()``: the node's clock is the host's), if given.
+    The journal keeps what earlier runs of the unit said: ``since`` keeps a wait from taking
+    their lines for news."""
     argv = ["journalctl", "-u", unit, "--no-pager"]
     if lines is not None:
         argv += ["-n", str(lines)]
+    if since is not None:
+        argv += ["--since", f"@{since:.6f}"]
     return run(node, argv, check=False, timeout=30).stdout
 
 
@@ -380,11 +385,14 @@ def wait_active(node: Node, units: Iterable[str] = UNITS, *, timeout: float = 60
         )
 
 
-def wait_journal(node: Node, unit: str, text: str, *, timeout: float = 60) -> str:
-    """Until a line of the unit's journal holds ``text``; returns that line."""
+def wait_journal(
+    node: Node, unit: str, text: str, *, since: float | None = None, timeout: float = 60
+) -> str:
+    """Until a line of the unit's journal (from ``since`` on, if given) holds ``text``;
+    returns that line."""
     deadline = time.monotonic() + timeout
     while True:
-        for line in journal(node, unit).splitlines():
+        for line in journal(node, unit, since=since).splitlines():
             if text in line:
                 return line
         if time.monotonic() >= deadline:
