@@ -138,6 +138,7 @@ def make_host_image(*, force: bool = False, timeout: float = 600) -> str:
     digest = host_image_digest()
     if not force and _image_label(HOST_IMAGE) == digest:
         return HOST_IMAGE
+    before = podman("image", "inspect", "--format", "{{.Id}}", HOST_IMAGE, check=False)
     raw = f"localhost/gpulayer-node-host:raw-{digest}"
     base = subprocess.run(
         ["bash", str(REPO / "deploy" / "image" / "base"), "podman", raw],
@@ -164,6 +165,10 @@ def make_host_image(*, force: bool = False, timeout: float = 600) -> str:
         timeout=timeout,
     )
     podman("rmi", raw, check=False)  # the build's layers keep what it needs
+    after = podman("image", "inspect", "--format", "{{.Id}}", HOST_IMAGE).stdout.strip()
+    if before.returncode == 0 and before.stdout.strip() != after:
+        # The image it replaces, untagged now (kept while a node still uses it).
+        podman("rmi", before.stdout.strip(), check=False)
     return HOST_IMAGE
 
 
