@@ -44,7 +44,7 @@ log = logging.getLogger("gpulayer_placement")
 
 async def _amain() -> None:
     from gpulayer_placement.service import PlacementService
-    from gpulayer_placement.store import create_pool
+    from gpulayer_placement.store import create_pool_when_up
 
     env = os.environ
     nats = nats_settings(env)
@@ -90,7 +90,7 @@ async def _amain() -> None:
             ensure_streams(nc.jetstream(), replicas=replicas, specs=streams), stop, "its streams"
         )
         with _refused_as_setting(db):
-            pool = await create_pool(db)
+            pool = await or_stop(create_pool_when_up(db), stop, "PostgreSQL")
             stack.push_async_callback(pool.close)
             service = PlacementService(nc, pool, settings, telemetry, signer=signer)
             await service.start()

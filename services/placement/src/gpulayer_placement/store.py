@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
+import time
+from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import Any
 
@@ -109,6 +112,39 @@ async def create_pool(url: str, *, min_size: int = 2, max_size: int = 8) -> asyn
     pool = await asyncpg.create_pool(url, min_size=min_size, max_size=max_size, reset=_keep_session)
     assert pool is not None
     return pool
+
+
+# What a server that isn't up yet answers: nothing listening, a name not resolved yet (compose's
+# DNS before the container runs), a server still starting or shutting down. Anything else (a
+# refused login, a missing database) is not fixed by waiting.
+_NOT_UP_YET = (OSError, asyncio.TimeoutError, asyncpg.CannotConnectNowError)
+
+
+async def create_pool_when_up(
+    url: str,
+    *,
+    connect: Callable[[str], Awaitable[asyncpg.Pool]] = create_pool,
+    first_wait_s: float = 0.5,
+    max_wait_s: float = 5.0,
+    log_every_s: float = 10.0,
+) -> asyncpg.Pool:
+    """``connect(url)``, again while the server isn't up yet (``_NOT_UP_YET``), waiting
+    ``first_wait_s`` doubling to ``max_wait_s`` in between, for as long as it takes: placement
+    started beside its database (compose, a boot) waits for it as it waits for NATS, instead of
+    exiting. A wait is logged at once and then every ``log_every_s``; any other error is
+    raised."""
+    wait = first_wait_s
+    logged_at: float | None = None
+    while True:
+        try:
+            return await connect(url)
+        except _NOT_UP_YET as err:
+            now = time.monotonic()
+            if logged_at is None or now - logged_at >= log_every_s:
+                log.warning("PostgreSQL not up yet (%s): trying again", err or type(err).__name__)
+                logged_at = now
+        await asyncio.sleep(wait)
+        wait = min(wait * 2, max_wait_s)
 
 
 class Store:
