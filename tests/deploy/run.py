@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tests.deploy import nodes as fleet
+
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 WORK = ROOT / ".gpulayer" / "deploy-test"
@@ -60,6 +62,7 @@ STARTS_AFTER = {
     "executor": ("nats", "placement"),
     "web": ("nats", "placement"),
 }
+TERMINAL = {"succeeded", "failed", "cancelled", "lost", "rejected"}
 T = TypeVar("T")
 
 
@@ -293,6 +296,14 @@ def healthy(stack: Stack) -> int:
         if containers[service]["Config"].get("Healthcheck"):
             until(f"{service}'s healthcheck", passes, timeout=90, every=1)
     containers = stack.containers()
+    restarts = {s: int(containers[s].get("RestartCount") or 0) for s in SERVICES}
+    if any(restarts.values()):
+        # podman 4.3 doesn't hold a service back until its dependencies are healthy: one that
+        # started before NATS or PostgreSQL answered exited and its restart policy ran it again.
+        log(
+            "restarted while the servers came up: "
+            + ", ".join(f"{s} {n}x" for s, n in restarts.items() if n)
+        )
     started = {s: str(containers[s]["State"]["StartedAt"]) for s in SERVICES}
     for service, before in STARTS_AFTER.items():
         for other in before:
@@ -334,7 +345,215 @@ def compose_phase(stack: Stack) -> int:
     return count
 
 
-def keep_phase(stack: Stack, jobs: Sequence[str], revoked: str | None) -> None:
+def job_node(record: Mapping[str, Any]) -> str:
+    """The node the job ran on, from its ``running`` event."""
+    for event in record.get("events") or []:
+        if event.get("type") == "running" and event.get("node_id"):
+            return str(event["node_id"])
+    raise DeployTestError(f"no running event with a node: {event_types(record)}")
+
+
+def output(stack: Stack, creds: str, job_id: str) -> str:
+    return stack.gpulayer(creds, "logs", job_id).strip()
+
+
+def ran_where_granted(stack: Stack, job: dict[str, Any]) -> str:
+    """Submit ``job``, whose command prints its host's name, as alice; it succeeds, on the node
+    placement granted it (its output names that host). Returns the node."""
+    submit(stack, "user-alice.creds", job)
+    record = job_record(stack, "user-alice.creds", str(job["job_id"]))
+    if event_types(record)[-1] != "succeeded":
+        raise DeployTestError(f"{job['job_id']}: {event_types(record)}")
+    node = job_node(record)
+    said = output(stack, "user-alice.creds", str(job["job_id"]))
+    if not said.startswith(node):
+        raise DeployTestError(f"{job['job_id']} was granted {node} but ran on {said!r}")
+    return node
+
+
+def placement_keys(stack: Stack) -> str:
+    for line in (stack.deploy / ".env").read_text().splitlines():
+        if line.startswith("GPULAYER_PLACEMENT_PUBLIC_KEYS="):
+            return line.split("=", 1)[1]
+    raise DeployTestError(f"no GPULAYER_PLACEMENT_PUBLIC_KEYS in {stack.deploy / '.env'}")
+
+
+@dataclass
+class Fleet:
+    """What the nodes phase counts for the closing line."""
+
+    joined: int = 0
+    jobs: list[str] = field(default_factory=list)
+    restarts: int = 0
+
+
+def online(stack: Stack, node_id: str, want: bool = True) -> Callable[[], dict[str, Any] | None]:
+    def probe() -> dict[str, Any] | None:
+        node = nodes(stack, "user-alice.creds").get(node_id)
+        if want:
+            return node if node and node.get("online") and node.get("executor") == "up" else None
+        return node if node is not None and not node.get("online") else None
+
+    return probe
+
+
+def nodes_phase(stack: Stack, result: Fleet) -> None:
+    """Two nodes on hosts of their own join over TLS; jobs land where they should; the
+    executor restarts under a running job; a stopped probe takes its node offline; a node
+    without the CA, and a revoked one, are refused and their journals say why."""
+    start = time.monotonic()
+    fleet.make_host_image()
+    # With the caller's PATH: the wheels are for the machine's python3, not the venv's.
+    run(["make", "-s", "wheels"], env=os.environ, timeout=900, cwd=ROOT)
+    log(f"node host image and wheels ready in {time.monotonic() - start:.0f} s")
+    # The fleet's nodes are hosts of their own: compose's node (probe and executor in the
+    # control plane's host) is stopped, so every job goes to them.
+    run(
+        [
+            "podman",
+            "stop",
+            "--time",
+            "10",
+            *(f"{stack.project}_{s}_1" for s in ("probe", "executor")),
+        ]
+    )
+    network = f"{stack.project}_control"
+    ca = stack.deploy / "tls" / "ca.pem"
+    keys = placement_keys(stack)
+    for name in ("gpu-node", "cpu-node"):
+        stack.auth("add-node", name)
+    creds = {
+        n: stack.deploy / "auth" / "creds" / f"node-{n}.creds" for n in ("gpu-node", "cpu-node")
+    }
+    gpu = fleet.start_node(
+        f"{stack.project}-gpu-node", "gpu-node", network, files=fleet.fake_gpu_files(WORK)
+    )
+    cpu = fleet.start_node(f"{stack.project}-cpu-node", "cpu-node", network)
+    nats_url = "tls://nats:4222"
+    # First without the CA: NATS's certificate can't be checked, and the node says so.
+    since = time.time()
+    fleet.install(cpu, nats_url=nats_url, creds=creds["cpu-node"], placement_keys=keys, ca=None)
+    line = fleet.wait_journal(cpu, "gpulayer-probe", "CERTIFICATE_VERIFY_FAILED", since=since)
+    if "cpu-node" in nodes(stack, "user-alice.creds"):
+        raise DeployTestError("cpu-node joined without the CA")
+    log(f"a node without the CA is refused; its journal: {line.strip()[-120:]}")
+    for node in (cpu, gpu):
+        fleet.install(
+            node, nats_url=nats_url, creds=creds[node.hostname], placement_keys=keys, ca=ca
+        )
+        fleet.wait_active(node)
+    for node in (cpu, gpu):
+        until(f"{node.hostname} online over TLS", online(stack, node.hostname), timeout=90)
+    until("compose-node offline", online(stack, "compose-node", want=False), timeout=60)
+    result.joined = 2
+    log("gpu-node and cpu-node joined over TLS (systemd units, installed from the wheels)")
+
+    cuda = {
+        "job_id": "fleet-cuda",
+        "command": ["sh", "-c", "echo $(hostname) CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"],
+        "requirements": {"accelerator": "cuda", "gpu_count": 1},
+        # What the job's processes may open of its GPU (examples/cuda-a100-class.toml).
+        "sandbox": {"devices": {"gpu": "compute"}},
+    }
+    if ran_where_granted(stack, cuda) != "gpu-node":
+        raise DeployTestError("the CUDA job ran elsewhere than the node with the GPU")
+    if "CUDA_VISIBLE_DEVICES=0" not in output(stack, "user-alice.creds", "fleet-cuda"):
+        raise DeployTestError(f"fleet-cuda: {output(stack, 'user-alice.creds', 'fleet-cuda')}")
+    result.jobs.append("fleet-cuda")
+    # CPU jobs spread over the nodes that fit (placement starts each match one node further):
+    # submitted one after another, one lands on cpu-node within two.
+    where: list[str] = []
+    for i in range(4):
+        job_id = f"fleet-cpu-{i}"
+        where.append(ran_where_granted(stack, {"job_id": job_id, "command": ["hostname"]}))
+        result.jobs.append(job_id)
+        if where[-1] == "cpu-node":
+            break
+    else:
+        raise DeployTestError(f"no CPU job ran on cpu-node: {where}")
+    log(f"the CUDA job ran on gpu-node; CPU jobs on {', '.join(where)}")
+
+    # An executor restarted under a running job: the job goes on, and ends once.
+    submit(
+        stack, "user-alice.creds", {"job_id": "fleet-sleep", "command": ["sleep", "12"]}, wait=False
+    )
+    record = until(
+        "fleet-sleep running",
+        lambda: (
+            r
+            if "running" in event_types(r := job_record(stack, "user-alice.creds", "fleet-sleep"))
+            else None
+        ),
+        timeout=60,
+    )
+    host = {"gpu-node": gpu, "cpu-node": cpu}[job_node(record)]
+    since = time.time()
+    fleet.systemctl(host, "restart", "gpulayer-executor")
+    fleet.wait_journal(host, "gpulayer-executor", "re-attaching", since=since)
+    done = until(
+        "fleet-sleep ended",
+        lambda: (
+            r
+            if event_types(r := job_record(stack, "user-alice.creds", "fleet-sleep"))[-1]
+            in TERMINAL
+            else None
+        ),
+        timeout=60,
+    )
+    types = event_types(done)
+    if types.count("running") != 1 or [t for t in types if t in TERMINAL] != ["succeeded"]:
+        raise DeployTestError(f"fleet-sleep across the executor's restart: {types}")
+    result.restarts = 1
+    result.jobs.append("fleet-sleep")
+    log(
+        f"systemctl restart gpulayer-executor on {host.hostname} under a running job: it ended once, succeeded"
+    )
+
+    # A stopped probe: its node goes offline.
+    fleet.systemctl(cpu, "stop", "gpulayer-probe")
+    until(
+        "cpu-node offline after its probe stopped",
+        online(stack, "cpu-node", want=False),
+        timeout=90,
+    )
+    log("systemctl stop gpulayer-probe took cpu-node offline")
+    # A revoked node: the servers close its connections, and its journal says why.
+    since = time.time()
+    stack.auth("revoke", "node", "gpu-node")
+    line = fleet.wait_journal(gpu, "gpulayer-probe", "authentication revoked", since=since)
+    log(f"a revoked node is refused; its journal: {line.strip()[-120:]}")
+    for node in (gpu, cpu):
+        fleet.remove_node(node)
+
+
+def refused(stack: Stack, creds: Path) -> str | None:
+    """What the CLI says when the server refuses ``creds`` (None: it was let in)."""
+    env = stack.cli_env("user-alice.creds") | {"GPULAYER_NATS_CREDS": str(creds)}
+    done = run(["gpulayer", "jobs"], env=env, check=False, timeout=60)
+    if done.returncode == 0:
+        return None
+    said = (done.stderr or done.stdout).strip()
+    if "no such file" in said:
+        raise DeployTestError(f"{creds}: {said}")
+    return said
+
+
+def revoke_a_user(stack: Stack) -> Path:
+    """mallory's credential works, then is revoked and refused: a copy of it, as one that
+    leaked would be (revoke deletes the auth folder's own). keep_phase checks that the
+    revocation outlives down/up."""
+    stack.auth("add-user", "mallory")
+    copy = WORK / "mallory-leaked.creds"
+    shutil.copy(stack.deploy / "auth" / "creds" / "user-mallory.creds", copy)
+    if (said := refused(stack, copy)) is not None:
+        raise DeployTestError(f"mallory's new credential refused: {said}")
+    stack.auth("revoke", "user", "mallory")
+    said = until("mallory refused", lambda: refused(stack, copy), timeout=30)
+    log(f"mallory's revoked credential is refused: {said[-200:]}")
+    return copy
+
+
+def keep_phase(stack: Stack, jobs: Sequence[str], revoked: Path | None) -> None:
     """down, then up: jobs, their events and credentials are kept; down -v removes them."""
     before = {j: event_types(job_record(stack, "user-alice.creds", j)) for j in jobs}
     stack.down()
@@ -349,15 +568,11 @@ def keep_phase(stack: Stack, jobs: Sequence[str], revoked: str | None) -> None:
     )
     if after != before:
         raise DeployTestError(f"jobs changed across down/up: {before} -> {after}")
-    if revoked is not None:
-        creds = str(stack.deploy / "auth" / "creds" / revoked)
-        env = stack.cli_env("user-alice.creds") | {"GPULAYER_NATS_CREDS": creds}
-        done = run(["gpulayer", "nodes"], env=env, check=False, timeout=60)
-        if done.returncode == 0:
-            raise DeployTestError(f"{revoked} works again after down/up: its revocation was lost")
+    if revoked is not None and refused(stack, revoked) is None:
+        raise DeployTestError(f"{revoked} works again after down/up: its revocation was lost")
     log(
         f"down/up kept {len(jobs)} jobs with their events, alice's credential"
-        + (f", and {revoked}'s revocation" if revoked else "")
+        + (f", and the revocation of {revoked.name}" if revoked else "")
     )
     stack.down(volumes=True)
     if stack.volumes():
@@ -377,17 +592,23 @@ def main(argv: Sequence[str]) -> int:
     clean(stack)
     WORK.mkdir(parents=True, exist_ok=True)
     copy_deploy(stack)
+    result = Fleet()
     try:
         services = compose_phase(stack)
-        jobs = ["compose-hello"]
-        keep_phase(stack, jobs, revoked=None)
-    except DeployTestError as err:
+        nodes_phase(stack, result)
+        revoked = revoke_a_user(stack)
+        keep_phase(stack, ["compose-hello", *result.jobs], revoked=revoked)
+    except (DeployTestError, fleet.NodeError) as err:
         log(f"FAILED: {err}")
         log(f"left up for a look: podman ps; {stack.deploy}; make deploy-test-clean removes it")
         return 1
+    if os.environ.get("KEEP") != "1":
+        clean(stack)
     print(
         f"deploy-test: passed: image localhost/gpulayer:{version}, compose services healthy "
-        f"{services}/{len(SERVICES)}, state kept across down/up"
+        f"{services}/{len(SERVICES)}, nodes joined {result.joined} over TLS, jobs succeeded "
+        f"{1 + len(result.jobs)}, executor restarts survived {result.restarts}, state kept "
+        "across down/up"
     )
     return 0
 

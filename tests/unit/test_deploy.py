@@ -870,3 +870,30 @@ def test_gen_tls_makes_a_ca_and_a_server_certificate_for_the_names_given(tmp_pat
     # Run again for another name: the CA is kept (nodes already trust it).
     subprocess.run([DEPLOY / "gen-tls", "other.example"], env=env, check=True)
     assert (tmp_path / "ca.pem").read_bytes() == first_ca
+
+
+def _fleet_section() -> str:
+    text = (ROOT / "docs" / "operations.md").read_text()
+    start = text.index("## Install on a fleet")
+    return text[start : text.index("\n## ", start + 1)]
+
+
+def test_the_fleet_pages_commands_are_the_ones_that_exist() -> None:
+    """docs/operations.md, "Install on a fleet": each make target it names exists, and each
+    install-node option it shows is one install-node takes and the deployment test passes."""
+    section = _fleet_section()
+    makefile = (ROOT / "Makefile").read_text()
+    for target in set(re.findall(r"make ([a-z][a-z-]+)", section)):
+        assert re.search(rf"^{target}:", makefile, re.MULTILINE), f"make {target}"
+    block = section[section.index("deploy/install-node --nats-url") :]
+    block = block[: block.index("```")]
+    shown = set(re.findall(r"(--[a-z][a-z-]+)", block))
+    help_text = subprocess.run(
+        [ROOT / "deploy" / "install-node", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    for option in shown:
+        assert option in help_text, option
+    test_source = (ROOT / "tests" / "deploy" / "nodes.py").read_text()
+    for option in ("--nats-url", "--creds", "--ca", "--placement-keys"):
+        assert option in shown, option
+        assert f'"{option}"' in test_source, f"the deployment test doesn't pass {option}"
