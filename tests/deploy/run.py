@@ -315,7 +315,31 @@ def healthy(stack: Stack) -> int:
     return len(SERVICES)
 
 
+def refuses_without_env(stack: Stack) -> None:
+    """compose itself, before deploy/up made deploy/.env: it refuses, naming the command to
+    run, and starts nothing."""
+    compose: list[str | Path] = [
+        "podman-compose",
+        "-p",
+        stack.project,
+        "-f",
+        stack.deploy / "compose.yaml",
+    ]
+    done = run([*compose, "up", "-d"], env=stack.env(), check=False, timeout=120)
+    said = done.stdout + done.stderr
+    if done.returncode == 0 and "run deploy/gen-env first" not in said:
+        raise DeployTestError(f"compose without deploy/.env did not refuse:\n{said}")
+    if "run deploy/gen-env first" not in said:
+        raise DeployTestError(
+            f"compose without deploy/.env refused without naming gen-env:\n{said}"
+        )
+    if stack.containers():
+        raise DeployTestError(f"compose without deploy/.env started {sorted(stack.containers())}")
+    log("compose without deploy/.env refuses: " + said.strip().splitlines()[-1][-80:])
+
+
 def compose_phase(stack: Stack) -> int:
+    refuses_without_env(stack)
     stack.up()
     count = healthy(stack)
     log(f"compose services healthy {count}/{len(SERVICES)}, in their start order")

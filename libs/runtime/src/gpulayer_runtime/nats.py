@@ -103,6 +103,44 @@ def refusal_note(err: BaseException | None, creds: str | None) -> str:
     )
 
 
+class _Callbacks:
+    """What a connection says of itself in the log (nats-py's callbacks)."""
+
+    def __init__(self, creds: str | None) -> None:
+        self.creds = creds
+        self.nc: Client | None = None
+        self.established = False
+
+    def options(self) -> dict[str, object]:
+        return {
+            "error_cb": self.on_error,
+            "disconnected_cb": self.on_disconnect,
+            "reconnected_cb": self.on_reconnect,
+            "closed_cb": self.on_closed,
+        }
+
+    async def on_error(self, err: Exception) -> None:
+        log.warning("nats error: %s%s", err, refusal_note(err, self.creds))
+
+    async def on_disconnect(self) -> None:
+        # Also called on a deliberate close; a lost server shows up as errors and reconnects.
+        log.info("nats disconnected")
+
+    async def on_reconnect(self) -> None:
+        log.info("nats reconnected")
+
+    async def on_closed(self) -> None:
+        # nats-py gives up on a connection for good after the -ERR a server closes it with when
+        # its credential is revoked or expired, or refused at a reconnect, and reports that error
+        # here, not to the error callback: said, since the service goes on without NATS (each
+        # publish then fails with "connection closed" alone). A refusal at the first connect is
+        # the caller's to report: connect raises it.
+        if self.nc is None or not self.established:
+            return
+        if note := refusal_note(self.nc.last_error, self.creds):
+            log.error("nats: connection closed for good: %s%s", self.nc.last_error, note)
+
+
 async def connect(
     url: str,
     name: str,
@@ -118,35 +156,12 @@ async def connect(
     or more server URLs, comma-separated; ``creds``: a ``.creds`` file (NATS JWT auth);
     ``tls_*``: files for TLS; ``inbox_prefix``: this identity's reply subjects (its
     permissions let only it read there)."""
-
-    async def on_error(err: Exception) -> None:
-        log.warning("nats error: %s%s", err, refusal_note(err, creds))
-
-    async def on_disconnect() -> None:
-        # Also called on a deliberate close; a lost server shows up as errors and reconnects.
-        log.info("nats disconnected")
-
-    async def on_reconnect() -> None:
-        log.info("nats reconnected")
-
-    async def on_closed() -> None:
-        # nats-py gives up on a connection for good after the -ERR a server closes it with when
-        # its credential is revoked or expired, or refused at a reconnect, and reports that error
-        # here, not to the error callback: said, since the service goes on without NATS (each
-        # publish then fails with "connection closed" alone). A refusal at the first connect is
-        # the caller's to report: connect raises it.
-        note = refusal_note(nc.last_error, creds)
-        if note and established:
-            log.error("nats: connection closed for good: %s%s", nc.last_error, note)
-
+    callbacks = _Callbacks(creds)
     options: dict[str, object] = {
         "name": name,
         "max_reconnect_attempts": -1,
         "reconnect_time_wait": 0.5,
-        "error_cb": on_error,
-        "disconnected_cb": on_disconnect,
-        "reconnected_cb": on_reconnect,
-        "closed_cb": on_closed,
+        **callbacks.options(),
     }
     if creds:
         options["user_credentials"] = creds
@@ -157,11 +172,10 @@ async def connect(
     if inbox_prefix:
         options["inbox_prefix"] = inbox_prefix
     options.update(kwargs)
-    nc = Client()
-    established = False
+    nc = callbacks.nc = Client()
     try:
         await nc.connect(server_list(url), **options)  # type: ignore[arg-type]
-        established = True
+        callbacks.established = True
     except BaseException:
         # nats-py leaves a refused connection's socket open (a ResourceWarning, and one fd
         # per failed try of a CLI that is told no).

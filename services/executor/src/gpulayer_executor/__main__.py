@@ -27,6 +27,7 @@ from gpulayer_executor.service import ExecutorConfig
 from gpulayer_runtime.nats import connect, let_go, wait_for_streams
 from gpulayer_runtime.settings import (
     ConfigError,
+    NatsSettings,
     env_float,
     env_str,
     nats_settings,
@@ -333,10 +334,7 @@ def settings(env: Mapping[str, str], *, euid: int | None = None) -> ExecutorConf
     return config
 
 
-async def _amain() -> None:
-    env = os.environ
-    nats = nats_settings(env)
-    config = settings(env)
+def _log_settings(nats: NatsSettings, config: ExecutorConfig) -> None:
     log.info(
         "settings: nats=%s node=%s workdir=%s user=%s kill_grace_s=%s max_jobs=%s drain_s=%s "
         "signed grants=%s (%d keys, max age %ss) enforce=%s job_pids_max=%s device_dir=%s "
@@ -365,6 +363,13 @@ async def _amain() -> None:
         ":".join(config.cdi_dirs),
         config.cdi_kind or "(by accelerator)",
     )
+
+
+async def _amain() -> None:
+    env = os.environ
+    nats = nats_settings(env)
+    config = settings(env)
+    _log_settings(nats, config)
     _say_who_runs_jobs(config)
     from gpulayer_executor.service import Executor
 

@@ -35,7 +35,7 @@ from gpulayer_runtime.settings import (
     setting_number,
     stream_replicas,
 )
-from gpulayer_runtime.signing import signer_from_env
+from gpulayer_runtime.signing import Signer, signer_from_env
 from gpulayer_runtime.stopping import or_stop
 from gpulayer_runtime.telemetry import setup_telemetry
 
@@ -56,25 +56,7 @@ async def _amain() -> None:
     audit_days = env_float(env, "GPULAYER_AUDIT_MAX_AGE_DAYS", AUDIT_MAX_AGE_S / 86400)
     audit_bytes = env_int(env, "GPULAYER_AUDIT_MAX_BYTES", AUDIT_MAX_BYTES)
     streams = streams_with_audit_retention(audit_days * 86400, audit_bytes)
-    log.info(
-        "settings: nats=%s database=%s stream_replicas=%d audit=%gd/%dB %s",
-        nats,
-        redact(db),
-        replicas,
-        audit_days,
-        audit_bytes,
-        dataclasses.replace(settings, profiles=Profiles(source=settings.profiles.source)),
-    )
-    log.info(
-        "runtime profiles: %s",
-        f"{len(settings.profiles.by_ref)} from {settings.profiles.source}"
-        if settings.profiles.source
-        else "none (GPULAYER_PROFILES unset): jobs naming a profile are rejected",
-    )
-    if signer is None:
-        log.warning("grant signing is OFF: executors that require signatures refuse every grant")
-    else:
-        log.info("signing grants and cancels with key id %s", signer.key_id)
+    _log_settings(nats, db, replicas, (audit_days, audit_bytes), settings, signer)
     telemetry = setup_telemetry("gpulayer-placement", env)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -106,6 +88,36 @@ async def _amain() -> None:
         if service.stop.is_set() and not stop.is_set():
             raise SystemExit("placement stopped after an internal failure (see log)")
         log.info("stopping")
+
+
+def _log_settings(
+    nats: object,
+    db: str,
+    replicas: int,
+    audit: tuple[float, int],
+    settings: Settings,
+    signer: Signer | None,
+) -> None:
+    audit_days, audit_bytes = audit
+    log.info(
+        "settings: nats=%s database=%s stream_replicas=%d audit=%gd/%dB %s",
+        nats,
+        redact(db),
+        replicas,
+        audit_days,
+        audit_bytes,
+        dataclasses.replace(settings, profiles=Profiles(source=settings.profiles.source)),
+    )
+    log.info(
+        "runtime profiles: %s",
+        f"{len(settings.profiles.by_ref)} from {settings.profiles.source}"
+        if settings.profiles.source
+        else "none (GPULAYER_PROFILES unset): jobs naming a profile are rejected",
+    )
+    if signer is None:
+        log.warning("grant signing is OFF: executors that require signatures refuse every grant")
+    else:
+        log.info("signing grants and cancels with key id %s", signer.key_id)
 
 
 @contextlib.contextmanager
