@@ -89,28 +89,44 @@ def podman_env() -> dict[str, str]:
     return {**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)}
 
 
-def podman(
-    *args: str, timeout: float = 120, check: bool = True, input: str | None = None
+def command(
+    argv: Sequence[str | Path],
+    *,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 120,
+    check: bool = True,
+    input: str | None = None,
+    cwd: Path | None = None,
+    error: type[Exception] = NodeError,
 ) -> subprocess.CompletedProcess[str]:
-    """One podman call; ``check``: a failure is a NodeError with its output."""
-    argv = ["podman", *args]
+    """One command, its output captured (``env`` default: ``podman_env()``); ``check``: a
+    failure, or no answer within ``timeout``, is an ``error`` with the command and its output."""
+    args = [str(a) for a in argv]
     try:
         done = subprocess.run(
-            argv,
-            env=podman_env(),
+            args,
+            env=dict(env) if env is not None else podman_env(),
             input=input,
             capture_output=True,
             text=True,
             timeout=timeout,
+            cwd=cwd,
             check=False,
         )
     except subprocess.TimeoutExpired as err:
-        raise NodeError(f"{shlex.join(argv)}: no answer within {timeout:g} s") from err
+        raise error(f"{shlex.join(args)}: no answer within {timeout:g} s") from err
     if check and done.returncode != 0:
-        raise NodeError(
-            f"{shlex.join(argv)}: exit status {done.returncode}\n{done.stdout}{done.stderr}"
+        raise error(
+            f"{shlex.join(args)}: exit status {done.returncode}\n{done.stdout}{done.stderr}"
         )
     return done
+
+
+def podman(
+    *args: str, timeout: float = 120, check: bool = True, input: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """One podman call; ``check``: a failure is a NodeError with its output."""
+    return command(["podman", *args], timeout=timeout, check=check, input=input)
 
 
 def _image_label(image: str) -> str:

@@ -91,23 +91,10 @@ def run(
     cwd: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``args``, its output captured; a failure raises with the command and what it printed."""
-    try:
-        done = subprocess.run(
-            [str(a) for a in args],
-            env=dict(env) if env is not None else podman_env(),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=cwd,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as err:
-        raise DeployTestError(f"{' '.join(map(str, args))}: no answer in {timeout:.0f} s") from err
-    if check and done.returncode != 0:
-        raise DeployTestError(
-            f"{' '.join(map(str, args))}: exit {done.returncode}\n{done.stdout}{done.stderr}"
-        )
-    return done
+    env = env if env is not None else podman_env()
+    return fleet.command(
+        args, env=env, check=check, timeout=timeout, cwd=cwd, error=DeployTestError
+    )
 
 
 def until(what: str, probe: Callable[[], T | None], timeout: float, every: float = 0.5) -> T:

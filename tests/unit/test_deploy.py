@@ -16,7 +16,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -24,6 +23,7 @@ from urllib.parse import urlsplit
 import opentelemetry.sdk.environment_variables as otel_env
 import pytest
 import yaml
+from tests.code_facts import console_scripts, variables_read_by_code
 
 from gpulayer_runtime.auth import RESOLVER_DIR
 from gpulayer_runtime.telemetry import METRICS, prometheus_name
@@ -33,21 +33,6 @@ DEPLOY = ROOT / "deploy"
 OURS = ("placement", "probe", "executor")
 
 Doc = dict[str, Any]
-
-
-def _console_scripts() -> set[str]:
-    scripts: set[str] = set()
-    for pyproject in ROOT.glob("*/*/pyproject.toml"):
-        data = tomllib.loads(pyproject.read_text())
-        scripts |= set(data.get("project", {}).get("scripts", {}))
-    return scripts
-
-
-def _variables_read_by_code() -> set[str]:
-    names: set[str] = set()
-    for path in list(ROOT.glob("libs/*/src/**/*.py")) + list(ROOT.glob("services/*/src/**/*.py")):
-        names |= set(re.findall(r'"(GPULAYER_[A-Z0-9_]+)"', path.read_text()))
-    return names
 
 
 def _otel_variables() -> set[str]:
@@ -110,7 +95,7 @@ def _collector() -> Doc:
 
 
 def test_every_service_command_is_a_console_script() -> None:
-    scripts = _console_scripts()
+    scripts = console_scripts()
     services = _services()
     ours = {
         name: s
@@ -123,7 +108,7 @@ def test_every_service_command_is_a_console_script() -> None:
 
 
 def test_every_variable_is_one_the_code_reads() -> None:
-    read = _variables_read_by_code()
+    read = variables_read_by_code()
     for name, svc in _services().items():
         for var in svc.get("environment", {}) or {}:
             if var.startswith("GPULAYER_"):

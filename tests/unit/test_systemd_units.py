@@ -9,10 +9,10 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import tomllib
 from pathlib import Path
 
 import pytest
+from tests.code_facts import console_scripts, variables_read_by_code
 
 ROOT = Path(__file__).resolve().parents[2]
 UNITS = ROOT / "deploy" / "systemd"
@@ -75,20 +75,6 @@ def environment(u: Unit) -> dict[str, str]:
     return env
 
 
-def _console_scripts() -> set[str]:
-    scripts: set[str] = set()
-    for pyproject in ROOT.glob("services/*/pyproject.toml"):
-        scripts |= set(tomllib.loads(pyproject.read_text())["project"].get("scripts", {}))
-    return scripts
-
-
-def _variables_read_by_code() -> set[str]:
-    names: set[str] = set()
-    for path in list(ROOT.glob("libs/*/src/**/*.py")) + list(ROOT.glob("services/*/src/**/*.py")):
-        names |= set(re.findall(r'"(GPULAYER_[A-Z0-9_]+)"', path.read_text()))
-    return names
-
-
 def test_parse_unit_keeps_repeated_keys_and_joins_continuations() -> None:
     u = parse_unit("[Unit]\nAfter=a\n# c\nAfter=b \\\n  c\n[Service]\nX=\n")
     assert u == {"Unit": {"After": ["a", "b c"]}, "Service": {"X": [""]}}
@@ -104,7 +90,7 @@ def test_there_is_a_unit_for_each_service_and_nothing_else() -> None:
 def test_each_unit_starts_its_console_script_from_the_venv(service: str) -> None:
     u = unit(service)
     script = f"gpulayer-{service}"
-    assert script in _console_scripts()
+    assert script in console_scripts()
     # Found on PATH (verify refuses an absent absolute path; an env file may move the venv).
     assert one(u, "Service", "ExecStart") == f"/usr/bin/env {script}"
     assert VENV_BIN in environment(u)["PATH"].split(":")
@@ -154,7 +140,7 @@ def test_the_executor_keeps_its_state_in_its_state_directory() -> None:
     u = unit("executor")
     state = one(u, "Service", "StateDirectory")
     assert state == "gpulayer-executor"
-    assert "GPULAYER_EXECUTOR_WORKDIR" in _variables_read_by_code()
+    assert "GPULAYER_EXECUTOR_WORKDIR" in variables_read_by_code()
     assert environment(u)["GPULAYER_EXECUTOR_WORKDIR"] == f"/var/lib/{state}"
     # Job accounts pass through it to their own folders.
     assert one(u, "Service", "StateDirectoryMode") == "0755"
@@ -247,7 +233,7 @@ def _example(service: str, *, commented: bool = False) -> dict[str, str]:
 
 @pytest.mark.parametrize("service", SERVICES)
 def test_example_variables_are_ones_the_code_reads(service: str) -> None:
-    read = _variables_read_by_code()
+    read = variables_read_by_code()
     names = _example(service, commented=True)
     assert names
     for name in names:
