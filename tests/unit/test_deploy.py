@@ -65,8 +65,19 @@ def _env(svc: Doc) -> dict[str, str]:
     return {str(k): str(v) for k, v in env.items()}
 
 
+def _short_name(image: str) -> str:
+    """``docker.io/library/nats:2.10`` as ``nats:2.10`` (compose names Docker Hub's images in
+    full: podman resolves no short name where no search registry is set)."""
+    for registry in ("docker.io/library/", "docker.io/"):
+        if image.startswith(registry):
+            return image[len(registry) :]
+    return image
+
+
 def _by_image(prefix: str) -> str:
-    names = [n for n, s in _services().items() if str(s.get("image", "")).startswith(prefix)]
+    names = [
+        n for n, s in _services().items() if _short_name(str(s.get("image", ""))).startswith(prefix)
+    ]
     assert len(names) == 1, f"expected one service with image {prefix}*, found {names}"
     return names[0]
 
@@ -137,6 +148,14 @@ def test_services_export_to_the_collector() -> None:
         assert url.port == otlp_http_port, f"{name}: port {url.port} is not the OTLP/HTTP port"
         assert env["OTEL_SERVICE_NAME"] == f"gpulayer-{name}"
         assert env["GPULAYER_LOG_FORMAT"] == "json"
+
+
+def test_third_party_images_are_named_in_full() -> None:
+    """podman resolves a short name only through search registries, which Debian's podman has
+    none of: every image is named with its registry."""
+    for name, svc in _services().items():
+        ref = str(svc["image"])
+        assert ref.split("/")[0] in ("docker.io", "localhost"), f"{name}: {ref}"
 
 
 def test_images_are_pinned_and_built_once() -> None:
