@@ -140,11 +140,11 @@ class Grants:
             self.stopped.setdefault(event["job_id"], now)
 
     def stall(self, end: float, since: float = 0.0, until: float = float("inf")) -> float:
-        """The longest stall among the waits that began in [since, until)."""
+        """The longest stall within [since, until): the waits cut to it."""
         waits = [
-            (t, self.stopped.get(job, end)) for job, t in self.acked.items() if since <= t < until
+            (max(t, since), min(self.stopped.get(job, end), until)) for job, t in self.acked.items()
         ]
-        return longest_stall(waits, self.grants)
+        return longest_stall([(s, e) for s, e in waits if s < e], self.grants)
 
 
 async def test_fault_ha(
@@ -183,7 +183,7 @@ async def test_fault_ha(
         load_end = time.monotonic()
         events = await stored_events(js, submitted, {})
         stall = grants.stall(load_end)
-        # Each fault's own: the waits that began from it to the next one.
+        # Each fault's own: from it to the next one.
         starts = sorted(fault_started.items(), key=lambda kv: kv[1])
         for (name, at), (_, upto) in zip(starts, [*starts[1:], ("", load_end)], strict=True):
             print(f"ha fault run: stall after {name}: {grants.stall(load_end, at, upto):.1f} s")
