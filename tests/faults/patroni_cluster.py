@@ -131,9 +131,12 @@ class PatroniCluster:
     """etcd and ``members`` Patroni members under ``root``; ``start()`` returns once one leads
     and, in synchronous mode, a synchronous standby streams from it."""
 
-    def __init__(self, root: Path, members: int = 2, *, synchronous: bool = True) -> None:
+    def __init__(
+        self, root: Path, members: int = 2, *, synchronous: bool = True, failsafe: bool = True
+    ) -> None:
         self.root = Path(root).absolute()
         self.synchronous = synchronous
+        self.failsafe = failsafe
         self.etcd_port, self.etcd_peer_port = free_port(), free_port()
         self.etcd: subprocess.Popen[bytes] | None = None
         self.members = {
@@ -215,7 +218,7 @@ class PatroniCluster:
             _open_path_for(postgres_bin_dir())
             _open_path_for(venv / "bin")
             _open_path_for(self.root)
-        self._start_etcd()
+        self.start_etcd()
         for member in self.members.values():
             self._write_config(member, venv)
             self.start_member(member.name)
@@ -226,7 +229,14 @@ class PatroniCluster:
         )
         return self
 
-    def _start_etcd(self) -> None:
+    def stop_etcd(self) -> None:
+        """SIGKILL etcd: Patroni's store gone, PostgreSQL fine."""
+        assert self.etcd is not None
+        self.etcd.kill()
+        self.etcd.wait()
+
+    def start_etcd(self) -> None:
+        """etcd started (again, on its data and ports), once it answers healthy."""
         peer = f"http://127.0.0.1:{self.etcd_peer_port}"
         client = f"http://127.0.0.1:{self.etcd_port}"
         log = (self.root / "etcd.log").open("ab")
@@ -267,7 +277,9 @@ class PatroniCluster:
             "maximum_lag_on_failover": 1 << 20,
             "synchronous_mode": self.synchronous,
             "synchronous_mode_strict": False,
-            "failsafe_mode": False,
+            # etcd lost: the leader stays primary while it reaches every member's API
+            # (docs/operations.md); off, Patroni demotes it at the ttl.
+            "failsafe_mode": self.failsafe,
             "postgresql": {"use_pg_rewind": True, "use_slots": True, "parameters": parameters},
         }
         config = {
@@ -386,6 +398,15 @@ class PatroniCluster:
                 if isinstance(state, dict):
                     return list(state.get("members", []))
         return []
+
+    def role(self, name: str) -> str | None:
+        """Member ``name``'s own word on its PostgreSQL (``/patroni``: primary, replica, ...),
+        which it gives with etcd gone too; None: it did not answer."""
+        with contextlib.suppress(OSError, ValueError):
+            state = _get_json(f"http://127.0.0.1:{self.members[name].api_port}/patroni")
+            if isinstance(state, dict) and state.get("state") == "running":
+                return str(state.get("role"))
+        return None
 
     def leader(self) -> str | None:
         """The member that leads and runs, or None."""
