@@ -176,7 +176,7 @@ async def test_etcd_lost_while_postgresql_is_fine(
             leader = cluster.leader()
             assert leader is not None
             assert cluster.role(leader) == "primary", cluster.role(leader)
-            cluster.stop_etcd()
+            await asyncio.to_thread(cluster.stop_etcd)
             if cluster.failsafe:
                 # Past the ttl the leader key would have expired: writes still go on.
                 await asyncio.sleep(patroni_cluster.TTL_S + 5)  # the time is the test
@@ -193,7 +193,7 @@ async def test_etcd_lost_while_postgresql_is_fine(
                 # Placement's pool, failing to connect, says every host is a standby.
                 await asyncio.wait_for(said_standby.wait(), 30)
             etcd_back = time.monotonic()
-            cluster.start_etcd()
+            await asyncio.to_thread(cluster.start_etcd)  # the writes go on meanwhile
             await cluster.until_async(lambda c: c.leader() is not None, "a leader", 60)
             await writer.until_acked(50, "with etcd back", 60)
         gap = max(b - a for a, b in itertools.pairwise(writer.acked_at))
