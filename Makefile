@@ -14,7 +14,7 @@ endif
 VENV := .venv
 STAMP := $(VENV)/.synced
 
-.PHONY: run test test-durations test-repeat test-unit lint fmt bench bench-ab sync clean faults image wheels deploy-up deploy-down deploy-test deploy-test-clean
+.PHONY: run test test-durations test-repeat test-unit lint fmt bench bench-ab sync clean faults faults-ha image wheels deploy-up deploy-down deploy-test deploy-test-clean
 
 $(STAMP): uv.lock pyproject.toml $(wildcard libs/*/pyproject.toml services/*/pyproject.toml)
 	$(UV_INSTALL)
@@ -63,6 +63,15 @@ test-repeat:
 # PostgreSQL restarted and a node cut off the network under steady submits (tests/faults).
 faults: $(STAMP)
 	$(VENV)/bin/pytest -q -s tests/faults/test_fault_run.py $(PYTEST_ARGS)
+
+# PostgreSQL as a Patroni cluster (etcd, a synchronous standby) under the fault run's load: its
+# leader's PostgreSQL killed, a switchover, the old leader back by pg_rewind (tests/faults/
+# test_fault_ha.py, test_patroni_failover.py). Needs etcd (apt-get install etcd-server); makes
+# Patroni's venv in .gpulayer/patroni-venv from tests/faults/ha/patroni-requirements.txt.
+# ASYNC=1: the same faults with synchronous_mode off, counting what was lost (not asserted).
+faults-ha: $(STAMP)
+	GPULAYER_HA_TESTS=1 $(if $(ASYNC),GPULAYER_HA_ASYNC=1,) $(VENV)/bin/pytest -q -s \
+		$(if $(ASYNC),,tests/faults/test_patroni_failover.py) tests/faults/test_fault_ha.py $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(VENV)/bin/pytest -q tests/unit

@@ -129,3 +129,18 @@ def check(
         c.double_booked += 1
         c.problems.append(f"{before.node} {before.devices}: {before.job_id} and {after.job_id}")
     return c
+
+
+def longest_stall(waits: list[tuple[float, float]], grants: list[float]) -> float:
+    """The longest time in which no grant was made while a job waited: ``waits`` are the
+    (from, until) each job waited (its submit's ack to its grant, or to its end when it never
+    got one), ``grants`` the times grants were made. Between two grants in a row (or before
+    the first, after the last), the stall runs from the earliest wait then under way to the
+    next grant or the latest end of those waits, whichever came first."""
+    best = 0.0
+    edges = [-math.inf, *sorted(grants), math.inf]
+    for before, after in itertools.pairwise(edges):
+        inside = [(max(s, before), min(e, after)) for s, e in waits if s < after and e > before]
+        if inside:
+            best = max(best, max(e for _, e in inside) - min(s for s, _ in inside))
+    return best

@@ -18,6 +18,7 @@ from gpulayer_runtime.database import (
     read_pgpass_password,
     redact,
     replace_url,
+    url_hosts,
 )
 from gpulayer_runtime.settings import ConfigError, database_url
 
@@ -31,6 +32,33 @@ def test_replace_url_keeps_hosts_port_and_other_parameters() -> None:
     parts = urllib.parse.urlsplit(new)
     assert (parts.username, parts.path) == ("gpulayer", "/jobs%20db")
     assert urllib.parse.parse_qs(parts.query)["passfile"] == ["/x y/pg.pass"]
+
+
+MULTI = (
+    "postgresql://gpulayer@h1:5432,h2:5433,[::1]:5434/gpulayer"
+    "?target_session_attrs=read-write&passfile=/etc/gpulayer/pgpass"
+)
+
+
+def test_a_multi_host_url_keeps_its_hosts_and_target_session_attrs() -> None:
+    assert url_hosts(MULTI) == ["h1:5432", "h2:5433", "[::1]:5434"]
+    assert url_hosts("postgresql://u:pw@db/x") == ["db"]
+    assert url_hosts("postgresql:///gpulayer?host=/run/postgresql") == []
+    one = replace_url(MULTI, hosts="h2:5433")
+    assert one == (
+        "postgresql://gpulayer@h2:5433/gpulayer"
+        "?target_session_attrs=read-write&passfile=/etc/gpulayer/pgpass"
+    )
+    assert replace_url("postgresql://h1,h2/db", hosts="h3") == "postgresql://h3/db"
+    assert replace_url(MULTI, passfile=Path("/p")).startswith(
+        "postgresql://gpulayer@h1:5432,h2:5433,[::1]:5434/gpulayer?target_session_attrs=read-write"
+    )
+    assert redact(MULTI) == MULTI
+    assert redact(MULTI.replace("gpulayer@", "gpulayer:s3cret@", 1)) == MULTI.replace(
+        "gpulayer@", "gpulayer:***@", 1
+    )
+    assert passfile_of(MULTI, {}) == (Path("/etc/gpulayer/pgpass"), "the URL's passfile")
+    assert passfile_of(MULTI.replace("gpulayer@", "gpulayer:pw@", 1), {}) is None
 
 
 def test_a_new_user_drops_the_old_users_password() -> None:

@@ -5,7 +5,15 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from tests.faults.fault_checker import Run, check, double_bookings, parse_marker, read_markers
+import pytest
+from tests.faults.fault_checker import (
+    Run,
+    check,
+    double_bookings,
+    longest_stall,
+    parse_marker,
+    read_markers,
+)
 
 NODE_OF = {"/w/a": "a", "/w/b": "b"}
 
@@ -95,3 +103,15 @@ def test_a_job_lost_on_a_cut_node_before_it_ran_counts_apart_by_its_lost_event()
     # Without the node of its lost event, a job with no run is lost like any other.
     c = check(set(events), expected, events, [], frozenset({"cut"}))
     assert (c.lost_gone_node, c.lost) == (0, 2)
+
+
+def test_the_longest_stall_is_the_longest_time_without_a_grant_while_a_job_waited() -> None:
+    assert longest_stall([], [1.0, 2.0]) == 0.0
+    # Jobs placed at once: no stall but their own short waits.
+    assert longest_stall([(0.0, 0.1), (1.0, 1.2)], [0.1, 1.2]) == pytest.approx(0.2)
+    # A job waits from 10 to 25 while no grant comes (the database failing over); another
+    # came at 12 and was granted at 25 too.
+    waits = [(10.0, 25.0), (12.0, 25.0), (30.0, 30.1)]
+    assert longest_stall(waits, [9.0, 25.0, 25.0, 30.1]) == pytest.approx(15.0)
+    # A wait that ended without a grant (cancelled at 14) stalls only until its end.
+    assert longest_stall([(10.0, 14.0)], [9.0, 20.0]) == pytest.approx(4.0)

@@ -39,13 +39,15 @@ async def test_a_server_not_up_yet_is_tried_again_until_it_answers(
         OSError(-2, "Name or service not known"),
         asyncpg.CannotConnectNowError("the database system is starting up"),
         TimeoutError(),
+        # A multi-host URL (target_session_attrs=read-write) whose every host is a standby.
+        asyncpg.TargetServerAttributeNotMatched("None of the hosts match"),
     )
     with caplog.at_level(logging.WARNING, logger="gpulayer_placement.store"):
         pool = await create_pool_when_up(
             "postgresql://db/gpulayer", connect=attempts, first_wait_s=0.001, log_every_s=3600
         )
     assert pool is attempts.pool
-    assert attempts.urls == ["postgresql://db/gpulayer"] * 5
+    assert attempts.urls == ["postgresql://db/gpulayer"] * 6
     # Logged once at the first failure, not at every try.
     (record,) = caplog.records
     assert "PostgreSQL not up yet" in record.getMessage()

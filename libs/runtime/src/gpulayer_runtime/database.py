@@ -34,11 +34,15 @@ def replace_url(
     user: str | None = None,
     database: str | None = None,
     passfile: Path | None = None,
+    hosts: str | None = None,
 ) -> str:
-    """``url`` with another user, database or passfile; the rest (host list, port, other query
-    parameters) kept. A new user drops the old user's password."""
+    """``url`` with another user, database, passfile or host list (``h1:p1,h2:p2``); the rest
+    (other query parameters) kept. A new user drops the old user's password."""
     parts = urllib.parse.urlsplit(url)
     netloc = parts.netloc
+    if hosts is not None:
+        userinfo, at, _ = netloc.rpartition("@")
+        netloc = f"{userinfo}{at}{hosts}"
     if user is not None:
         _, _, hosts = netloc.rpartition("@")
         netloc = f"{urllib.parse.quote(user, safe='')}@{hosts}"
@@ -63,6 +67,14 @@ def redact(url: str) -> str:
         shown = [(k, "***" if k == "password" else v) for k, v in query]
         parts = parts._replace(query=urllib.parse.urlencode(shown, safe="/*"))
     return urllib.parse.urlunsplit(parts)
+
+
+def url_hosts(url: str) -> list[str]:
+    """The hosts of a (multi-host) URL as written, each with its port if it has one:
+    ``postgresql://u@h1:5432,h2:5433/db`` gives ``["h1:5432", "h2:5433"]``; none (a socket
+    or libpq's default) gives ``[]``."""
+    _, _, hosts = urllib.parse.urlsplit(url).netloc.rpartition("@")
+    return [h for h in hosts.split(",") if h]
 
 
 def _has_password(url: str) -> bool:

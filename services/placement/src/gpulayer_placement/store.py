@@ -11,6 +11,9 @@ from importlib import resources
 from typing import Any
 
 import asyncpg
+from asyncpg.connect_utils import SessionAttribute
+
+from gpulayer_runtime.database import replace_url, url_hosts
 
 # What a lost or restarting database raises, besides the server's own errors: the connection
 # closed under a query (InterfaceError), the protocol left mid-operation (InternalClientError),
@@ -109,15 +112,75 @@ async def _keep_session(conn: Any) -> None:
 
 
 async def create_pool(url: str, *, min_size: int = 2, max_size: int = 8) -> asyncpg.Pool:
-    pool = await asyncpg.create_pool(url, min_size=min_size, max_size=max_size, reset=_keep_session)
+    pool = await asyncpg.create_pool(
+        url,
+        min_size=min_size,
+        max_size=max_size,
+        reset=_keep_session,
+        connect=HostsLog(url).connect,
+    )
     assert pool is not None
     return pool
 
 
 # What a server that isn't up yet answers: nothing listening, a name not resolved yet (compose's
-# DNS before the container runs), a server still starting or shutting down. Anything else (a
-# refused login, a missing database) is not fixed by waiting.
-_NOT_UP_YET = (OSError, asyncio.TimeoutError, asyncpg.CannotConnectNowError)
+# DNS before the container runs), a server still starting or shutting down, or, with several
+# hosts and target_session_attrs=read-write, none of them accepting writes (each a standby, a
+# failover under way). Anything else (a refused login, a missing database) is not fixed by
+# waiting.
+_NOT_UP_YET = (
+    OSError,
+    asyncio.TimeoutError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.TargetServerAttributeNotMatched,
+)
+
+
+class HostsLog:
+    """asyncpg's connect for the pool, which says what each host answered when no connection
+    could be made to a URL of several hosts (asyncpg raises only the last host's error): "no
+    PostgreSQL host takes writes: h1:5432 refused ..., h2:5433 is a standby". Logged at most
+    every ``log_every_s``; only a failed connect pays for it, never a query."""
+
+    def __init__(self, url: str, log_every_s: float = 10.0) -> None:
+        self.url = url
+        self.hosts = url_hosts(url)
+        self.log_every_s = log_every_s
+        self._logged_at: float | None = None
+
+    async def connect(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await asyncpg.connect(*args, **kwargs)
+        except _NOT_UP_YET as err:
+            now = time.monotonic()
+            if len(self.hosts) > 1 and (
+                self._logged_at is None or now - self._logged_at >= self.log_every_s
+            ):
+                self._logged_at = now
+                answers = await asyncio.gather(*(self.answer(h) for h in self.hosts))
+                log.warning(
+                    "no PostgreSQL host takes writes (%s): %s",
+                    err or type(err).__name__,
+                    "; ".join(f"{h}: {a}" for h, a in zip(self.hosts, answers, strict=True)),
+                )
+            raise
+
+    async def answer(self, host: str, timeout_s: float = 3.0) -> str:
+        """What ``host`` alone answers: "takes writes", "a standby (read-only)" or the error."""
+        url = replace_url(self.url, hosts=host)
+        try:
+            conn = await asyncpg.connect(
+                url, target_session_attrs=SessionAttribute.any, timeout=timeout_s
+            )
+        except Exception as err:  # what it answered is what we log
+            return f"{type(err).__name__}: {err}"
+        try:
+            standby = await conn.fetchval("SELECT pg_is_in_recovery()", timeout=timeout_s)
+            return "a standby (read-only)" if standby else "takes writes"
+        except Exception as err:
+            return f"{type(err).__name__}: {err}"
+        finally:
+            conn.terminate()
 
 
 async def create_pool_when_up(
