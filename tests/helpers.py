@@ -12,6 +12,7 @@ import json
 import os
 import re
 import selectors
+import shutil
 import signal
 import socket
 import struct
@@ -230,6 +231,18 @@ async def publish_cancel(
 
 def bin_path(name: str) -> str:
     return str(BIN / name)
+
+
+def with_fake_nvidia_smi(env: dict[str, str], folder: Path, recording: str) -> dict[str, str]:
+    """``env`` with the recorded ``recording`` (tests/fixtures/nvidia-smi/<recording>) as the
+    ``nvidia-smi`` first on its PATH; the tool is copied into ``folder`` (made here)."""
+    nvidia = Path(__file__).resolve().parent / "fixtures" / "nvidia-smi"
+    folder.mkdir()
+    shutil.copy(nvidia / "fake-nvidia-smi", folder / "nvidia-smi")
+    (folder / "nvidia-smi").chmod(0o755)
+    env["PATH"] = f"{folder}{os.pathsep}{env['PATH']}"
+    env["FAKE_NVIDIA_SMI_DIR"] = str(nvidia / recording)
+    return env
 
 
 def service_env(

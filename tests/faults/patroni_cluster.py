@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import pytest
 
 from gpulayer_runtime.database import create_service_database, pgpass_line, replace_url
 from gpulayer_runtime.pgserver import (
@@ -48,6 +49,18 @@ from gpulayer_runtime.private_files import write_private
 from gpulayer_runtime.servers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
+
+# Set by `make faults-ha`: the Patroni modules run only there (etcd, Patroni's venv, minutes).
+HA_ENV = "GPULAYER_HA_TESTS"
+
+
+def only_in_make_faults_ha(what: str) -> pytest.MarkDecorator:
+    """Skip ``what`` unless `make faults-ha` runs it."""
+    return pytest.mark.skipif(
+        os.environ.get(HA_ENV) != "1", reason=f"{what} run in `make faults-ha`"
+    )
+
+
 REQUIREMENTS = Path(__file__).resolve().parent / "ha" / "patroni-requirements.txt"
 VENV = REPO / ".gpulayer" / "patroni-venv"
 SYSTEM_PYTHON = "/usr/bin/python3"

@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -41,36 +40,27 @@ from tests.faults import patroni_cluster
 from tests.faults.fault_checker import check, longest_stall, read_markers
 from tests.faults.patroni_cluster import PatroniCluster
 from tests.faults.test_fault_run import (
-    FIXTURES,
     NODES,
-    RATE,
     TERMINAL,
-    command,
     retry,
+    steady_load,
     stored_events,
     until_nodes_known,
 )
-from tests.helpers import Services, service_env
+from tests.helpers import Services, service_env, with_fake_nvidia_smi
 
-from gpulayer_cli.client import ApiFailed, api
 from gpulayer_contracts.subjects import (
     ANONYMOUS,
-    API_CANCEL,
     JOB_WILDCARD_EVENTS,
-    JOBS_SUBMIT,
-    MSG_ID_HEADER,
 )
 from gpulayer_runtime.database import replace_url
 from gpulayer_runtime.nats import ensure_streams
 
-HA_ENV, ASYNC_ENV = "GPULAYER_HA_TESTS", "GPULAYER_HA_ASYNC"
+ASYNC_ENV = "GPULAYER_HA_ASYNC"
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.timeout(600),
-    pytest.mark.skipif(
-        os.environ.get(HA_ENV) != "1",
-        reason="the HA fault run runs in `make faults-ha` (etcd, Patroni's venv, ~3 min)",
-    ),
+    patroni_cluster.only_in_make_faults_ha("the HA fault run (etcd, Patroni's venv, ~3 min) is"),
 ]
 
 # The schedule, in seconds from the first submit.
@@ -166,12 +156,7 @@ async def test_fault_ha(
             )
         for node, recording in NODES.items():
             env = service_env(nats_url, db, tmp_path / node, node)
-            tools = tmp_path / f"{node}-bin"
-            tools.mkdir()
-            shutil.copy(FIXTURES / "nvidia-smi" / "fake-nvidia-smi", tools / "nvidia-smi")
-            (tools / "nvidia-smi").chmod(0o755)
-            env["PATH"] = f"{tools}{os.pathsep}{env['PATH']}"
-            env["FAKE_NVIDIA_SMI_DIR"] = str(FIXTURES / "nvidia-smi" / recording)
+            with_fake_nvidia_smi(env, tmp_path / f"{node}-bin", recording)
             for service in ("probe", "executor"):
                 await services.start(
                     f"gpulayer-{service}", env, tmp_path / f"{service}-{node}.log",
@@ -265,60 +250,23 @@ async def run_load(
     caller: str,
     started: dict[str, float],
 ) -> tuple[set[str], dict[str, str]]:
-    """Submit at ``RATE`` for ``LOAD_S`` while the schedule runs (each fault in a task of its
-    own: the submits never wait for one); the jobs whose submit was acked, and how each
-    should end."""
-    js = nc.jetstream()
-    expected: dict[str, str] = {}
-    submitted: set[str] = set()
-    tasks: list[asyncio.Task[None]] = []
-
-    async def submit(job_id: str, kind: str) -> None:
-        body = {
-            "job_id": job_id,
-            "command": command(markers, job_id, kind),
-            "requirements": {"accelerator": "cuda", "gpu_count": 1},
-            "sandbox": {"devices": {"gpu": "compute"}},
-        }
-        data = json.dumps(body).encode()
-        headers = {MSG_ID_HEADER: job_id}
-        await retry(lambda: js.publish(JOBS_SUBMIT, data, headers=headers, timeout=2), 90)
-        grants.acked[job_id] = time.monotonic()
-        submitted.add(job_id)
-        if kind == "cancelled":
-            await asyncio.sleep(3.0)
-
-            async def once() -> None:
-                try:
-                    await api(nc, API_CANCEL, {"job_id": job_id}, timeout=2, caller=caller)
-                except ApiFailed as err:
-                    if str(err).startswith(("no job", "internal error")):
-                        raise  # not read by placement yet, or its database away: again
-                    print(f"cancel {job_id}: {err}")
-
-            await retry(once, 120)
-
-    schedule = faults(cluster)
-    faults_running: list[asyncio.Future[None]] = []
-    t0 = time.monotonic()
-    i = 0
-    while (elapsed := time.monotonic() - t0) < LOAD_S:
-        while schedule and schedule[0][0] <= elapsed:
-            _, name, action = schedule.pop(0)
-            print(f"ha fault run: t={elapsed:.1f}s {name}")
-            started[name] = time.monotonic()
-            faults_running.append(asyncio.ensure_future(action()))
-        due = int(elapsed * RATE) + 1
-        while i < due:
-            kind = "cancelled" if i % 10 == 9 else "failed" if i % 10 in (3, 7) else "succeeded"
-            job_id = f"ha-{i:05d}"
-            expected[job_id] = kind
-            tasks.append(asyncio.create_task(submit(job_id, kind)))
-            i += 1
-        await asyncio.sleep(0.05)
-    await asyncio.gather(*faults_running)
-    await asyncio.gather(*tasks)
-    return submitted, expected
+    """The fault run's load (``steady_load``) for ``LOAD_S`` while the schedule runs, each fault
+    in a task of its own (the submits never wait for one); the jobs whose submit was acked,
+    and how each should end."""
+    return await steady_load(
+        nc,
+        nc.jetstream(),
+        markers,
+        caller,
+        faults(cluster),
+        prefix="ha-",
+        label="ha fault run",
+        load_s=LOAD_S,
+        faults_in_background=True,
+        started=started,
+        acked=grants.acked,
+        cancel_within_s=120,
+    )
 
 
 def faults(cluster: PatroniCluster) -> list[tuple[float, str, Callable[[], Awaitable[None]]]]:

@@ -35,9 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import random
-import shutil
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -61,7 +59,7 @@ from tests.faults.write_gaps import (
     placements,
     targets,
 )
-from tests.helpers import Services, service_env
+from tests.helpers import Services, service_env, with_fake_nvidia_smi
 
 from gpulayer_cli.client import ApiFailed, api
 from gpulayer_contracts.subjects import (
@@ -218,12 +216,7 @@ class Stack:
             self.envs[f"placement-{replica}"] = ("gpulayer-placement", env)
         for node, recording in self.nodes.items():
             env = service_env(cluster_url, db, tmp / node, node, GPULAYER_STREAM_REPLICAS="3")
-            tools = tmp / f"{node}-bin"
-            tools.mkdir()
-            shutil.copy(FIXTURES / "nvidia-smi" / "fake-nvidia-smi", tools / "nvidia-smi")
-            (tools / "nvidia-smi").chmod(0o755)
-            env["PATH"] = f"{tools}{os.pathsep}{env['PATH']}"
-            env["FAKE_NVIDIA_SMI_DIR"] = str(FIXTURES / "nvidia-smi" / recording)
+            with_fake_nvidia_smi(env, tmp / f"{node}-bin", recording)
             self.envs[f"probe-{node}"] = ("gpulayer-probe", env)
             self.envs[f"executor-{node}"] = ("gpulayer-executor", env)
 
@@ -407,20 +400,34 @@ async def until_no_fence(db: str, limit_s: float = 60.0) -> list[str]:
         await conn.close()
 
 
-async def run_load(
+# (at second, what, how): a fault schedule.
+Fault = tuple[float, str, Callable[[], Awaitable[None]]]
+
+
+async def steady_load(
     nc: Client,
     js: JetStreamContext,
-    stack: Stack,
-    nats_kill: NatsKill,
-    pg: EmbeddedPostgres,
     markers: Path,
     caller: str,
+    schedule: list[Fault],
+    *,
+    prefix: str,
+    label: str,
+    load_s: float,
+    faults_in_background: bool = False,
+    started: dict[str, float] | None = None,
+    acked: dict[str, float] | None = None,
+    cancel_within_s: float = 90,
 ) -> tuple[set[str], dict[str, str]]:
-    """Submit at ``RATE`` for ``LOAD_S`` while the fault schedule runs; the jobs whose submit
-    was acked, and how each should end."""
+    """Submit ``<prefix>NNNNN`` jobs at ``RATE`` for ``load_s`` (every tenth cancelled 3 s after
+    its submit, two in ten failing) while ``schedule`` runs: each fault awaited in turn, or
+    with ``faults_in_background`` each in a task of its own, so that the submits never wait
+    for one (awaited at the end). ``started``: when each fault began; ``acked``: when each
+    submit was acked. The jobs whose submit was acked, and how each should end."""
     expected: dict[str, str] = {}
     submitted: set[str] = set()
     tasks: list[asyncio.Task[None]] = []
+    running: list[asyncio.Future[None]] = []
 
     async def submit(job_id: str, kind: str) -> None:
         body = {
@@ -432,6 +439,8 @@ async def run_load(
         data = json.dumps(body).encode()
         headers = {MSG_ID_HEADER: job_id}
         await retry(lambda: js.publish(JOBS_SUBMIT, data, headers=headers, timeout=2), 90)
+        if acked is not None:
+            acked[job_id] = time.monotonic()
         submitted.add(job_id)
         if kind == "cancelled":
             await asyncio.sleep(3.0)
@@ -444,31 +453,53 @@ async def run_load(
             except ApiFailed as err:
                 if str(err).startswith(("no job", "internal error")):
                     # Acked by JOBS, not yet read by placement, or placement could not publish
-                    # the cancel while a NATS server was down (a fault slowed it): again, as a
-                    # user would.
+                    # the cancel while a NATS server or its database was away (a fault slowed
+                    # it): again, as a user would.
                     raise
                 print(f"cancel {job_id}: {err}")  # refused: the checker will see the outcome
 
-        await retry(once, 90)
+        await retry(once, cancel_within_s)
 
-    schedule = faults(stack, nats_kill, pg)
+    schedule = list(schedule)
     t0 = time.monotonic()
     i = 0
-    while (elapsed := time.monotonic() - t0) < LOAD_S:
+    while (elapsed := time.monotonic() - t0) < load_s:
         while schedule and schedule[0][0] <= elapsed:
             _, name, action = schedule.pop(0)
-            print(f"fault run: t={elapsed:.1f}s {name}")
-            await action()
+            print(f"{label}: t={elapsed:.1f}s {name}")
+            if started is not None:
+                started[name] = time.monotonic()
+            if faults_in_background:
+                running.append(asyncio.ensure_future(action()))
+            else:
+                await action()
         due = int(elapsed * RATE) + 1
         while i < due:
             kind = "cancelled" if i % 10 == 9 else "failed" if i % 10 in (3, 7) else "succeeded"
-            job_id = f"fr-{i:05d}"
+            job_id = f"{prefix}{i:05d}"
             expected[job_id] = kind
             tasks.append(asyncio.create_task(submit(job_id, kind)))
             i += 1
         await asyncio.sleep(0.05)
+    await asyncio.gather(*running)
     await asyncio.gather(*tasks)
     return submitted, expected
+
+
+async def run_load(
+    nc: Client,
+    js: JetStreamContext,
+    stack: Stack,
+    nats_kill: NatsKill,
+    pg: EmbeddedPostgres,
+    markers: Path,
+    caller: str,
+) -> tuple[set[str], dict[str, str]]:
+    """The fault run's load: ``steady_load`` while the fault schedule runs."""
+    schedule = faults(stack, nats_kill, pg)
+    return await steady_load(
+        nc, js, markers, caller, schedule, prefix="fr-", label="fault run", load_s=LOAD_S
+    )
 
 
 def faults(

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,14 +22,10 @@ from tests.faults.patroni_cluster import PatroniCluster
 from gpulayer_placement.store import DB_ERRORS, create_pool, create_pool_when_up
 from gpulayer_runtime.database import replace_url
 
-HA_ENV = "GPULAYER_HA_TESTS"
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.timeout(300),
-    pytest.mark.skipif(
-        os.environ.get(HA_ENV) != "1",
-        reason="the Patroni cluster's tests run in `make faults-ha` (etcd, Patroni's venv)",
-    ),
+    patroni_cluster.only_in_make_faults_ha("the Patroni cluster's tests (etcd, Patroni's venv)"),
 ]
 
 

@@ -136,6 +136,22 @@ _NOT_UP_YET = (
 )
 
 
+class _NowAndThen:
+    """Yes at the first ask, then at most once every ``every_s``: a log line for a state that
+    may last (a server away), said at once and then now and then."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self._last: float | None = None
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if self._last is not None and now - self._last < self.every_s:
+            return False
+        self._last = now
+        return True
+
+
 class HostsLog:
     """asyncpg's connect for the pool, which says what each host answered when no connection
     could be made to a URL of several hosts (asyncpg raises only the last host's error): "no
@@ -145,18 +161,13 @@ class HostsLog:
     def __init__(self, url: str, log_every_s: float = 10.0) -> None:
         self.url = url
         self.hosts = url_hosts(url)
-        self.log_every_s = log_every_s
-        self._logged_at: float | None = None
+        self._log = _NowAndThen(log_every_s)
 
     async def connect(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return await asyncpg.connect(*args, **kwargs)
         except _NOT_UP_YET as err:
-            now = time.monotonic()
-            if len(self.hosts) > 1 and (
-                self._logged_at is None or now - self._logged_at >= self.log_every_s
-            ):
-                self._logged_at = now
+            if len(self.hosts) > 1 and self._log.due():
                 answers = await asyncio.gather(*(self.answer(h) for h in self.hosts))
                 log.warning(
                     "no PostgreSQL host takes writes (%s): %s",
@@ -197,15 +208,13 @@ async def create_pool_when_up(
     exiting. A wait is logged at once and then every ``log_every_s``; any other error is
     raised."""
     wait = first_wait_s
-    logged_at: float | None = None
+    say = _NowAndThen(log_every_s)
     while True:
         try:
             return await connect(url)
         except _NOT_UP_YET as err:
-            now = time.monotonic()
-            if logged_at is None or now - logged_at >= log_every_s:
+            if say.due():
                 log.warning("PostgreSQL not up yet (%s): trying again", err or type(err).__name__)
-                logged_at = now
         await asyncio.sleep(wait)
         wait = min(wait * 2, max_wait_s)
 
