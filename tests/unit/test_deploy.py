@@ -901,3 +901,16 @@ def test_the_fleet_pages_commands_are_the_ones_that_exist() -> None:
     for option in ("--nats-url", "--creds", "--ca", "--placement-keys"):
         assert option in shown, option
         assert f'"{option}"' in test_source, f"the deployment test doesn't pass {option}"
+
+
+@pytest.mark.parametrize("name", ["a,b", "x y", "ctl;rm -rf /", "", "-", "a" * 300])
+def test_gen_tls_refuses_a_name_that_is_no_host_or_address(tmp_path: Path, name: str) -> None:
+    """A name that would break the certificate's subjectAltName (a comma, a space, ...) is
+    named, exit 2, and nothing is written: not even the CA."""
+    env = {"PATH": "/usr/bin:/bin", "GPULAYER_TLS_DIR": str(tmp_path / "tls")}
+    run = subprocess.run(
+        [DEPLOY / "gen-tls", "ok.example", name], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 2, run
+    assert "is neither a host name nor an IP address" in run.stderr
+    assert not (tmp_path / "tls").exists()
