@@ -5,6 +5,7 @@ requeues its victim. A fake executor (this test) runs each grant for a while and
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -284,6 +285,26 @@ async def test_two_owners_get_equal_gpu_seconds(nc: Client, placement: Placement
     # with oldest first).
     assert min(granted.values()) >= sum(granted.values()) / 3, (granted, order, seen)
     assert all(t1 - t0 >= 0.05 for t0, t1, _ in ex.runs.values())  # each ran its 50 ms
+
+
+async def test_fair_share_holds_past_the_first_page_of_the_queue(
+    nc: Client, placement: PlacementService
+) -> None:
+    """alice has three pages of jobs waiting, all older than bob's one job: the GPU that frees
+    goes to bob (no recent use), not to alice's oldest. A pass that read the queue a page at a
+    time, fair share within each page, gave it to alice until her queue was drained."""
+    sched = placement.scheduler
+    sched.settings = dataclasses.replace(sched.settings, page_size=10)
+    grants = await grants_queue(nc)
+    await node(nc, "h1", 1)
+    await submit(nc, "a-busy", "alice")
+    busy = await asyncio.wait_for(grants.get(), 10)
+    for i in range(30):
+        await submit(nc, f"a-{i:03}", "alice")
+    await submit(nc, "b-1", "bob")
+    await pending_reason(placement, "b-1", lambda r: "0/1 nodes" in r)
+    await finish(nc.jetstream(), busy)
+    assert (await asyncio.wait_for(grants.get(), 10)).job.job_id == "b-1"
 
 
 async def test_a_large_job_is_not_starved_by_a_stream_of_small_ones(

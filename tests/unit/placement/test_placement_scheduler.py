@@ -126,8 +126,9 @@ async def test_new_jobs_wake_a_pass_over_those_ids_only_and_capacity_a_full_one(
         async with asyncio.timeout(5):
             while "take_pending" not in conn.names():  # noqa: ASYNC110
                 await asyncio.sleep(0.01)
-        # The first full pass reads the quotas and owners' usage (queue policy), then pages.
-        assert conn.names() == ["load_policy", "take_pending"]
+        # The first full pass reads the quotas and owners' usage (queue policy) and the owners
+        # with a waiting job (none here: no batch of each one's first jobs), then pages.
+        assert conn.names() == ["load_policy", "waiting_owners", "take_pending"]
         assert not wake.passing
     finally:
         scheduler.stop.set()
@@ -156,8 +157,8 @@ async def test_a_page_reads_only_the_requests_of_jobs_not_decoded_here() -> None
     conn = FakeConn()
     scheduler = page_of_two(conn)
     await scheduler._schedule_all()
-    assert conn.names()[:3] == ["load_policy", "take_pending", "job_requests"]
-    assert conn.calls[2][1] == (["j2"],)
+    assert conn.names()[:4] == ["load_policy", "waiting_owners", "take_pending", "job_requests"]
+    assert conn.calls[3][1] == (["j2"],)
     assert "j2" in scheduler._jobs  # decoded once: the next page needs no query for it
     # One GPU: the oldest job gets it, j2 waits.
     assert next(c for c in conn.calls if c[0] == "place_jobs")[1][0] == ["j1"]
@@ -167,6 +168,26 @@ async def test_a_page_reads_only_the_requests_of_jobs_not_decoded_here() -> None
     await scheduler._schedule_all()
     assert "job_requests" not in conn.names()
     assert next(c for c in conn.calls if c[0] == "place_jobs")[1][0] == ["j2"]
+
+
+async def test_with_two_owners_waiting_a_pass_takes_each_ones_first_jobs_before_its_pages() -> None:
+    """bob's job is behind alice's in the queue's pages; the batch of each waiting owner's
+    first jobs (least recent use first) comes before them and places it."""
+    conn = FakeConn()
+    conn.rows["waiting_owners"] = [{"owner": "alice"}, {"owner": "bob"}]
+    conn.rows["take_heads"] = [page_row("j1") | {"owner": "bob", "priority": 0}]
+    conn.rows["take_pending"] = []
+    conn.rows["job_requests"] = [{"job_id": "j1", "request": gpu_row("j1")["request"]}]
+    # alice's ended GPU-seconds, decayed, as load_policy reads them
+    conn.rows["load_policy"] = [{"kind": "share", "owner": "alice", "value": 10.0}]
+    scheduler, _, _, _ = build(conn)
+    await scheduler._schedule_all()
+    assert conn.names()[:3] == ["load_policy", "waiting_owners", "take_heads"]
+    # Owners by least recent use, and a page's worth shared among them (at most 8 each).
+    assert conn.calls[2][1] == (["bob", "alice"], 8)
+    assert next(c for c in conn.calls if c[0] == "place_jobs")[1][0] == ["j1"]
+    # The fleet's one GPU is taken: the pass stops before the pages.
+    assert "take_pending" not in conn.names()
 
 
 class _ForgettingConn(FakeConn):
@@ -187,7 +208,7 @@ async def test_a_job_forgotten_while_its_page_is_read_is_still_matched() -> None
     conn = _ForgettingConn()
     conn.scheduler = scheduler = page_of_two(conn)
     await scheduler._schedule_all()
-    assert conn.calls[2] == ("job_requests", (["j2"],))
+    assert conn.calls[3] == ("job_requests", (["j2"],))
     assert "fail_pending" not in conn.names()
     assert next(c for c in conn.calls if c[0] == "place_jobs")[1][0] == ["j1"]
 

@@ -20,6 +20,7 @@ from gpulayer_matching import NodeView, Placement, match
 from gpulayer_placement import quotas as q
 from gpulayer_placement.policy import Policy
 from gpulayer_placement.preemption import Active, choose_victims, without
+from gpulayer_placement.waiting import heads_cut
 
 
 def job(job_id: str, gpus: int = 1, **fields: Any) -> JobRequest:
@@ -323,3 +324,25 @@ def test_a_job_that_leaves_the_reserved_job_room_backfills_without_a_timeout() -
     second = place("s2")  # the last free device: big would wait for a job that never ends
     assert isinstance(second, str)
     assert "big" in second
+
+
+def test_heads_keep_no_job_below_the_priority_of_one_left_behind() -> None:
+    """Each owner's first jobs (2 each here): alice's two at 5 may have more at 5 behind them,
+    so bob's job at 0 can't be matched before those; carol's at 5 can (equals: fair share)."""
+    rows = [
+        {"job_id": "a1", "owner": "alice", "priority": 5},
+        {"job_id": "c1", "owner": "carol", "priority": 5},
+        {"job_id": "a2", "owner": "alice", "priority": 5},
+        {"job_id": "b1", "owner": "bob", "priority": 0},
+    ]
+    assert [r["job_id"] for r in heads_cut(rows, per_owner=2)] == ["a1", "c1", "a2"]
+    # Every owner's whole queue taken: nothing is behind, every row stays.
+    assert [r["job_id"] for r in heads_cut(rows, per_owner=3)] == ["a1", "c1", "a2", "b1"]
+    # Behind bob's two jobs (9, then 0) only jobs at 0 or below can wait: dave's at 0 stays.
+    bob = [
+        {"job_id": "b1", "owner": "bob", "priority": 9},
+        {"job_id": "b2", "owner": "bob", "priority": 0},
+        {"job_id": "d1", "owner": "dave", "priority": 0},
+    ]
+    assert [r["job_id"] for r in heads_cut(bob, per_owner=2)] == ["b1", "b2", "d1"]
+    assert [r["job_id"] for r in heads_cut([bob[0], bob[2]], per_owner=1)] == ["b1"]

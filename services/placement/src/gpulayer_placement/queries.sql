@@ -131,6 +131,15 @@ RETURNING job_id;
 SELECT job_id, reason, attempt, submitted_at, traceparent, owner, priority
 FROM gpulayer_take_pending($1, $2, $3, $4);
 
+-- name: waiting_owners
+-- Owners with a waiting job (migration 0025: a loose scan of jobs_pending_owner_idx).
+SELECT o AS owner FROM gpulayer_waiting_owners($1) AS o;
+
+-- name: take_heads
+-- Each of the owners' ($1) first $2 waiting jobs, locked, in matching order (migration 0025).
+SELECT job_id, reason, attempt, submitted_at, traceparent, owner, priority
+FROM gpulayer_take_heads($1::text[], $2);
+
 -- name: job_requests
 SELECT job_id, request::text AS request FROM jobs WHERE job_id = ANY($1::text[]);
 

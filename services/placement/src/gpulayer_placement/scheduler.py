@@ -2,11 +2,14 @@
 
 A pass runs when ``Wake`` says so: over new jobs only, or over every waiting job oldest first
 when capacity may have changed (stopping early once nothing can fit), and a thorough pass on a
-timer. Each batch locks its rows (``waiting``), matches them in memory, commits allocations and
-job rows in one statement, then hands the outcome to the publisher. Intake calls
-``place_inline`` to do the same inside its own transaction when the scheduler is idle.
+timer. A pass over the queue begins with each waiting owner's first jobs when there are several
+owners, so that fair share holds over the whole queue rather than its first page. Each batch
+locks its rows (``waiting``), matches them in memory, commits allocations and job rows in one
+statement, then hands the outcome to the publisher. Intake calls ``place_inline`` to do the
+same inside its own transaction when the scheduler is idle.
 
-It keeps the decoded requests of waiting jobs, so a job is decoded once per replica.
+It keeps the decoded requests of waiting jobs, so a job is decoded once per replica; a job's
+request is dropped once it is placed.
 """
 
 from __future__ import annotations
@@ -50,6 +53,13 @@ log = logging.getLogger("gpulayer_placement.service")
 
 Take = Callable[[Any], Awaitable[list[asyncpg.Record]]]
 
+# How often the owners with a waiting job are read again (``Scheduler._heads``), seconds: an
+# owner that stopped waiting is dropped then; one that starts is added as soon as a pass leaves
+# its job waiting.
+OWNERS_READ_S = 5.0
+# Each waiting owner's first jobs a pass takes before the queue's pages, at most.
+HEADS_PER_OWNER = 8
+
 
 class Scheduler:
     def __init__(
@@ -85,6 +95,10 @@ class Scheduler:
         # Lifecycle: a restarting service's last node, offered first so that it goes back there
         # when it still fits (filled by lifecycle.Lifecycle, used once).
         self.prefer: dict[str, str] = {}
+        # Owners with a waiting job: as last read (every OWNERS_READ_S), plus any seen waiting
+        # since. With two or more, a pass over the queue takes each one's first jobs first.
+        self._owners: set[str] = set()
+        self._owners_read = -math.inf
 
     def remember(self, jobs: Mapping[str, JobRequest], submitted: Mapping[str, float]) -> None:
         """Requests already decoded by intake, and when they entered the JOBS stream."""
@@ -154,6 +168,8 @@ class Scheduler:
         failed: dict[bytes, NoPlacement] = {}
         size = self.settings.page_size
         epoch, restarted = self.wake.epoch, False
+        if await self._heads(failed, skim=early_stop) and early_stop and self._full():
+            return
         while not self.stop.is_set():
             take = functools.partial(waiting.take_page, size=size, after=after)
             page = await self._schedule_batch(take, failed, skim=early_stop)
@@ -162,13 +178,35 @@ class Scheduler:
             after, taken = page
             if taken < size:
                 return  # a short page was the last one: no extra round trip to learn that
-            if early_stop and (
-                not self.fleet.any_room()
-                or (not self._deviceless_waiting and not self.fleet.any_free_device())
-            ):
+            if early_stop and self._full():
                 return
             if early_stop and not restarted and self.wake.epoch != epoch:
                 after, failed, restarted = waiting.START, {}, True
+
+    def _full(self) -> bool:
+        """Whether no waiting job can fit: no node with room, or no free device while no
+        waiting job that needs none is known."""
+        return not self.fleet.any_room() or (
+            not self._deviceless_waiting and not self.fleet.any_free_device()
+        )
+
+    async def _heads(self, failed: dict[bytes, NoPlacement], *, skim: bool) -> bool:
+        """With two or more owners waiting, a batch of each one's first jobs, least recent use
+        first (``waiting.take_heads``): the queue's pages are oldest first, and one owner's
+        long queue would otherwise keep every other owner's jobs off the first page, whatever
+        their fair share. Returns whether it took any."""
+        if time.monotonic() - self._owners_read > OWNERS_READ_S:
+            async with self.pool.acquire() as conn:
+                owners = await waiting.waiting_owners(conn, self.settings.page_size)
+            self._owners, self._owners_read = set(owners), time.monotonic()
+        if len(self._owners) < 2:
+            return False
+        policy = self.policy
+        owners = sorted(self._owners, key=lambda o: (policy.usage(o), policy.gpus_held(o), o))
+        owners = owners[: self.settings.page_size]
+        per_owner = max(1, min(HEADS_PER_OWNER, self.settings.page_size // len(owners)))
+        take = functools.partial(waiting.take_heads, owners=owners, per_owner=per_owner)
+        return await self._schedule_batch(take, failed, skim=skim) is not None
 
     async def _schedule_ids(self, ids: list[str], epoch: int) -> None:
         take = functools.partial(waiting.take_new, ids=ids, wake=self.wake, epoch=epoch)
@@ -228,6 +266,7 @@ class Scheduler:
     def release(self, outcome: Outcome) -> None:
         """Give back in memory what an uncommitted outcome held."""
         for pl in outcome.placements:
+            self._jobs[pl.job.job_id] = pl.job
             self.fleet.release(pl.placement.node_id, pl.placement.devices, mode(pl.placement))
             self.fleet.unreserve(pl.job.job_id)
             self.policy.remove(pl.job.job_id, ended=False)
@@ -304,6 +343,7 @@ class Scheduler:
         """A job that stays waiting: the queue gate's word (reservation, preemption), and its
         reason written when it changed."""
         job_id = row["job_id"]
+        self._owners.add(owner)
         if requested_gpu_count(job) == 0:
             self._deviceless_waiting.add(job_id)
         why = self.gate.blocked(row, job, why, outcome, reserve=self._may_reserve)
@@ -377,6 +417,10 @@ class Scheduler:
         later jobs of this batch see them taken."""
         job_id = row["job_id"]
         self._deviceless_waiting.discard(job_id)
+        # The outcome carries the request from here (``release`` puts it back if the outcome is
+        # not committed): a million running jobs' requests were 1.4 GB of placement's memory,
+        # and one that waits again (requeued, restarted) is read again with its page.
+        self._jobs.pop(job_id, None)
         submitted = self._submitted.pop(job_id, None) or row["submitted_at"].timestamp()
         held = reservations(job, decision.devices, decision.use)
         outcome.placements.append(

@@ -1,7 +1,9 @@
 """Which waiting jobs a scheduling batch takes, and the order it matches them in: highest
 priority first, then oldest (the queue policy then orders each batch by fair share), locked
-``FOR UPDATE SKIP LOCKED`` so that replicas split them. The scheduler (and intake's
-inline placement) take waiting jobs from here and nowhere else."""
+``FOR UPDATE SKIP LOCKED`` so that replicas split them. A pass over the queue takes each
+waiting owner's first jobs before its pages (``take_heads``), so that fair share holds over
+the whole queue. The scheduler (and intake's inline placement) take waiting jobs from here and
+nowhere else."""
 
 from __future__ import annotations
 
@@ -24,6 +26,35 @@ START: Cursor = (-(2**31), datetime(1970, 1, 1, tzinfo=UTC), "")
 async def take_page(conn: Any, size: int, after: Cursor) -> list[asyncpg.Record]:
     """Up to ``size`` waiting jobs after ``after``, locked, in matching order."""
     return await Store.fetch(conn, "take_pending", size, *after)
+
+
+async def waiting_owners(conn: Any, most: int) -> list[str]:
+    """The owners with a waiting job, at most ``most``."""
+    return [r["owner"] for r in await Store.fetch(conn, "waiting_owners", most)]
+
+
+async def take_heads(conn: Any, owners: list[str], per_owner: int) -> list[asyncpg.Record]:
+    """Each of ``owners``' first ``per_owner`` waiting jobs, locked, in matching order, less any
+    that a job left behind could outrank (``heads_cut``)."""
+    return heads_cut(await Store.fetch(conn, "take_heads", owners, per_owner), per_owner)
+
+
+def heads_cut(rows: Sequence[Any], per_owner: int) -> list[Any]:
+    """``rows`` (each owner's first jobs, highest priority first) without those of a priority
+    below a job left behind: an owner with ``per_owner`` rows taken may have more waiting, at
+    most at the priority of its last one taken. Matching a lower job first could take the
+    device that one needed."""
+    taken: dict[str, int] = {}
+    lowest: dict[str, int] = {}
+    for r in rows:
+        owner = r["owner"]
+        taken[owner] = taken.get(owner, 0) + 1
+        lowest[owner] = r["priority"] or 0  # rows come highest priority first
+    behind = [lowest[o] for o, n in taken.items() if n >= per_owner]
+    if not behind:
+        return list(rows)
+    floor = max(behind)
+    return [r for r in rows if (r["priority"] or 0) >= floor]
 
 
 async def take_ids(conn: Any, ids: list[str]) -> list[asyncpg.Record]:
