@@ -14,7 +14,7 @@ endif
 VENV := .venv
 STAMP := $(VENV)/.synced
 
-.PHONY: run test test-durations test-repeat test-unit lint fmt bench bench-ab sync clean faults faults-ha image wheels deploy-up deploy-down deploy-test deploy-test-clean
+.PHONY: run test test-durations test-repeat test-unit lint fmt bench bench-scale bench-ab sync clean faults faults-ha image wheels deploy-up deploy-down deploy-test deploy-test-clean
 
 $(STAMP): uv.lock pyproject.toml $(wildcard libs/*/pyproject.toml services/*/pyproject.toml)
 	$(UV_INSTALL)
@@ -87,6 +87,11 @@ fmt: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/python -m bench $(if $(FULL),--full,) $(if $(PEERS),--peers,)
+
+# A million jobs on 10,000 simulated nodes, then 900,000 waiting (bench/c1m.py): 20 minutes or
+# more, about 10 GB of disk under the temp folder. SCALE=0.01 runs a hundredth of it.
+bench-scale: $(STAMP)
+	GPULAYER_C1M_SCALE=$(or $(SCALE),1) $(VENV)/bin/python -m bench --only c1m
 
 # A change's cost: make bench-ab BASE=<commit> [ONLY=placement1k,loop] [PAIRS=3] [FULL=1]
 # (bench/ab.py; `python -m bench.ab --help` for the rest). The base is built in a worktree of its

@@ -725,6 +725,42 @@ async def output_group(run: Run) -> None:
         run.add(f)
 
 
+async def c1m_group(run: Run) -> None:
+    """A million jobs on 10,000 simulated nodes (bench/c1m.py), then, in the same run, what
+    bounds it: raw JetStream and PostgreSQL's commits on this machine, and the ratios."""
+    from bench.c1m import C1mSize, c1m, placement_env
+
+    names = [
+        ("c1m_placed_s", "s"),
+        ("c1m_running_s", "s"),
+        ("c1m_jobs_page_ms", "ms"),
+        ("c1m_explain_ms", "ms"),
+        ("c1m_other_owner_wait_ms", "ms"),
+    ]
+
+    async def work() -> None:
+        async with run.scenario("c1m", placement_env=placement_env()) as s:
+            await c1m(s, C1mSize.scaled(), run.add)
+
+    await _guard(run, names, work)
+    # The bounds, on the same machine right after: one consumer's raw JetStream rate, and
+    # PostgreSQL's transactions per grant as a naive service commits them.
+    shape = FleetShape.of(1_000)
+    jobs = encoded(job_mix("raw", 20_000, gpu_jobs_for(20_000, shape)))
+    run.add(await raw_jetstream(run.root, jobs))
+    for f in await naive_postgres(run.admin_url, 5_000, 10_000):
+        run.add(f)
+    placed, n = run.get("c1m_placed_s"), run.get("c1m_jobs")
+    raw, pg8 = run.get("jetstream_raw_publish_pull_ack"), run.get("pg_naive_tx_per_grant_8conn")
+    if placed and n and placed == placed:  # not NaN
+        rate = n / placed
+        run.add(Figure("c1m_jobs_per_s", rate, "jobs/s"))
+        if raw:
+            run.add(Figure("c1m_over_raw_jetstream", rate / raw, "x"))
+        if pg8:
+            run.add(Figure("c1m_over_pg_commits_8conn", rate / pg8, "x"))
+
+
 def judge_all(run: Run) -> None:
     """Goals and ratios, appended after the measured figures."""
     by = {f.name: f for f in run.figures}
@@ -834,10 +870,13 @@ async def amain(args: argparse.Namespace) -> list[Figure]:
             ("policy", lambda: policy_group(run)),
             ("gang", lambda: gang_group(run)),
             ("web", lambda: web_group(run)),
+            ("c1m", lambda: c1m_group(run)),
         ]
         for name, group in groups:
             if name == "peers" and not args.peers:
                 continue
+            if name == "c1m" and (only is None or "c1m" not in only):
+                continue  # 15 minutes or more: make bench-scale
             if only is None or name in only or (name == "peers" and "loop" in only):
                 t0 = time.perf_counter()
                 await group()
@@ -867,8 +906,8 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         help=(
             "comma-separated groups: probe,limits,placement1k,replicas,latency,placement10k,requests,observations,"
-            "loop,loop_container,peers,shim,output,signing,policy,gang,web,telemetry; peers needs --peers and runs "
-            "with loop"
+            "loop,loop_container,peers,shim,output,signing,policy,gang,web,telemetry,c1m; peers needs --peers and runs "
+            "with loop; c1m (a million jobs, make bench-scale) runs only when named"
         ),
     )
     p.add_argument(
