@@ -71,6 +71,8 @@ GOAL_FLOOD_RATIO = 2.0
 GOAL_SIGNING_RATIO = 0.9
 # Fleet page issue (29): the fleet page at 1,000 nodes and the jobs page at 10,000 jobs.
 GOAL_WEB_PAGE_MS = 200.0
+# Container start (issue 49): a container job's start p50 within 1.15x of `podman run --rm`'s.
+GOAL_CONTAINER_START = 1.15
 
 
 # The peer workload's size (issue 19): 5,000 jobs, as the issue measured Ray.
@@ -309,6 +311,7 @@ async def loop_container_group(run: Run) -> None:
                     make_job=containers.job_maker(image),
                     command=containers.COMMAND,
                     paced_floor=0.5,
+                    node_caps=containers.container_node,
                 )
         note = f"{fl.completed}/{fl.submitted} finished, {fl.failed} not succeeded"
         if fl.failed or fl.completed < fl.submitted:
@@ -319,6 +322,35 @@ async def loop_container_group(run: Run) -> None:
             Figure("full_loop_container_submit_to_start_p50", fl.start_p50, "ms"),
             Figure("full_loop_container_submit_to_start_p99", fl.start_p99, "ms"),
         )
+
+    await _guard(run, names, work)
+
+
+async def container_start_group(run: Run) -> None:
+    """A container job's start against ``podman run --rm`` of the same image and command
+    alone, alternating (bench/container_start.py)."""
+    from bench.container_start import container_start
+
+    names = [
+        ("container_start_p50_ms", "ms"),
+        ("container_start_p99_ms", "ms"),
+        ("podman_run_p50_ms", "ms"),
+        ("podman_run_p99_ms", "ms"),
+        ("container_start_over_podman", "x"),
+    ]
+    why = containers.missing()
+    if why is not None:
+        for name, unit in names:
+            run.add(unavailable(name, unit, why))
+        return
+
+    async def work() -> None:
+        folder = Path(tempfile.mkdtemp(prefix="cstart-", dir=run.root))
+        with containers.bench_image(folder) as image:
+            env = {"GPULAYER_EXECUTOR_DEVICE_DIR": str(containers.device_dir(folder))}
+            async with run.scenario("container_start") as s:
+                cs = await container_start(s, image, env)
+        run.add(*cs.figures())
 
     await _guard(run, names, work)
 
@@ -791,6 +823,7 @@ def judge_all(run: Run) -> None:
     goal("web_fleet_page_1k_nodes_p99", "<=", GOAL_WEB_PAGE_MS)
     goal("web_jobs_page_10k_jobs_p99", "<=", GOAL_WEB_PAGE_MS)
     goal("web_placement_requests_from_50_viewers", "<=", 0.0)
+    goal("container_start_over_podman", "<=", GOAL_CONTAINER_START, "<= 1.15 x (podman run --rm)")
     p1k = run.get("placement_1k_nodes")
     p10k = run.get("placement_10k_nodes")
     if p1k and p10k:
@@ -861,6 +894,7 @@ async def amain(args: argparse.Namespace) -> list[Figure]:
             ("placement10k", lambda: placement_group(run, sizes.large_nodes, "10k")),
             ("loop", lambda: loop_group(run)),
             ("loop_container", lambda: loop_container_group(run)),
+            ("container_start", lambda: container_start_group(run)),
             ("peers", lambda: peers_group(run)),
             ("shim", lambda: shim_group(run)),
             ("output", lambda: output_group(run)),
@@ -875,8 +909,8 @@ async def amain(args: argparse.Namespace) -> list[Figure]:
         for name, group in groups:
             if name == "peers" and not args.peers:
                 continue
-            if name == "c1m" and (only is None or "c1m" not in only):
-                continue  # 15 minutes or more: make bench-scale
+            if name in NAMED_ONLY and (only is None or name not in only):
+                continue
             if only is None or name in only or (name == "peers" and "loop" in only):
                 t0 = time.perf_counter()
                 await group()
@@ -894,6 +928,12 @@ async def amain(args: argparse.Namespace) -> list[Figure]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+# Groups run only when --only names them: container_start needs rootful podman and times
+# podman's own runs, which a whole bench run's other groups would disturb; c1m takes 15 minutes
+# or more (make bench-scale).
+NAMED_ONLY = frozenset({"container_start", "c1m"})
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     p.add_argument("--full", action="store_true", help="the full sizes (make bench FULL=1)")
@@ -906,8 +946,9 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         help=(
             "comma-separated groups: probe,limits,placement1k,replicas,latency,placement10k,requests,observations,"
-            "loop,loop_container,peers,shim,output,signing,policy,gang,web,telemetry,c1m; peers needs --peers and runs "
-            "with loop; c1m (a million jobs, make bench-scale) runs only when named"
+            "loop,loop_container,container_start,peers,shim,output,signing,policy,gang,web,telemetry,c1m; peers "
+            "needs --peers and runs with loop; container_start and c1m (a million jobs, make bench-scale) run only "
+            "when named"
         ),
     )
     p.add_argument(

@@ -11,12 +11,14 @@ import subprocess
 import tarfile
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from pathlib import Path
 
 import msgspec
 
-from bench.fleet import GPUS_PER_CUDA_NODE, cuda_job
+from bench.fleet import GPUS_PER_CUDA_NODE, cuda_job, cuda_node
 from gpulayer_contracts import JobRequest
+from gpulayer_contracts.capabilities import ContainerRuntime, WorkerCapabilities
 from gpulayer_contracts.jobs import Container
 from gpulayer_detection.containers import is_static_elf
 
@@ -61,6 +63,13 @@ def device_dir(folder: Path) -> Path:
     for i in range(GPUS_PER_CUDA_NODE):
         os.mknod(dev / f"nvidia{i}", 0o666 | 0o020000, os.makedev(1, 3))
     return dev
+
+
+def container_node(node: str, at: datetime) -> WorkerCapabilities:
+    """The bench's CUDA node with a container runtime that passed its self-test: placement
+    sends a job naming an image only to such a node."""
+    runtime = ContainerRuntime(name="podman", oci_runtime="runc", works=True)
+    return msgspec.structs.replace(cuda_node(node, at), container_runtime=runtime)
 
 
 def job_maker(image: str) -> Callable[[str, list[str]], JobRequest]:

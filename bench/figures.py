@@ -683,6 +683,7 @@ async def full_loop(
     command: Sequence[str] = ("true",),
     paced_share: float = 0.5,
     paced_floor: float = 10.0,
+    node_caps: Callable[[str, datetime], WorkerCapabilities] = cuda_node,
 ) -> FullLoop:
     """One node with 8 CUDA devices (a synthetic capabilities event in place of a probe) and
     the real executor for it (``executor_env`` added to its environment); jobs (``make_job``)
@@ -707,7 +708,7 @@ async def full_loop(
         await wait_for_consumer(s.js, "GRANTS", f"executor-{node}", executor, timeout=60)
         if s.profile_dir is not None:
             executor.profile(s.profile_dir / "executor-loop.txt")
-        await load_fleet(s, [cuda_node(node, datetime.now(UTC))], timeout=30)
+        await load_fleet(s, [node_caps(node, datetime.now(UTC))], timeout=30)
 
         # Burst: every job at once; jobs/s from first publish to the last one finished.
         jobs = encoded([make_job(f"loop-{i:06d}", list(command)) for i in range(burst)])

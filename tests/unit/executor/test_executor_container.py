@@ -24,9 +24,10 @@ from gpulayer_contracts.jobs import (
 from gpulayer_detection.cdi import parse_cdi_devices
 from gpulayer_executor import container as ctr
 from gpulayer_executor.config import ExecutorConfig
-from gpulayer_executor.container_jobs import launch_argv
+from gpulayer_executor.container_jobs import RanImages, launch_argv
 from gpulayer_executor.limits import JobLimits
-from gpulayer_executor.shim_container import explain
+from gpulayer_executor.shim import ShimSpec
+from gpulayer_executor.shim_container import explain, supervise
 from gpulayer_executor.state import Outcome
 
 INF = resource.RLIM_INFINITY
@@ -360,3 +361,143 @@ def test_the_podman_argv_of_a_wsl2_container_job(tmp_path: Path) -> None:
     assert volumes == [f"{tmp_path / 'jobs' / 'g'}:{tmp_path / 'jobs' / 'g'}:rw", f"{wsl}:{wsl}:ro"]
     assert argv[image - 4 : image] == ["--device", str(dev / "dxg"), "--volume", f"{wsl}:{wsl}:ro"]
     assert argv[image:] == ["localhost/dml:1", "python", "train.py"]
+
+
+def test_an_image_that_ran_is_known_until_podman_cannot_run_it(tmp_path: Path) -> None:
+    def of(image: str, pull: str = "missing") -> Grant:
+        job = JobRequest(
+            job_id="j",
+            command=["x"],
+            container=Container(image=image, pull=pull),  # type: ignore[arg-type]
+        )
+        return Grant(grant_id="g", job=job, node_id="n", accelerator="cpu")
+
+    ran = RanImages(limit=2)
+    ran.record(of("a"), Outcome(state="failed", reason="spawn: x"))  # no container ran
+    ran.record(of("a"), Outcome(state="failed", exit_code=-9))  # podman killed, maybe before
+    assert "a" not in ran
+    ran.record(of("a"), Outcome(state="failed", exit_code=7))  # the command's own code
+    assert "a" in ran
+    ran.record(of("a"), Outcome(state="failed", exit_code=ctr.PODMAN_FAILED))
+    assert "a" not in ran
+    for image in ("a", "b", "a", "c"):  # "a" ran again: "b" is the oldest
+        ran.record(of(image), Outcome(state="succeeded", exit_code=0))
+    assert ("a" in ran, "b" in ran, "c" in ran) == (True, False, True)
+    bare = Grant(
+        grant_id="g", job=JobRequest(job_id="j", command=["b"]), node_id="n", accelerator="cpu"
+    )
+    ran.record(bare, Outcome(state="succeeded", exit_code=0))  # no image: nothing learnt
+    assert ("a" in ran, "c" in ran) == (True, True)
+
+    config = ExecutorConfig(node_id="n", workdir=tmp_path, base_env={}, podman="/usr/bin/podman")
+    known = launch_argv(config, tmp_path, of("a"), None, tmp_path, {}, ran)[1]["container"]
+    assert known.image_known
+    assert not launch_argv(config, tmp_path, of("a"), None, tmp_path, {})[1][
+        "container"
+    ].image_known
+    always = launch_argv(config, tmp_path, of("a", "always"), None, tmp_path, {}, ran)
+    assert not always[1]["container"].image_known  # pulled each time, as asked
+
+
+# A podman that holds the image while ``present`` exists; ``pull`` makes it; each call's argv
+# is a line of ``calls``.
+FAKE_PODMAN = """#!/bin/sh
+echo "$*" >> {dir}/calls
+case "$1 $2" in
+  "image inspect") [ -e {dir}/present ] && echo {arch} && exit 0; exit 125 ;;
+  "pull "*) touch {dir}/present; exit 0 ;;
+esac
+exit 0
+"""
+
+
+class _Flags:
+    look = False
+
+
+def _box(tmp_path: Path, *, pull: str, known: bool, present: bool) -> ctr.ContainerRun:
+    podman = tmp_path / "podman"
+    podman.write_text(FAKE_PODMAN.format(dir=tmp_path, arch=ctr.host_arch()))
+    podman.chmod(0o755)
+    if present:
+        (tmp_path / "present").touch()
+    return ctr.ContainerRun(
+        podman=str(podman),
+        name="gpulayer-x",
+        image="localhost/i:1",
+        pull=pull,  # type: ignore[arg-type]
+        argv=[str(podman), "run", "localhost/i:1", "x"],
+        env={"A": "1"},
+        podman_env={"PATH": "/usr/bin:/bin"},
+        image_known=known,
+    )
+
+
+def _supervised(
+    tmp_path: Path, box: ctr.ContainerRun, codes: list[int]
+) -> tuple[Outcome, list[str], list[str]]:
+    """The shim's container steps with ``process`` answering ``codes`` in turn: the outcome,
+    podman's calls, and what each run found in the env file."""
+    run = tmp_path / "run"
+    run.mkdir()
+    spec = ShimSpec(
+        grant_id="g", job_id="j", run_dir=str(run), argv=["x"], env={}, cwd=str(tmp_path)
+    )
+    seen: list[str] = []
+
+    def process(s: ShimSpec) -> Outcome:
+        assert s.argv == box.argv
+        seen.append((run / ctr.ENV_FILE).read_text())
+        code = codes[len(seen) - 1]
+        return Outcome(state="succeeded" if code == 0 else "failed", exit_code=code)
+
+    outcome = supervise(spec, box, run, _Flags(), process)
+    assert not (run / ctr.ENV_FILE).exists()  # removed once the job is over
+    calls = (tmp_path / "calls").read_text().splitlines()
+    return outcome, [c.split(" localhost")[0].split(" gpulayer-x")[0] for c in calls], seen
+
+
+def test_a_known_image_goes_straight_to_podman_run(tmp_path: Path) -> None:
+    box = _box(tmp_path, pull="missing", known=True, present=True)
+    outcome, calls, seen = _supervised(tmp_path, box, [0])
+    assert (outcome.state, outcome.exit_code) == ("succeeded", 0)
+    assert seen == ["A=1\n"]
+    assert calls == ["rm --force --ignore --time 0"]  # no image inspect before the run
+
+
+def test_an_unknown_image_is_checked_first(tmp_path: Path) -> None:
+    box = _box(tmp_path, pull="missing", known=False, present=True)
+    outcome, calls, _ = _supervised(tmp_path, box, [0])
+    assert outcome.state == "succeeded"
+    assert calls == ["image inspect --format {{.Architecture}}", "rm --force --ignore --time 0"]
+
+
+def test_a_known_image_removed_since_is_pulled_and_the_job_run_again(tmp_path: Path) -> None:
+    box = _box(tmp_path, pull="missing", known=True, present=False)
+    outcome, calls, seen = _supervised(tmp_path, box, [ctr.PODMAN_FAILED, 0])
+    assert (outcome.state, outcome.exit_code) == ("succeeded", 0)
+    assert seen == ["A=1\n", "A=1\n"]
+    assert calls == [
+        "image inspect --format {{.Architecture}}",  # gone: no container ever ran
+        "rm --force --ignore --time 0",
+        "image inspect --format {{.Architecture}}",
+        "pull --quiet",
+        "image inspect --format {{.Architecture}}",
+        "rm --force --ignore --time 0",
+    ]
+
+
+def test_a_known_image_removed_since_with_pull_never_fails_naming_it(tmp_path: Path) -> None:
+    box = _box(tmp_path, pull="never", known=True, present=False)
+    outcome, _, seen = _supervised(tmp_path, box, [ctr.PODMAN_FAILED])
+    assert (outcome.state, outcome.reason) == ("failed", str(ctr.never_pulled("localhost/i:1")))
+    assert len(seen) == 1  # never run again
+
+
+def test_podman_failing_with_the_image_present_is_not_run_again(tmp_path: Path) -> None:
+    box = _box(tmp_path, pull="missing", known=True, present=True)
+    outcome, calls, seen = _supervised(tmp_path, box, [ctr.PODMAN_FAILED])
+    assert (outcome.state, outcome.exit_code) == ("failed", ctr.PODMAN_FAILED)
+    assert str(outcome.reason).startswith("exit code 125")
+    assert len(seen) == 1
+    assert calls[0] == "image inspect --format {{.Architecture}}"

@@ -50,8 +50,9 @@ DEFAULT_CDI_KINDS = {"cuda": "nvidia.com/gpu", "rocm": "amd.com/gpu"}
 DXG = "dxg"
 WSL_DIR = Path("/usr/lib/wsl")
 # podman's own exit codes for a container it could not run (its error is on the job's stderr).
+PODMAN_FAILED = 125
 PODMAN_CODES = {
-    125: "podman could not run the container",
+    PODMAN_FAILED: "podman could not run the container",
     126: "the command in the image could not be invoked",
     127: "the command was not found in the image",
 }
@@ -79,6 +80,11 @@ class ContainerRun(msgspec.Struct, frozen=True, kw_only=True):
     env: dict[str, str]
     podman_env: dict[str, str]
     limits: JobLimits | None = None
+    # A container of this image ran on this node before (``container_jobs.RanImages``): its
+    # presence and architecture are not checked again before ``podman run``, which is one
+    # podman process less on the way to the job's start. Should the image be gone meanwhile,
+    # the shim checks and pulls as for a first run and runs again.
+    image_known: bool = False
 
 
 def container_name(workdir: Path, grant_id: str) -> str:

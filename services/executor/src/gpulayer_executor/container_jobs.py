@@ -17,9 +17,42 @@ from gpulayer_executor.env import RunAs
 from gpulayer_executor.gang import job_argv
 from gpulayer_executor.limits import job_limits
 from gpulayer_executor.runner import MARKER
-from gpulayer_executor.state import grant_key
+from gpulayer_executor.state import Outcome, grant_key
 
 log = logging.getLogger("gpulayer_executor.service")
+
+
+# Images remembered as run (``RanImages``): a node holds a few; the oldest is forgotten first.
+RAN_IMAGES_MAX = 256
+
+
+class RanImages:
+    """The images a container of this executor ran from: present on this node and runnable on
+    it. A job of one of them skips the shim's image check (``ContainerRun.image_known``). An
+    image is forgotten when podman could not run a container of it."""
+
+    def __init__(self, limit: int = RAN_IMAGES_MAX) -> None:
+        self._ran: dict[str, None] = {}
+        self._limit = limit
+
+    def __contains__(self, image: str) -> bool:
+        return image in self._ran
+
+    def record(self, grant: Grant, outcome: Outcome) -> None:
+        """Learn from a job's outcome, for a container job: an exit code of the container's
+        (podman's own 125 aside; a negative one is podman killed, maybe before the container
+        ran) means podman found the image and ran it."""
+        code = outcome.exit_code
+        if grant.job.container is None or code is None or code < 0:
+            return
+        image = grant.job.container.image
+        if code == ctr.PODMAN_FAILED:
+            self._ran.pop(image, None)
+            return
+        self._ran.pop(image, None)
+        self._ran[image] = None
+        while len(self._ran) > self._limit:
+            del self._ran[next(iter(self._ran))]
 
 
 def launch_argv(
@@ -29,6 +62,7 @@ def launch_argv(
     run_as: RunAs | None,
     cwd: Path,
     env: dict[str, str],
+    ran: RanImages | None = None,
 ) -> tuple[list[str], dict[str, Any]]:
     """What the executor starts for ``grant`` (``gang.job_argv``) and, for a container job, the
     launch's ``container=``. Raises LaunchRefused or ContainerError (the job's reason)."""
@@ -39,7 +73,8 @@ def launch_argv(
     )
     if not in_container:
         return argv, {}
-    return argv, {"container": container_run(config, run_root, grant, run_as, cwd, env, argv)}
+    box = container_run(config, run_root, grant, run_as, cwd, env, argv, ran)
+    return argv, {"container": box}
 
 
 def container_run(
@@ -50,8 +85,10 @@ def container_run(
     cwd: Path,
     env: dict[str, str],
     argv: list[str],
+    ran: RanImages | None = None,
 ) -> ctr.ContainerRun:
-    """How the shim runs the job's container. Raises ContainerError (the job's reason)."""
+    """How the shim runs the job's container; its image not checked again where ``ran`` holds
+    it (never with pull ``always``). Raises ContainerError (the job's reason)."""
     spec = grant.job.container
     assert spec is not None
     if config.podman is None:
@@ -90,6 +127,7 @@ def container_run(
         env=ctr.container_env(env, grant.job.env, cwd),
         podman_env=ctr.podman_env(config.base_env, grant.grant_id, MARKER),
         limits=limits,
+        image_known=spec.pull != "always" and ran is not None and spec.image in ran,
     )
 
 

@@ -26,7 +26,7 @@ from gpulayer_executor import state as st
 from gpulayer_executor.cgroups import Hierarchy
 from gpulayer_executor.config import ExecutorConfig
 from gpulayer_executor.container import ContainerError
-from gpulayer_executor.container_jobs import launch_argv, remove_lost
+from gpulayer_executor.container_jobs import RanImages, launch_argv, remove_lost
 from gpulayer_executor.env import RunAs, account_env
 from gpulayer_executor.folders import clear_scratch, prepare_job_dir, scratch_dir
 from gpulayer_executor.gang import LaunchRefused
@@ -113,6 +113,7 @@ class JobRunner:
         # Where each job's cgroup is made (None: none); its limits only where it enforces.
         self._hierarchy = hierarchy
         self._devices = NvidiaNodes(config.device_dir)
+        self._ran = RanImages()
         self._slots = asyncio.Semaphore(config.max_jobs)
         self._jobs: dict[str, Job] = {}
         # Grants placement gave up (lost with their node) being stopped: their end is told to
@@ -302,6 +303,7 @@ class JobRunner:
                 limits=self._limits(grant) if not extra else None,
                 **extra,
             )
+            self._ran.record(grant, outcome)
             return _explained(outcome, sink)
         except SpawnError as err:
             log.warning("job %s: %s", grant.job.job_id, err, extra=self._ctx(job.rec))
@@ -319,7 +321,8 @@ class JobRunner:
     ) -> tuple[list[str], dict[str, Any]] | st.Outcome:
         """What to start and the launch's extra arguments; or the outcome of a job refused."""
         try:
-            return launch_argv(self._config, self._store.run_dir, job.rec.grant, run_as, cwd, env)
+            grant, ran = job.rec.grant, self._ran
+            return launch_argv(self._config, self._store.run_dir, grant, run_as, cwd, env, ran)
         except (LaunchRefused, ContainerError) as err:
             log.warning("job %s refused: %s", job.rec.job_id, err, extra=self._ctx(job.rec))
             return st.Outcome(state="failed", reason=str(err))

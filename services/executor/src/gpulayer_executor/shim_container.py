@@ -53,28 +53,52 @@ class _Look:
         return Outcome(state=request.state, reason=request.reason)
 
 
-def prepare(box: ctr.ContainerRun, run: Path, signals: Flags) -> Outcome | None:
-    """Make the image ready and write the job's env file; the job's outcome when it can't run
-    (failed, naming the image) or was stopped meanwhile, None when ``podman run`` may go."""
+def prepare(
+    box: ctr.ContainerRun, run: Path, signals: Flags, *, check: bool = True
+) -> Outcome | None:
+    """Make the image ready (unless ``check`` is False) and write the job's env file; the
+    job's outcome when it can't run (failed, naming the image) or was stopped meanwhile, None
+    when ``podman run`` may go."""
     look = _Look(signals)
     try:
-        arch = ctr.image_arch(box.podman, box.image)
-        if box.pull == "always" or (arch is None and box.pull == "missing"):
-            stopped = _pull(box, run, look)
+        if check:
+            stopped = _image_ready(box, run, look)
             if stopped is not None:
                 return stopped
-            arch = ctr.image_arch(box.podman, box.image)
-        if arch is None:
-            if box.pull == "never":
-                raise ctr.never_pulled(box.image)
-            raise ctr.ContainerError(f"image {box.image}: not on this node after its pull")
-        ctr.check_arch(box.image, arch, ctr.host_arch())
         _write_env(run / ctr.ENV_FILE, ctr.env_file_text(box.env))
     except ctr.ContainerError as err:
         return Outcome(state="failed", reason=str(err))
     except OSError as err:
         return Outcome(state="failed", reason=f"image {box.image}: podman: {err}")
     return look.request(run)
+
+
+def _image_ready(box: ctr.ContainerRun, run: Path, look: _Look) -> Outcome | None:
+    """The image present (pulled by its policy) and for this machine's architecture; raises
+    ContainerError; the outcome of a stop asked during a pull."""
+    arch = ctr.image_arch(box.podman, box.image)
+    if box.pull == "always" or (arch is None and box.pull == "missing"):
+        stopped = _pull(box, run, look)
+        if stopped is not None:
+            return stopped
+        arch = ctr.image_arch(box.podman, box.image)
+    if arch is None:
+        if box.pull == "never":
+            raise ctr.never_pulled(box.image)
+        raise ctr.ContainerError(f"image {box.image}: not on this node after its pull")
+    ctr.check_arch(box.image, arch, ctr.host_arch())
+    return None
+
+
+def _image_gone(box: ctr.ContainerRun, outcome: Outcome) -> bool:
+    """Whether ``podman run`` of an image not checked failed for want of it: podman's own
+    failure, and the image not on this node now (so no container of the job ever ran)."""
+    if not box.image_known or outcome.exit_code != ctr.PODMAN_FAILED:
+        return False
+    try:
+        return ctr.image_arch(box.podman, box.image) is None
+    except (ctr.ContainerError, OSError):
+        return False
 
 
 def supervise(
@@ -86,7 +110,7 @@ def supervise(
 ) -> Outcome:
     """The container job of ``spec``: the image made ready, then ``podman run`` supervised by
     ``process`` as a job's process is, then the container removed whatever ended it."""
-    early = prepare(box, run, signals)
+    early = prepare(box, run, signals, check=not box.image_known)
     if early is not None:
         return early
     # podman runs as the shim's user (rootful) with its own environment; the job's account,
@@ -96,6 +120,14 @@ def supervise(
     )
     try:
         outcome = process(podman)
+        if _image_gone(box, outcome):
+            # An image that ran here before, removed since: as for a first run, checked and
+            # pulled by its policy (or the job fails naming why), then run again.
+            ctr.remove(box.podman, box.name)
+            early = prepare(box, run, signals)
+            if early is not None:
+                return early
+            outcome = process(podman)
     finally:
         finish(box, run)
     return explain(outcome, box)
