@@ -58,9 +58,13 @@ async def test_reaper_takes_only_silent_nodes_offline_and_loses_their_jobs() -> 
     fleet.hold("silent", [0], "exclusive")
     fleet.last_seen["silent"] = time.monotonic() - 60
     await liveness.reap()
-    assert conn.names()[:3] == ["set_offline", "lose_node_jobs", "SELECT pg_notify($1, $2)"]
+    assert conn.names()[:3] == [
+        "set_offline",
+        "lose_node_jobs",
+        "SELECT gpulayer_notify_nodes($1, $2::text[])",
+    ]
     assert conn.calls[0][1] == (["silent"],)
-    assert conn.calls[2][1] == ("gpulayer_allocations", "replica-1|silent")
+    assert conn.calls[2][1] == ("replica-1", ["silent"])
     # Its holds come from the database again, for that node only: the fenced device stays held.
     assert conn.calls[3] == ("load_holds", (["silent"],))
     silent, beating = fleet.get("silent"), fleet.get("beating")

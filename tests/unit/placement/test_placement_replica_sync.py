@@ -73,7 +73,7 @@ async def test_notify_tags_the_change_with_this_replica() -> None:
     conn = FakeConn()
     sync, _, _ = build(conn)
     await sync.notify(conn, ["a", "b"])
-    assert conn.calls == [("SELECT pg_notify($1, $2)", (NOTIFY_CHANNEL, "me|a,b"))]
+    assert conn.calls == [("SELECT gpulayer_notify_nodes($1, $2::text[])", ("me", ["a", "b"]))]
 
 
 class SlowRead(FakeConn):

@@ -87,7 +87,7 @@ WITH s AS (
     RETURNING f.grant_id, f.node_id, f.kind, f.resource, f.amount
 )
 SELECT grant_id, node_id, kind, resource, amount,
-       (SELECT pg_notify('gpulayer_allocations', $3 || '|' || string_agg(DISTINCT node_id, ','))
+       (SELECT gpulayer_notify_nodes($3, array_agg(DISTINCT node_id))
         FROM gone HAVING count(*) > 0) AS notified
 FROM gone;
 
@@ -153,7 +153,8 @@ ORDER BY (-priority), submitted_at, job_id
 FOR UPDATE SKIP LOCKED;
 
 -- name: place_jobs
--- Notifications on 'gpulayer_allocations' carry '<replica>|<node>,<node>' (replica_sync.NOTIFY_CHANNEL).
+-- Notifications on 'gpulayer_allocations' carry '<replica>|<node>,<node>' (replica_sync.NOTIFY_CHANNEL),
+-- as many as the nodes take (gpulayer_notify_nodes, migration 0026).
 -- One statement for a batch: hold the devices and the cores, RAM, slots and GPU memory, mark
 -- the jobs placed, tell other replicas which nodes changed. The exclusion constraint (a device
 -- held twice) or the reservations trigger (a node past its capacity) fails the whole statement.
@@ -180,7 +181,7 @@ WITH held AS (
     RETURNING jobs.job_id
 )
 SELECT (SELECT count(*) FROM placed) AS placed,
-       (SELECT pg_notify('gpulayer_allocations', $10 || '|' || string_agg(DISTINCT node_id, ','))
+       (SELECT gpulayer_notify_nodes($10, array_agg(DISTINCT node_id))
         FROM (SELECT node_id FROM held UNION SELECT node_id FROM reserved) AS changed
         HAVING count(*) > 0) AS notified;
 
@@ -226,7 +227,7 @@ WITH s AS (
 )
 SELECT c.job_id, c.node_id, c.state, r.device_index, r.mode,
        c.owner, c.reason, c.lifecycle, c.has_dependents, c.exit_code, c.gang_id, c.rank,
-       (SELECT pg_notify('gpulayer_allocations', $7 || '|' || string_agg(DISTINCT node_id, ','))
+       (SELECT gpulayer_notify_nodes($7, array_agg(DISTINCT node_id))
         FROM (SELECT node_id FROM released UNION SELECT node_id FROM freed) AS gone
         HAVING count(*) > 0) AS notified
 FROM changed c LEFT JOIN released r ON r.job_id = c.job_id;

@@ -81,9 +81,7 @@ class ReplicaSync:
     async def notify(self, conn: Any, nodes: list[str]) -> None:
         """Tell the other replicas, within the caller's transaction, that ``nodes``' allocations
         changed."""
-        await conn.execute(
-            "SELECT pg_notify($1, $2)", NOTIFY_CHANNEL, f"{self.replica_id}|{','.join(nodes)}"
-        )
+        await conn.execute("SELECT gpulayer_notify_nodes($1, $2::text[])", self.replica_id, nodes)
 
     async def load_allocations(self, conn: Any, nodes: list[str] | None = None) -> None:
         """Replace the fleet's holds (devices, reservations, recorded capacities) on ``nodes``
