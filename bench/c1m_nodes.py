@@ -13,7 +13,8 @@ It is driven on stdin, one JSON object a line, and answers on stdout, one JSON o
 - ``{"op": "stats"}``: grants taken, when the first and last arrived (wall clock), runnings
   reported, grants dropped (their node vanished).
 - ``{"op": "watch", "job_id": J}``: answered at once, then a line
-  ``{"event": "grant", "job_id": J, "at": T}`` once J's grant arrives (at once if it has).
+  ``{"event": "grant", "job_id": J, "at": T, "arrived": A}`` once J's grant arrives (at once if
+  it has): T when the GRANTS stream stored it, A when this process fetched it.
 - ``{"op": "end_one"}``: one running job holding one whole GPU (not shared, not a rank) ends
   ``succeeded``; answers with its id and when its end was sent.
 - ``{"op": "vanish", "node": N}``: node N stops heartbeating and reporting, as a machine that
@@ -182,8 +183,11 @@ class Nodes:
                     self.first = now
                 self.last = now
                 if g.job.job_id in self.watched:
-                    self.granted[g.job.job_id] = now
-                    say({"event": "grant", "job_id": g.job.job_id, "at": now})
+                    # When GRANTS stored the grant, placement's publish: this loop's own fetch
+                    # (up to a second's wait for a batch) is not the grant's time.
+                    stored = msg.metadata.timestamp.timestamp()
+                    self.granted[g.job.job_id] = stored
+                    say({"event": "grant", "job_id": g.job.job_id, "at": stored, "arrived": now})
                 if g.node_id in self.vanished:
                     self.dropped += 1
                     continue

@@ -16,7 +16,7 @@ from tests.unit.placement.placement_fakes import FakeConn, FakeJetStream, fake_s
 from gpulayer_contracts.codec import job_request_decoder
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.outcome import Outcome
-from gpulayer_placement.scheduler import Scheduler
+from gpulayer_placement.scheduler import THOROUGH_MAX_PAGES, Scheduler
 from gpulayer_placement.wake import Wake
 
 
@@ -188,6 +188,24 @@ async def test_with_two_owners_waiting_a_pass_takes_each_ones_first_jobs_before_
     assert next(c for c in conn.calls if c[0] == "place_jobs")[1][0] == ["j1"]
     # The fleet's one GPU is taken: the pass stops before the pages.
     assert "take_pending" not in conn.names()
+
+
+async def test_a_thorough_pass_reads_at_most_its_pages_of_a_long_queue() -> None:
+    """A queue longer than THOROUGH_MAX_PAGES pages (here every page is full, as if it never
+    ended): the thorough pass stops there; a pass that stops early stops at the first page that
+    leaves the fleet full."""
+    conn = FakeConn()
+    conn.rows["take_pending"] = [page_row("j1"), page_row("j2")]
+    conn.rows["job_requests"] = [
+        {"job_id": j, "request": gpu_row(j)["request"]} for j in ("j1", "j2")
+    ]
+    scheduler, _, _, _ = build(conn)
+    scheduler.settings = dataclasses.replace(scheduler.settings, page_size=2)
+    await scheduler._schedule_all(early_stop=False)
+    assert conn.names().count("take_pending") == THOROUGH_MAX_PAGES
+    conn.calls.clear()
+    await scheduler._schedule_all(early_stop=True)
+    assert conn.names().count("take_pending") == 1
 
 
 class _ForgettingConn(FakeConn):

@@ -59,6 +59,11 @@ Take = Callable[[Any], Awaitable[list[asyncpg.Record]]]
 OWNERS_READ_S = 5.0
 # Each waiting owner's first jobs a pass takes before the queue's pages, at most.
 HEADS_PER_OWNER = 8
+# The pages a thorough pass reads at most (100,000 jobs at the default page size). Past them, a
+# waiting job's stored reason is refreshed once it comes nearer the head; a pass after a release
+# still goes as deep as a free device's fit takes it. Reading a queue of 900,000 jobs took
+# seconds every 30 s, and a release's pass waited behind it (c1m, issue 49).
+THOROUGH_MAX_PAGES = 100
 
 
 class Scheduler:
@@ -145,7 +150,8 @@ class Scheduler:
                 self.wake.passing = False
 
     async def _schedule_all(self, *, early_stop: bool = True) -> None:
-        """Every waiting job, oldest first, a page at a time.
+        """Every waiting job, oldest first, a page at a time (a thorough pass: the first
+        THOROUGH_MAX_PAGES pages).
 
         With ``early_stop``, paging ends once no device in the fleet is free and no waiting job
         that needs none is known: the jobs behind can't fit, and scanning them on every release
@@ -170,6 +176,7 @@ class Scheduler:
         epoch, restarted = self.wake.epoch, False
         if await self._heads(failed, skim=early_stop) and early_stop and self._full():
             return
+        pages = 0
         while not self.stop.is_set():
             take = functools.partial(waiting.take_page, size=size, after=after)
             page = await self._schedule_batch(take, failed, skim=early_stop)
@@ -178,6 +185,9 @@ class Scheduler:
             after, taken = page
             if taken < size:
                 return  # a short page was the last one: no extra round trip to learn that
+            pages += 1
+            if not early_stop and pages >= THOROUGH_MAX_PAGES:
+                return
             if early_stop and self._full():
                 return
             if early_stop and not restarted and self.wake.epoch != epoch:
