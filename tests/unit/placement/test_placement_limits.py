@@ -13,7 +13,7 @@ from gpulayer_contracts.audit import audit_decoder
 from gpulayer_contracts.profiles import Profiles
 from gpulayer_placement.audit import Auditor, audited
 from gpulayer_placement.limits import RateLimit, submit_limit
-from gpulayer_placement.submits import read_batch
+from gpulayer_placement.submits import read_batch, stored_at
 from gpulayer_runtime.roles import permissions
 
 
@@ -24,8 +24,9 @@ class Clock:
         return self.now
 
 
-def submit(owner: str, body: bytes, delivered: int = 1) -> Msg:
-    reply = f"$JS.ACK.JOBS.placement-jobs.{delivered}.1.1.1700000000000000000.0"
+def submit(owner: str, body: bytes, delivered: int = 1, stored_s: float = 1.7e9) -> Msg:
+    """A submit as the placement-jobs consumer delivers it, stored by JetStream at ``stored_s``."""
+    reply = f"$JS.ACK.JOBS.placement-jobs.{delivered}.1.1.{int(stored_s * 1e9)}.0"
     return Msg(cast(Any, None), subject=f"gpulayer.jobs.submit.{owner}", data=body, reply=reply)
 
 
@@ -71,6 +72,36 @@ def test_a_batch_over_the_limit_is_neither_stored_nor_dead_lettered() -> None:
     assert owner == "alice"
     assert why.startswith("rate limit: alice over 1 submits/s (burst 2)")
     assert not b.dead  # the one with no job id is only acked
+
+
+def test_submits_count_when_they_were_sent_not_when_placement_reads_them() -> None:
+    """Read in one batch from a backlog: alice's three sent a second apart are within 1/s
+    (burst 1); of three sent at once later, one is admitted (a second's token) and two not."""
+    limit = RateLimit("submits", 1.0, 1, clock=Clock())
+    t = 1.8e9
+    paced = [submit("alice", job(f"p{i}"), stored_s=t + i) for i in range(3)]
+    flood = [submit("alice", job(f"f{i}"), stored_s=t + 3) for i in range(3)]
+    b = read_batch([*paced, *flood], Profiles(), 1 << 20, limit=limit.check)
+    assert list(b.rows) == ["p0", "p1", "p2", "f0"]
+    assert sorted(b.limited) == ["f1", "f2"]
+    # One stored before the bucket's last counted is counted at that last time, not earlier.
+    late = read_batch(
+        [submit("alice", job("old"), stored_s=t)], Profiles(), 1 << 20, limit=limit.check
+    )
+    assert list(late.limited) == ["old"]
+
+
+def test_a_submits_stored_time_is_read_from_its_ack_subject() -> None:
+    def msg(reply: str | None) -> Msg:
+        return Msg(cast(Any, None), subject="gpulayer.jobs.submit.a", data=b"", reply=reply or "")
+
+    assert stored_at(msg("$JS.ACK.JOBS.placement-jobs.1.7.7.1700000000500000000.3")) == 1700000000.5
+    # With a domain and account hash (and a random token at the end).
+    v2 = "$JS.ACK.hub.ACCHASH.JOBS.placement-jobs.1.7.7.1700000001000000000.3.r4nd"
+    assert stored_at(msg(v2)) == 1700000001.0
+    assert stored_at(msg("_INBOX.abc")) is None
+    assert stored_at(msg(None)) is None
+    assert stored_at(msg("$JS.ACK.JOBS.c.1.7.7.notanumber.3")) is None
 
 
 def test_the_owner_is_the_subjects_not_the_payloads() -> None:

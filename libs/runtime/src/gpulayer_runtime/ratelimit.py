@@ -44,13 +44,15 @@ class Buckets:
     def __len__(self) -> int:
         return len(self._levels)
 
-    def take(self, key: str, n: float = 1.0) -> float:
+    def take(self, key: str, n: float = 1.0, at: float | None = None) -> float:
         """Take ``n`` tokens from ``key``'s bucket: 0.0 when they were there, else the seconds
-        until they will be (nothing is taken then)."""
-        now = self._clock()
+        until they will be (nothing is taken then). ``at``: when the request was made, on the
+        clock's scale (default: now); one dated before the bucket's last is counted then."""
+        now = self._clock() if at is None else at
         self._drop_idle(now)
-        held, at = self._levels.pop(key, (self.burst, now))
-        tokens = min(self.burst, held + (now - at) * self.rate)
+        held, last = self._levels.pop(key, (self.burst, now))
+        now = max(now, last)
+        tokens = min(self.burst, held + (now - last) * self.rate)
         if tokens >= n:
             tokens -= n
             wait = 0.0

@@ -35,10 +35,11 @@ class RateLimit:
         self.buckets = Buckets(rate, burst, clock=clock)
         self.exempt = exempt | {ANONYMOUS}
 
-    def check(self, identity: str) -> str | None:
+    def check(self, identity: str, at: float | None = None) -> str | None:
+        """``at``: when the request was sent, on the limit's clock (default: now)."""
         if identity in self.exempt:
             return None
-        wait = self.buckets.take(identity)
+        wait = self.buckets.take(identity, at=at)
         if not wait:
             return None
         b = self.buckets
@@ -50,8 +51,14 @@ class RateLimit:
 
 def submit_limit(rate: float, burst: int, admins: frozenset[str]) -> RateLimit:
     """Submits per owner (``GPULAYER_SUBMIT_RATE`` / ``GPULAYER_SUBMIT_BURST``). An array is
-    one submit: its size is bounded by MAX_ARRAY_BYTES and what it may hold by quotas."""
-    return RateLimit("submits", rate, burst, exempt=admins)
+    one submit: its size is bounded by MAX_ARRAY_BYTES and what it may hold by quotas.
+
+    On the wall clock: each submit is counted at the time JetStream stored it (its ``at``), so
+    the limit judges the rate the owner sent at, not the rate placement reads at. Read from a
+    backlog, a flood sent at once was admitted at placement's own pace, under any limit above
+    it (c1m, issue 49); and an owner's submits sent within the limit while placement was down
+    are not refused for arriving together when it is back."""
+    return RateLimit("submits", rate, burst, exempt=admins, clock=time.time)
 
 
 def api_limit(rate: float, burst: int, admins: frozenset[str]) -> RateLimit:

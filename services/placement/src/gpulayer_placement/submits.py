@@ -49,8 +49,9 @@ class Batch:
     limited: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
-# An owner's submit to admit: None, else why it is refused (``limits.SubmitLimit.check``).
-Limit = Callable[[str], str | None]
+# An owner's submit to admit, given when it was stored: None, else why it is refused
+# (``limits.RateLimit.check``).
+Limit = Callable[[str, float | None], str | None]
 
 
 def read_batch(
@@ -174,7 +175,7 @@ class _Reader:
         messages costs the same tokens. A redelivery was counted when it first came."""
         assert self.limit is not None
         owner = _owner(msg)
-        why = self.limit(owner)
+        why = self.limit(owner, stored_at(msg))
         if why is None or _redelivered(msg):
             return False
         job_id = best_effort_job_id(msg.data)
@@ -235,3 +236,19 @@ def stored_text(text: str) -> str:
 def _storable(body: str) -> str:
     """A rejected job's encoded body as it can be stored: jsonb refuses ``\\u0000``."""
     return stored_text(body) if "\\u0000" in body else body
+
+
+def stored_at(msg: Msg) -> float | None:
+    """When JetStream stored ``msg`` (Unix seconds), read from its ack subject alone (cheaper
+    than ``msg.metadata``): ``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ns>.<pending>``,
+    or with a domain and account hash after ``ACK`` (and a token more at the end). None for a
+    message that is not a JetStream delivery."""
+    reply = msg.reply
+    if not reply or not reply.startswith("$JS.ACK."):
+        return None
+    tokens = reply.split(".")
+    ns = tokens[7] if len(tokens) == 9 else tokens[9] if len(tokens) >= 11 else None
+    try:
+        return int(ns) / 1e9 if ns is not None else None
+    except ValueError:
+        return None
