@@ -543,6 +543,18 @@ async def depth(s: Scenario, size: C1mSize, nodes: Nodes, add: Callable[..., Non
         s.placement.check_alive()
         await asyncio.sleep(2.0)
     add(Figure("c1m_depth_stored_s", time.perf_counter() - t0, "s", note=f"{target:,} jobs"))
+    # Every submit announced and acked (placement acks a batch once its events are out): the
+    # newcomer's grant is not to queue behind the deep jobs' `accepted` events.
+    t1 = time.perf_counter()
+    while True:
+        info = await s.js.consumer_info("JOBS", "placement-jobs")
+        if not info.num_pending and not info.num_ack_pending:
+            break
+        if time.perf_counter() - t1 > 1800:
+            raise BenchError(f"placement's JOBS consumer still busy after 30 min: {info}")
+        s.placement.check_alive()
+        await asyncio.sleep(1.0)
+    print(f"# c1m: every submit acked {time.perf_counter() - t0:.0f}s after the first", flush=True)
     # Let the GPUs the deep queue could take be granted: nothing waiting may still fit.
     await asyncio.sleep(5.0)
     waiting_n = await _count(s, "SELECT count(*) FROM jobs WHERE state = 'pending'")
@@ -611,6 +623,13 @@ async def depth(s: Scenario, size: C1mSize, nodes: Nodes, add: Callable[..., Non
         )
         return
     wait_ms = (float(grant["at"]) - float(ended["at"])) * 1000
+    # Where the wait went: the grant made (after the placing commit), stored, fetched.
+    print(
+        f"# c1m: from the end's publish, the newcomer's grant made "
+        f"{(float(grant['granted_at']) - float(ended['at'])) * 1000:.0f} ms, stored "
+        f"{wait_ms:.0f} ms, fetched {(float(grant['arrived']) - float(ended['at'])) * 1000:.0f} ms",
+        flush=True,
+    )
     add(
         Figure(
             "c1m_other_owner_wait_ms",

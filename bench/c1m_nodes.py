@@ -82,6 +82,7 @@ class _Grant(msgspec.Struct):
     devices: list[int] = []
     owner: str = "anonymous"
     gang: _Gang | None = None
+    granted_at: datetime | None = None
 
 
 _grant = msgspec.json.Decoder(_Grant)
@@ -187,7 +188,15 @@ class Nodes:
                     # (up to a second's wait for a batch) is not the grant's time.
                     stored = msg.metadata.timestamp.timestamp()
                     self.granted[g.job.job_id] = stored
-                    say({"event": "grant", "job_id": g.job.job_id, "at": stored, "arrived": now})
+                    say(
+                        {
+                            "event": "grant",
+                            "job_id": g.job.job_id,
+                            "at": stored,
+                            "arrived": now,
+                            "granted_at": g.granted_at.timestamp() if g.granted_at else now,
+                        }
+                    )
                 if g.node_id in self.vanished:
                     self.dropped += 1
                     continue
