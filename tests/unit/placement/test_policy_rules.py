@@ -346,3 +346,48 @@ def test_heads_keep_no_job_below_the_priority_of_one_left_behind() -> None:
     ]
     assert [r["job_id"] for r in heads_cut(bob, per_owner=2)] == ["b1", "b2", "d1"]
     assert [r["job_id"] for r in heads_cut([bob[0], bob[2]], per_owner=1)] == ["b1"]
+
+
+def test_room_after_finds_the_fewest_ends_by_bisection_as_one_by_one_would() -> None:
+    """Against the count taken one job at a time, on random nodes of 8 GPUs running jobs of 0
+    to 2 GPUs each, for jobs of 1 to 8 GPUs."""
+    import random
+
+    from gpulayer_placement.preemption import room_after, without
+
+    rng = random.Random(49)
+    for case in range(200):
+        view = NodeView(node_id="n", capabilities=gpu_node("n", 8))
+        on_node: list[Active] = []
+        free = list(range(8))
+        for i in range(rng.randint(1, 12)):
+            k = min(rng.choice([0, 1, 2]), len(free))
+            devices = tuple(free.pop() for _ in range(k))
+            on_node.append(active(f"j{i}", "n", devices, ends_at=rng.random()))
+        held = frozenset(d for a in on_node for d in a.devices)
+        view = msgspec.structs.replace(view, exclusive=held)
+        order = sorted(on_node, key=lambda a: (a.ends_at, a.job_id))
+        want = job("big", gpus=rng.randint(1, 8))
+
+        expected = None
+        for n in range(1, len(order) + 1):  # the count taken one job at a time
+            gone = order[:n]
+            ids = {a.job_id for a in gone}
+            rest = [a for a in on_node if a.job_id not in ids]
+            if isinstance(match(want, [without(view, gone, rest, no_items)]), Placement):
+                expected = n
+                break
+        assert room_after(want, view, order, on_node, no_items) == expected, case
+
+
+def test_a_costly_reservation_is_computed_again_only_after_ten_times_its_cost() -> None:
+    policy = Policy()
+    policy.reserve("big", job("big"), [], no_items)
+    assert not policy.new_pass()  # within RESERVATION_EVERY_S
+    policy._reserved_at -= 2.0
+    assert policy.new_pass()
+    policy._reserve_s = 5.0  # the last one took 5 s: the next after 50 s
+    policy._reserved_at = time.monotonic() - 30.0
+    assert not policy.new_pass()
+    policy._reserved_at -= 21.0
+    assert policy.new_pass()

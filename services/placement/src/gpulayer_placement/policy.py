@@ -31,6 +31,8 @@ REFRESH_S = 5.0
 # How often a full pass may recompute the reservation (it scans the nodes that could run the
 # job): in between, the last one stands while its job still waits.
 RESERVATION_EVERY_S = 1.0
+# ... and at least this many times as long as the last one took to compute.
+RESERVATION_COST_SHARE = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +87,7 @@ class Policy:
         self.loaded_at = -math.inf  # monotonic time of the last load_policy
         self.reservation: Reservation | None = None
         self._reserved_at = -math.inf
+        self._reserve_s = 0.0  # how long the last reservation took to compute
         # Waiting job -> the victims its preemption is waiting on.
         self.preempting: dict[str, set[str]] = {}
         self.min_preemptible: int | None = None  # lowest priority of a preemptible active job
@@ -228,7 +231,11 @@ class Policy:
     def new_pass(self) -> bool:
         """A full pass starts. True when it may compute the reservation: the last computation
         (found or not) is older than RESERVATION_EVERY_S, or its job was placed or ended."""
-        if time.monotonic() - self._reserved_at < RESERVATION_EVERY_S:
+        # At least RESERVATION_EVERY_S, and ten times what the last computation took: scanning
+        # a fleet of 10,000 nodes running a million jobs takes seconds, and a pass that
+        # computes it holds its batch's grants until it is done.
+        every = max(RESERVATION_EVERY_S, RESERVATION_COST_SHARE * self._reserve_s)
+        if time.monotonic() - self._reserved_at < every:
             return False
         self.reservation = None
         return True
@@ -243,13 +250,23 @@ class Policy:
     ) -> None:
         """Keep for ``job`` (blocked, first in order) the node where enough devices free up
         soonest by the running jobs' timeouts (a job without one never ends)."""
-        self._reserved_at = time.monotonic()
+        t0 = self._reserved_at = time.monotonic()
+        try:
+            self._reserve(job_id, job, views, items, priority)
+        finally:
+            self._reserve_s = time.monotonic() - t0
+
+    def _reserve(
+        self, job_id: str, job: JobRequest, views: Iterable[NodeView], items: Items, priority: int
+    ) -> None:
         best: tuple[float, str] | None = None
         for view in views:
             on_node = list(self.by_node.get(view.node_id, {}).values())
             if not on_node or not view.online or not would_fit_when_idle(job, view):
                 continue
             order = sorted(on_node, key=lambda a: (a.ends_at, a.job_id))
+            if best is not None and (order[0].ends_at, view.node_id) > best:
+                continue  # room here comes no sooner than the first end: not before best's
             n = room_after(job, view, order, on_node, items)
             if n is None:
                 continue

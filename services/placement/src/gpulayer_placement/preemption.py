@@ -117,14 +117,28 @@ def room_after(
     items: Items,
 ) -> int | None:
     """How many of ``order`` (the node's jobs, in the order they would go) must end before
-    ``job`` fits on ``view``; None when even all of them are not enough."""
-    for n in range(1, len(order) + 1):
+    ``job`` fits on ``view``; None when even all of them are not enough.
+
+    A job that fits once n have ended fits once more have (each end only frees), so the count
+    is found by bisection: a match per halving, not one per job. One per job took 25 s to
+    reserve a node on a fleet of 10,000 nodes running 100 jobs each (c1m, issue 49)."""
+
+    def fits(n: int) -> bool:
         gone = order[:n]
         ids = {a.job_id for a in gone}
         rest = [a for a in on_node if a.job_id not in ids]
-        if isinstance(match(job, [without(view, gone, rest, items)]), Placement):
-            return n
-    return None
+        return isinstance(match(job, [without(view, gone, rest, items)]), Placement)
+
+    low, high = 1, len(order)
+    if high == 0 or not fits(high):
+        return None
+    while low < high:
+        mid = (low + high) // 2
+        if fits(mid):
+            high = mid
+        else:
+            low = mid + 1
+    return low
 
 
 @dataclass(frozen=True, slots=True)
