@@ -32,11 +32,13 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -600,6 +602,7 @@ async def depth(s: Scenario, size: C1mSize, nodes: Nodes, add: Callable[..., Non
     )
     for state in (None, "pending", "failed"):
         await print_plan(s, "list_jobs", state, 50, 0)
+    spy = _spy_on("c1m-depth-end.txt", s.placement.pid)
     ended = await nodes.ask({"op": "end_one"})
     if "error" in ended:
         raise BenchError(f"no job to end: {ended['error']}")
@@ -623,6 +626,9 @@ async def depth(s: Scenario, size: C1mSize, nodes: Nodes, add: Callable[..., Non
         )
         return
     wait_ms = (float(grant["at"]) - float(ended["at"])) * 1000
+    if spy is not None:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(30)
     # Where the wait went: the grant made (after the placing commit), stored, fetched.
     print(
         f"# c1m: from the end's publish, the newcomer's grant made "
@@ -639,6 +645,21 @@ async def depth(s: Scenario, size: C1mSize, nodes: Nodes, add: Callable[..., Non
             goal=f"<= {GOAL_OTHER_OWNER_WAIT_MS:g}",
             met=wait_ms <= GOAL_OTHER_OWNER_WAIT_MS,
         )
+    )
+
+
+def _spy_on(name: str, pid: int) -> subprocess.Popen[bytes] | None:
+    """With ``GPULAYER_C1M_SPY=DIR``: py-spy (when installed in this venv) on placement from
+    now until stopped, into DIR/name: what placement does between a job's end and the
+    newcomer's grant."""
+    out = os.environ.get("GPULAYER_C1M_SPY")
+    spy = Path(sys.executable).parent / "py-spy"
+    if not out or not spy.exists():
+        return None
+    return subprocess.Popen(
+        [str(spy), "record", "-p", str(pid), "-r", "200", "-f", "raw", "-o", str(Path(out) / name)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
 
 
