@@ -61,8 +61,8 @@ OWNERS_READ_S = 5.0
 HEADS_PER_OWNER = 8
 # The pages a thorough pass reads at most (100,000 jobs at the default page size). Past them, a
 # waiting job's stored reason is refreshed once it comes nearer the head; a pass after a release
-# still goes as deep as a free device's fit takes it. Reading a queue of 900,000 jobs took
-# seconds every 30 s, and a release's pass waited behind it (c1m, issue 49).
+# still goes as deep as a free device's fit takes it. A queue of 900,000 jobs is 900 pages,
+# read every 30 s, and a release's pass waits behind the pass in progress (c1m, issue 49).
 THOROUGH_MAX_PAGES = 100
 
 
