@@ -25,15 +25,13 @@ import msgspec
 from nats.aio.msg import Msg
 
 from bench.containers import BUSYBOX, container_node, job_maker
-from bench.figures import EventWatch
+from bench.figures import EventWatch, start_executor
 from bench.fleet import encoded
 from bench.harness import (
     BenchError,
     Scenario,
-    ServiceProcess,
     load_fleet,
     percentile,
-    signing_env,
     tail,
     wait_for_consumer,
 )
@@ -160,18 +158,7 @@ async def container_start(
     """One node with 8 CUDA devices and its real executor; ``warmup + samples`` container jobs
     and as many ``podman run --rm``, alternating, one at a time."""
     node = "bench-cstart"
-    executor = ServiceProcess(
-        "gpulayer_executor",
-        {
-            "GPULAYER_NATS_URL": s.nats.url,
-            "GPULAYER_NODE_ID": node,
-            "GPULAYER_EXECUTOR_WORKDIR": str(s.workdir / "executor"),
-            **signing_env(s.workdir.parent),
-            **s.creds_env("node", node),
-            **executor_env,
-        },
-        s.workdir / "executor.log",
-    ).start()
+    executor = start_executor(s, node, executor_env)
     logs = LogWatch()
     events = EventWatch()
     subs = [

@@ -672,6 +672,23 @@ class FullLoop:
     cpu_us_per_job: dict[str, float] = field(default_factory=dict)
 
 
+def start_executor(s: Scenario, node: str, env: dict[str, str] | None = None) -> ServiceProcess:
+    """The real executor for ``node`` in scenario ``s`` (``env`` added to its environment),
+    started: its own workdir and log under the scenario's, with the node's credential."""
+    return ServiceProcess(
+        "gpulayer_executor",
+        {
+            "GPULAYER_NATS_URL": s.nats.url,
+            "GPULAYER_NODE_ID": node,
+            "GPULAYER_EXECUTOR_WORKDIR": str(s.workdir / "executor"),
+            **signing_env(s.workdir.parent),
+            **s.creds_env("node", node),
+            **(env or {}),
+        },
+        s.workdir / "executor.log",
+    ).start()
+
+
 async def full_loop(
     s: Scenario,
     burst: int,
@@ -690,18 +707,7 @@ async def full_loop(
     run ``command`` with one GPU each. The paced part offers ``paced_share`` of the burst's
     rate, at least ``paced_floor`` jobs/s."""
     node = "bench-gpu8"
-    executor = ServiceProcess(
-        "gpulayer_executor",
-        {
-            "GPULAYER_NATS_URL": s.nats.url,
-            "GPULAYER_NODE_ID": node,
-            "GPULAYER_EXECUTOR_WORKDIR": str(s.workdir / "executor"),
-            **signing_env(s.workdir.parent),
-            **s.creds_env("node", node),
-            **(executor_env or {}),
-        },
-        s.workdir / "executor.log",
-    ).start()
+    executor = start_executor(s, node, executor_env)
     watch = EventWatch()
     sub = await s.nc.subscribe(JOB_WILDCARD_EVENTS, cb=watch.cb)
     try:
