@@ -16,7 +16,8 @@ from tests.unit.placement.placement_fakes import FakeConn, FakeJetStream, fake_s
 from gpulayer_contracts.codec import job_request_decoder
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.outcome import Outcome
-from gpulayer_placement.scheduler import THOROUGH_MAX_PAGES, Scheduler
+from gpulayer_placement.queue_pass import THOROUGH_MAX_PAGES
+from gpulayer_placement.scheduler import Scheduler
 from gpulayer_placement.wake import Wake
 
 

@@ -33,7 +33,7 @@ from gpulayer_contracts.validation import requested_gpu_count
 from gpulayer_matching import NodeView, NoPlacement, Placement, match
 from gpulayer_matching.gang import is_gang
 from gpulayer_matching.resources import job_millicores, reservations
-from gpulayer_placement import waiting
+from gpulayer_placement import queue_pass, waiting
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.gangs import Gangs
 from gpulayer_placement.outcome import Outcome, PlacedJob, mode
@@ -42,6 +42,7 @@ from gpulayer_placement.policy import Policy, load_policy
 from gpulayer_placement.preemption import Active
 from gpulayer_placement.publisher import Publisher
 from gpulayer_placement.queue_gate import Gate
+from gpulayer_placement.queue_pass import WaitingOwners
 from gpulayer_placement.replica_sync import ReplicaSync
 from gpulayer_placement.settings import Settings
 from gpulayer_placement.store import CONFLICTS, DB_ERRORS
@@ -52,18 +53,6 @@ from gpulayer_runtime.telemetry import DISABLED, Telemetry
 log = logging.getLogger("gpulayer_placement.service")
 
 Take = Callable[[Any], Awaitable[list[asyncpg.Record]]]
-
-# How often the owners with a waiting job are read again (``Scheduler._heads``), seconds: an
-# owner that stopped waiting is dropped then; one that starts is added as soon as a pass leaves
-# its job waiting.
-OWNERS_READ_S = 5.0
-# Each waiting owner's first jobs a pass takes before the queue's pages, at most.
-HEADS_PER_OWNER = 8
-# The pages a thorough pass reads at most (100,000 jobs at the default page size). Past them, a
-# waiting job's stored reason is refreshed once it comes nearer the head; a pass after a release
-# still goes as deep as a free device's fit takes it. A queue of 900,000 jobs is 900 pages,
-# read every 30 s, and a release's pass waits behind the pass in progress (c1m, issue 49).
-THOROUGH_MAX_PAGES = 100
 
 
 class Scheduler:
@@ -100,10 +89,7 @@ class Scheduler:
         # Lifecycle: a restarting service's last node, offered first so that it goes back there
         # when it still fits (filled by lifecycle.Lifecycle, used once).
         self.prefer: dict[str, str] = {}
-        # Owners with a waiting job: as last read (every OWNERS_READ_S), plus any seen waiting
-        # since. With two or more, a pass over the queue takes each one's first jobs first.
-        self._owners: set[str] = set()
-        self._owners_read = -math.inf
+        self.owners = WaitingOwners()  # with two or more, a pass takes their first jobs first
 
     def remember(self, jobs: Mapping[str, JobRequest], submitted: Mapping[str, float]) -> None:
         """Requests already decoded by intake, and when they entered the JOBS stream."""
@@ -150,8 +136,7 @@ class Scheduler:
                 self.wake.passing = False
 
     async def _schedule_all(self, *, early_stop: bool = True) -> None:
-        """Every waiting job, oldest first, a page at a time (a thorough pass: the first
-        THOROUGH_MAX_PAGES pages).
+        """Every waiting job, oldest first, a page at a time (``queue_pass.walk``).
 
         With ``early_stop``, paging ends once no device in the fleet is free and no waiting job
         that needs none is known: the jobs behind can't fit, and scanning them on every release
@@ -161,68 +146,22 @@ class Scheduler:
                 await load_policy(self.policy, conn)
         self._may_reserve = self.policy.new_pass()
         try:
-            await self._pages(early_stop=early_stop)
+            await queue_pass.walk(self, early_stop=early_stop)
         finally:
             self._may_reserve = False
 
-    async def _pages(self, *, early_stop: bool) -> None:
-        """Pages of waiting jobs, oldest first. When capacity grew between pages (a release),
-        ``failed`` is stale, and skipping equal jobs to the queue's end reads it for nothing:
-        an early-stop pass starts again from the head, once (at every change, it could never
-        get past the first page under steady releases)."""
-        after = waiting.START
-        failed: dict[bytes, NoPlacement] = {}
-        size = self.settings.page_size
-        epoch, restarted = self.wake.epoch, False
-        if await self._heads(failed, skim=early_stop) and early_stop and self._full():
-            return
-        pages = 0
-        while not self.stop.is_set():
-            take = functools.partial(waiting.take_page, size=size, after=after)
-            page = await self._schedule_batch(take, failed, skim=early_stop)
-            if page is None:
-                return
-            after, taken = page
-            if taken < size:
-                return  # a short page was the last one: no extra round trip to learn that
-            pages += 1
-            if not early_stop and pages >= THOROUGH_MAX_PAGES:
-                return
-            if early_stop and self._full():
-                return
-            if early_stop and not restarted and self.wake.epoch != epoch:
-                after, failed, restarted = waiting.START, {}, True
-
-    def _full(self) -> bool:
+    def full(self) -> bool:
         """Whether no waiting job can fit: no node with room, or no free device while no
         waiting job that needs none is known."""
         return not self.fleet.any_room() or (
             not self._deviceless_waiting and not self.fleet.any_free_device()
         )
 
-    async def _heads(self, failed: dict[bytes, NoPlacement], *, skim: bool) -> bool:
-        """With two or more owners waiting, a batch of each one's first jobs, least recent use
-        first (``waiting.take_heads``): the queue's pages are oldest first, and one owner's
-        long queue would otherwise keep every other owner's jobs off the first page, whatever
-        their fair share. Returns whether it took any."""
-        if time.monotonic() - self._owners_read > OWNERS_READ_S:
-            async with self.pool.acquire() as conn:
-                owners = await waiting.waiting_owners(conn, self.settings.page_size)
-            self._owners, self._owners_read = set(owners), time.monotonic()
-        if len(self._owners) < 2:
-            return False
-        policy = self.policy
-        owners = sorted(self._owners, key=lambda o: (policy.usage(o), policy.gpus_held(o), o))
-        owners = owners[: self.settings.page_size]
-        per_owner = max(1, min(HEADS_PER_OWNER, self.settings.page_size // len(owners)))
-        take = functools.partial(waiting.take_heads, owners=owners, per_owner=per_owner)
-        return await self._schedule_batch(take, failed, skim=skim) is not None
-
     async def _schedule_ids(self, ids: list[str], epoch: int) -> None:
         take = functools.partial(waiting.take_new, ids=ids, wake=self.wake, epoch=epoch)
-        await self._schedule_batch(take, {})
+        await self.schedule_batch(take, {})
 
-    async def _schedule_batch(
+    async def schedule_batch(
         self, take: Take, failed: dict[bytes, NoPlacement], *, skim: bool = False
     ) -> tuple[waiting.Cursor, int] | None:
         """Lock a batch of waiting jobs, match them, commit the outcome in one transaction, then
@@ -353,7 +292,7 @@ class Scheduler:
         """A job that stays waiting: the queue gate's word (reservation, preemption), and its
         reason written when it changed."""
         job_id = row["job_id"]
-        self._owners.add(owner)
+        self.owners.seen(owner)
         if requested_gpu_count(job) == 0:
             self._deviceless_waiting.add(job_id)
         why = self.gate.blocked(row, job, why, outcome, reserve=self._may_reserve)
