@@ -95,7 +95,8 @@ bench-scale: $(STAMP)
 
 # A change's cost: make bench-ab BASE=<commit> [ONLY=placement1k,loop] [PAIRS=3] [FULL=1]
 # (bench/ab.py; `python -m bench.ab --help` for the rest). The base is built in a worktree of its
-# own under .gpulayer/bench-ab/ and kept; then base and head run alternating, pair by pair.
+# own under .gpulayer/bench-ab/ and kept; then base and head run alternating, pair by pair, which
+# side goes first swapped every other pair (an even PAIRS cancels the machine's drift).
 bench-ab: $(STAMP)
 	$(if $(BASE),,$(error make bench-ab needs BASE=<commit>, e.g. make bench-ab BASE=8d73258 ONLY=placement1k,loop))
 	UV="$(UV)" PYTHON="$(PYTHON)" $(VENV)/bin/python -m bench.ab --base $(BASE) \

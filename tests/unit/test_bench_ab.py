@@ -55,15 +55,25 @@ placement_1k_nodes=900 jobs/s
 """
 
 
-def test_the_order_alternates_base_and_head_pair_by_pair() -> None:
+def test_the_order_alternates_and_swaps_which_side_goes_first_every_other_pair() -> None:
     assert schedule(3) == [
         (0, "base"),
         (0, "head"),
-        (1, "base"),
         (1, "head"),
+        (1, "base"),
         (2, "base"),
         (2, "head"),
     ]
+
+
+@pytest.mark.parametrize("pairs", [2, 4, 6])
+def test_an_even_count_of_pairs_cancels_a_steady_drift(pairs: int) -> None:
+    """On a machine that slows by the same step at every run, both sides' mean position in the
+    run order is the same, so neither is favoured."""
+    order = schedule(pairs)
+    at = {side: [n for n, (_, s) in enumerate(order) if s == side] for side in ("base", "head")}
+    assert len(at["base"]) == len(at["head"]) == pairs
+    assert sum(at["base"]) == sum(at["head"])
 
 
 @pytest.mark.parametrize("pairs", [0, -1])
