@@ -16,7 +16,7 @@ from tests.unit.placement.placement_fakes import FakeConn, FakeJetStream, fake_s
 from gpulayer_contracts.codec import job_request_decoder
 from gpulayer_placement.fleet import Fleet
 from gpulayer_placement.outcome import Outcome
-from gpulayer_placement.queue_pass import THOROUGH_MAX_PAGES
+from gpulayer_placement.queue_pass import RELEASE_FIRST_PAGE, THOROUGH_MAX_PAGES
 from gpulayer_placement.scheduler import Scheduler
 from gpulayer_placement.wake import Wake
 
@@ -414,3 +414,31 @@ async def test_a_pass_starts_again_only_once_so_steady_releases_never_starve_the
     await scheduler._schedule_all()
     assert conn.cursors() == ["", "", "a2", "a4"]
     assert "place_jobs" not in conn.names()
+
+
+async def test_a_pass_after_a_release_reads_a_small_first_page_then_full_ones() -> None:
+    """A release frees a device in front of a long queue: the pass locks RELEASE_FIRST_PAGE
+    rows first, not a full page. None of them fits (2 GPUs each, one free), so it goes on with
+    full pages, in order, and the 1-GPU job behind them gets the device. A thorough pass reads
+    full pages from the start."""
+    ids = [f"a{i:03d}" for i in range(RELEASE_FIRST_PAGE + 10)]
+    conn = _PagedConn([*ids, "b000"], lambda after: None)
+    scheduler, _ = fake_scheduler(gpu_node("g", 2), conn)
+    scheduler.fleet.hold("g", [0], "exclusive")
+    for j in [*ids, "b000"]:
+        request = json.loads(gpu_row(j)["request"])
+        request["requirements"]["gpu_count"] = 1 if j == "b000" else 2
+        scheduler.remember({j: job_request_decoder.decode(json.dumps(request))}, {})
+    page = scheduler.settings.page_size
+    assert page > RELEASE_FIRST_PAGE
+
+    await scheduler._schedule_all(early_stop=True)
+    sizes = [args[0] for name, args in conn.calls if name == "take_pending"]
+    assert sizes == [RELEASE_FIRST_PAGE, page]
+    assert conn.cursors() == ["", ids[RELEASE_FIRST_PAGE - 1]]
+    assert [c[1][0] for c in conn.calls if c[0] == "place_jobs"] == [["b000"]]
+
+    conn.calls.clear()
+    scheduler.fleet.release("g", [1], "exclusive")
+    await scheduler._schedule_all(early_stop=False)
+    assert [args[0] for name, args in conn.calls if name == "take_pending"] == [page]

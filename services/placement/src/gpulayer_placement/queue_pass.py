@@ -1,7 +1,7 @@
 """A pass over the waiting queue (the scheduler's full and thorough passes): each waiting
 owner's first jobs when two or more owners wait, then the queue's pages, highest priority and
-oldest first. A pass after a release stops once nothing can fit; a thorough pass reads at most
-THOROUGH_MAX_PAGES pages.
+oldest first. A pass after a release reads a small first page (RELEASE_FIRST_PAGE) and stops
+once nothing can fit; a thorough pass reads at most THOROUGH_MAX_PAGES pages.
 
 The queue's pages are oldest first, and the queue policy orders each batch by fair share: one
 owner's long queue would keep every other owner's jobs off the first page, whatever their fair
@@ -36,6 +36,12 @@ HEADS_PER_OWNER = 8
 # still goes as deep as a free device's fit takes it. A queue of 900,000 jobs is 900 pages,
 # read every 30 s, and a release's pass waits behind the pass in progress (c1m, issue 49).
 THOROUGH_MAX_PAGES = 100
+# The first page of a pass after a release, at most (later pages are full): the few devices a
+# release frees mostly go to the queue's first jobs, and a full page of 1,000 rows locked and
+# passed over for them was most of such a pass's cost (docs/performance.md, "The first page
+# after a release"). A pass whose first page fits nothing goes on to full pages, in the same
+# order: one round trip more.
+RELEASE_FIRST_PAGE = 64
 
 
 class Scheduling(Protocol):
@@ -94,9 +100,11 @@ async def walk(s: Scheduling, *, early_stop: bool) -> None:
     change, it could never get past the first page under steady releases)."""
     after = waiting.START
     failed: dict[bytes, NoPlacement] = {}
-    size = s.settings.page_size
+    page_size = s.settings.page_size
+    first = min(page_size, RELEASE_FIRST_PAGE) if early_stop else page_size
+    size = first
     epoch, restarted = s.wake.epoch, False
-    heads = await s.owners.heads(s.pool, s.policy, size)
+    heads = await s.owners.heads(s.pool, s.policy, page_size)
     if heads is not None:
         took = await s.schedule_batch(heads, failed, skim=early_stop) is not None
         if took and early_stop and s.full():
@@ -110,10 +118,11 @@ async def walk(s: Scheduling, *, early_stop: bool) -> None:
         after, taken = page
         if taken < size:
             return  # a short page was the last one: no extra round trip to learn that
+        size = page_size
         pages += 1
         if not early_stop and pages >= THOROUGH_MAX_PAGES:
             return
         if early_stop and s.full():
             return
         if early_stop and not restarted and s.wake.epoch != epoch:
-            after, failed, restarted = waiting.START, {}, True
+            after, failed, restarted, size = waiting.START, {}, True, first
