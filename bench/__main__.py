@@ -284,6 +284,29 @@ CONTAINER_BURST = 24
 CONTAINER_PACED = 12
 
 
+def _no_podman(run: Run, names: list[tuple[str, str]]) -> bool:
+    """Whether podman can't run a container here: each of ``names`` is then unavailable, why."""
+    why = containers.missing()
+    if why is None:
+        return False
+    for name, unit in names:
+        run.add(unavailable(name, unit, why))
+    return True
+
+
+@contextlib.asynccontextmanager
+async def _container_scenario(
+    run: Run, name: str
+) -> AsyncIterator[tuple[Scenario, str, dict[str, str]]]:
+    """Scenario ``name`` with the bench's busybox image built in a folder of its own: the
+    scenario, the image, and the executor's environment (its fake device folder)."""
+    folder = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=run.root))
+    with containers.bench_image(folder) as image:
+        env = {"GPULAYER_EXECUTOR_DEVICE_DIR": str(containers.device_dir(folder))}
+        async with run.scenario(name) as s:
+            yield s, image, env
+
+
 async def loop_container_group(run: Run) -> None:
     """The full loop with every job in a container (podman, a busybox image made here), beside
     the bare loop's figures: what a container start costs."""
@@ -291,28 +314,22 @@ async def loop_container_group(run: Run) -> None:
         ("full_loop_container_jobs_per_s", "jobs/s"),
         ("full_loop_container_submit_to_start_p50", "ms"),
     ]
-    why = containers.missing()
-    if why is not None:
-        for name, unit in names:
-            run.add(unavailable(name, unit, why))
+    if _no_podman(run, names):
         return
 
     async def work() -> None:
-        folder = Path(tempfile.mkdtemp(prefix="containers-", dir=run.root))
-        with containers.bench_image(folder) as image:
-            env = {"GPULAYER_EXECUTOR_DEVICE_DIR": str(containers.device_dir(folder))}
-            async with run.scenario("loop_container") as s:
-                fl = await full_loop(
-                    s,
-                    CONTAINER_BURST,
-                    CONTAINER_PACED,
-                    120.0,
-                    env,
-                    make_job=containers.job_maker(image),
-                    command=containers.COMMAND,
-                    paced_floor=0.5,
-                    node_caps=containers.container_node,
-                )
+        async with _container_scenario(run, "loop_container") as (s, image, env):
+            fl = await full_loop(
+                s,
+                CONTAINER_BURST,
+                CONTAINER_PACED,
+                120.0,
+                env,
+                make_job=containers.job_maker(image),
+                command=containers.COMMAND,
+                paced_floor=0.5,
+                node_caps=containers.container_node,
+            )
         note = f"{fl.completed}/{fl.submitted} finished, {fl.failed} not succeeded"
         if fl.failed or fl.completed < fl.submitted:
             print(f"# container loop: {note}", flush=True)
@@ -338,18 +355,12 @@ async def container_start_group(run: Run) -> None:
         ("podman_run_p99_ms", "ms"),
         ("container_start_over_podman", "x"),
     ]
-    why = containers.missing()
-    if why is not None:
-        for name, unit in names:
-            run.add(unavailable(name, unit, why))
+    if _no_podman(run, names):
         return
 
     async def work() -> None:
-        folder = Path(tempfile.mkdtemp(prefix="cstart-", dir=run.root))
-        with containers.bench_image(folder) as image:
-            env = {"GPULAYER_EXECUTOR_DEVICE_DIR": str(containers.device_dir(folder))}
-            async with run.scenario("container_start") as s:
-                cs = await container_start(s, image, env)
+        async with _container_scenario(run, "container_start") as (s, image, env):
+            cs = await container_start(s, image, env)
         run.add(*cs.figures())
 
     await _guard(run, names, work)
